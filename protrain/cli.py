@@ -1,0 +1,247 @@
+"""``protrain`` console command: plan, probe, explain, list.
+
+``protrain plan`` works without a GPU: give a model (a preset, a Hugging Face config.json or a
+few shape flags) and a machine (a named GPU with its published figures, or a hardware profile
+saved by ``protrain probe``), and it prints the plan an analytic profile gives. ``--measure``
+instead profiles the built-in GPT on this machine with the real profiler and probe.
+
+Exit status: 0 plan printed, 2 bad arguments, 3 no plan fits (the message says what would).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+
+from .config import KNOB_NAMES, ConfigError, PlannerConfig
+from .units import GiB, fmt_bytes, parse_bytes
+
+EXIT_INFEASIBLE = 3
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _pin(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or key not in KNOB_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"--pin {text!r}: write KNOB=VALUE with KNOB one of {', '.join(KNOB_NAMES)}, "
+            f"e.g. --pin n_persist=4 or --pin chunk_size=64MiB")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .profile.analytic import PRESETS
+    from .profile.machines import MACHINES
+    ap = argparse.ArgumentParser(prog="protrain", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("plan", help="plan memory for a model on a machine",
+                       description="Plan the memory of training a model on a machine and print "
+                                   "the plan. Without a GPU: an analytic profile of the shape.")
+    m = p.add_argument_group("model (one of --model, --hf-config, or the shape flags)")
+    m.add_argument("--model", help=f"preset: {', '.join(PRESETS)}; with --measure: gpt-tiny, "
+                                   f"gpt-small, gpt-1b (the built-in GPT)")
+    m.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (GPT-2 or LLaMA style)")
+    m.add_argument("--family", choices=["gpt2", "llama"], default="llama")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
+    m.add_argument("--heads", type=int)
+    m.add_argument("--kv-heads", type=int)
+    m.add_argument("--ffn-hidden", type=int)
+    m.add_argument("--vocab", type=int, default=32000)
+    m.add_argument("--seq", type=int, help="sequence length (default: the preset's, else 1024)")
+    m.add_argument("--micro-batch", type=int, default=1)
+    m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    m.add_argument("--measure", action="store_true",
+                   help="profile the built-in GPT on this machine (GPU if present, else CPU) with "
+                        "the real profiler and hardware probe, instead of an analytic estimate")
+    h = p.add_argument_group("machine")
+    h.add_argument("--gpu", default="h100-80gb", help=f"named GPU: {', '.join(MACHINES)} (default h100-80gb)")
+    h.add_argument("--hardware", metavar="PATH", help="a hardware profile saved by `protrain probe --save`")
+    h.add_argument("--host-memory", type=_size, help="host memory for offloaded states (default 128GiB "
+                                                     "for named GPUs, measured otherwise)")
+    h.add_argument("--device-memory", type=_size, help="cap the device memory the plan may use")
+    h.add_argument("--cpu-adam-rate", type=float, help="CPU Adam parameters/s (named GPUs assume 1e9)")
+    s = p.add_argument_group("search")
+    s.add_argument("--pin", type=_pin, action="append", default=[], metavar="KNOB=VALUE",
+                   help=f"fix a knob ({', '.join(KNOB_NAMES)}); repeatable")
+    s.add_argument("--margin", type=float, help="fragmentation margin (default 0.10)")
+    p.add_argument("--save", metavar="PATH", help="write the plan as JSON")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
+
+    pr = sub.add_parser("probe", help="measure this machine and print its hardware profile")
+    pr.add_argument("--save", metavar="PATH", help="also write it as JSON (for plan --hardware)")
+    pr.add_argument("--refresh", action="store_true", help="measure again even if cached")
+
+    ex = sub.add_parser("explain", help="print a saved plan")
+    ex.add_argument("plan", metavar="PLAN.json")
+
+    sub.add_parser("list", help="list model presets and named machines")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"plan": _cmd_plan, "probe": _cmd_probe, "explain": _cmd_explain,
+                "list": _cmd_list}[args.cmd](args)
+    except ConfigError as e:
+        print(f"protrain: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _config(args) -> PlannerConfig:
+    d: dict = dict(args.pin)
+    for k in KNOB_NAMES[1:]:
+        if k in d:
+            try:
+                d[k] = int(d[k])
+            except ValueError:
+                raise ConfigError(f"--pin {k}={d[k]}: must be a whole number") from None
+    if args.margin is not None:
+        d["memory_margin"] = args.margin
+    if args.device_memory:
+        d["device_memory"] = args.device_memory
+    if args.host_memory:
+        d["host_memory"] = args.host_memory
+    return PlannerConfig.from_dict(d, where="protrain")
+
+
+def _cmd_plan(args) -> int:
+    from .search import InfeasibleError, search
+    t0 = time.perf_counter()
+    config = _config(args)
+    try:
+        profile, hw = _measured(args) if args.measure else _analytic(args)
+    except ValueError as e:
+        print(f"protrain: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        plan = search(profile, hw, config)
+    except InfeasibleError as e:
+        print(f"protrain: no plan fits {profile.describe()} on {hw.name}:\n  {e}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    if args.save:
+        plan.save(args.save)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        print(plan.explain())
+        if profile.source == "analytic":
+            print("  note: analytic profile (shapes + published peaks): an estimate; the run-time "
+                  "plan uses the measured profile")
+        print(f"  planned in {time.perf_counter() - t0:.2f} s" + (f"; saved to {args.save}" if args.save else ""))
+    return 0
+
+
+def _analytic(args):
+    from .profile.analytic import PRESETS, ModelShape, analytic_profile, shape_from_hf_config
+    from .profile.hardware import HardwareProfile
+    from .profile.machines import DEFAULT_HOST_MEMORY, machine
+    dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
+    if args.hf_config:
+        shape = shape_from_hf_config(args.hf_config, seq_len=args.seq, micro_batch=args.micro_batch)
+    elif args.model:
+        if args.model not in PRESETS:
+            raise ValueError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)} "
+                             f"(or give --hf-config / --layers --hidden --heads)")
+        shape = PRESETS[args.model]
+        shape = replace(shape, micro_batch=args.micro_batch, seq_len=args.seq or shape.seq_len)
+    elif args.layers and args.hidden and args.heads:
+        shape = ModelShape(name=f"{args.family}-L{args.layers}-H{args.hidden}", family=args.family,
+                           n_layers=args.layers, hidden=args.hidden, heads=args.heads,
+                           vocab=args.vocab, seq_len=args.seq or 1024, micro_batch=args.micro_batch,
+                           kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden)
+    else:
+        raise ValueError("say which model: --model PRESET, --hf-config PATH, or --layers, --hidden "
+                         "and --heads (see `protrain list`), or --measure for the built-in GPT")
+    shape = replace(shape, dtype_bytes=dtype_bytes)
+    if args.hardware:
+        hw = HardwareProfile.load(args.hardware)
+        if args.host_memory:
+            hw = replace(hw, host_memory=args.host_memory)
+    else:
+        hw = machine(args.gpu).profile(host_memory=args.host_memory or DEFAULT_HOST_MEMORY)
+    if args.cpu_adam_rate:
+        hw = replace(hw, cpu_adam_rate=args.cpu_adam_rate)
+    if not hw.peak_flops:
+        hw = replace(hw, peak_flops=machine(args.gpu).bf16_flops)
+    return analytic_profile(shape, hw), hw
+
+
+def _measured(args):
+    import torch
+    from .models import GPT, PRESETS, synthetic_batch
+    from .profile.probe import probe_hardware
+    from .profile.tracer import profile_model
+    name = args.model or ("gpt-small" if torch.cuda.is_available() else "gpt-tiny")
+    if name not in PRESETS:
+        raise ValueError(f"--measure profiles the built-in GPT: --model one of {', '.join(PRESETS)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = PRESETS[name]
+    seq = args.seq or cfg.block_size
+    if seq > cfg.block_size:
+        raise ValueError(f"--seq {seq} exceeds {name}'s position table ({cfg.block_size})")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if device.type == "cpu" and dtype != torch.float32:
+        dtype = torch.float32  # CPU kernels in 16 bits are slow and not what a GPU run does
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device=device, dtype=dtype)
+    x, y = synthetic_batch(cfg, args.micro_batch, seq, device=device)
+    print(f"protrain: profiling {name} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
+          f"params, {dtype}, micro-batch {args.micro_batch}, seq {seq}) on {device}", flush=True)
+    profile = profile_model(model, lambda m: m(x, y), name=name, micro_batch=args.micro_batch,
+                            seq_len=seq)
+    hw = probe_hardware(device)
+    if args.cpu_adam_rate:
+        hw = replace(hw, cpu_adam_rate=args.cpu_adam_rate)
+    print(f"protrain: {hw.describe()}", flush=True)
+    return profile, hw
+
+
+def _cmd_probe(args) -> int:
+    from .profile.probe import probe_hardware
+    hw = probe_hardware(refresh=args.refresh)
+    print(hw.describe())
+    if args.save:
+        hw.save(args.save)
+        print(f"saved to {args.save}")
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    from .plan import Plan
+    try:
+        plan = Plan.load(args.plan)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"protrain: error: cannot read plan {args.plan}: {e}", file=sys.stderr)
+        return 2
+    print(plan.explain())
+    return 0
+
+
+def _cmd_list(args) -> int:
+    from .profile.analytic import PRESETS
+    from .profile.machines import MACHINES
+    print("model presets (protrain plan --model NAME):")
+    for s in PRESETS.values():
+        print(f"  {s.name:<12} {s.family:<6} {s.n_layers:>3} layers, hidden {s.hidden:>5}, "
+              f"{s.total_params() / 1e9:6.2f} B params")
+    print("named machines (protrain plan --gpu NAME):")
+    for mch in MACHINES.values():
+        print(f"  {mch.name:<15} {fmt_bytes(mch.device_memory):>10}, {mch.bf16_flops / 1e12:.0f} "
+              f"TFLOP/s bf16, PCIe {mch.pcie_bandwidth / 1e9:.0f} GB/s")
+    print(f"  (host memory defaults to {fmt_bytes(128 * GiB)}; set --host-memory)")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""User-facing planner settings: memory limits, knob pins, margins. Strictly validated.
+
+The same settings come from a DeepSpeed JSON's ``"protrain"`` section, Megatron flags or the
+``protrain plan`` command line; all of them go through ``PlannerConfig.from_dict`` so a typo
+fails the same way everywhere: with the key, the value seen and what to write instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .units import MiB, parse_bytes
+
+KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or has a value that cannot work. The message names the key."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KnobPins:
+    """Knobs the user fixes; the search fills in every knob left as None."""
+
+    chunk_size: int | None = None
+    """Chunk capacity in bytes (parameters are packed into chunks of this size)."""
+    n_persist: int | None = None
+    """Number of leading chunks that stay on the device all iteration (updated by device Adam)."""
+    n_buffer: int | None = None
+    """Number of device chunk buffers that receive the other chunks ahead of use."""
+    n_swap: int | None = None
+    """Number of blocks whose saved activations go to host memory in forward."""
+    n_checkpoint: int | None = None
+    """Number of blocks recomputed in backward instead of keeping their activations."""
+
+    def pinned(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in KNOB_NAMES if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannerConfig:
+    """How the planner may use the machine."""
+
+    device_memory: int | None = None
+    """Device bytes the plan may use. None: the measured (or named machine's) capacity."""
+    host_memory: int | None = None
+    """Host bytes the plan may use for offloaded model states and swapped activations.
+    None: what the machine has available, less ``host_reserve``."""
+    host_reserve: float = 0.10
+    """Share of the available host memory left alone for the data loader, the OS and the
+    framework when host_memory is not set."""
+    memory_margin: float = 0.10
+    """Allocator fragmentation margin: a plan fits when its predicted peak times (1 + margin)
+    fits the device memory. ProTrain's paper leaves about 10%."""
+    chunk_sizes: tuple[int, ...] = (32 * MiB, 64 * MiB, 128 * MiB, 256 * MiB)
+    """Chunk capacities the search tries (bytes). Sizes below the largest parameter are
+    skipped; if all are, the largest parameter's size (rounded up to 1 MiB) is used."""
+    pins: KnobPins = field(default_factory=KnobPins)
+    """Knobs fixed by the user."""
+    runner_ups: int = 3
+    """How many runner-up plans ``explain()`` lists."""
+
+    # ---- strict construction from user dicts -------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, where: str = "protrain") -> "PlannerConfig":
+        """Build from a user dict (a JSON section, parsed flags). ``where`` prefixes key names
+        in errors, e.g. ``protrain.device_memory``. Knob pins may be given at top level or
+        under ``pins``."""
+        data = dict(data or {})
+        allowed = {f.name for f in dataclasses.fields(cls)} | set(KNOB_NAMES)
+        for key in data:
+            if key not in allowed:
+                raise ConfigError(_unknown_key(f"{where}.{key}", key, allowed))
+        pins_data = dict(data.pop("pins", None) or {})
+        for k in KNOB_NAMES:
+            if k in data:
+                if k in pins_data:
+                    raise ConfigError(f"{where}.{k} is given twice (top level and under pins); keep one")
+                pins_data[k] = data.pop(k)
+        kwargs: dict[str, Any] = {"pins": _pins_from_dict(pins_data, f"{where}")}
+        for key in ("device_memory", "host_memory"):
+            if data.get(key) is not None:
+                kwargs[key] = _size(data[key], f"{where}.{key}", positive=True)
+        for key in ("host_reserve", "memory_margin"):
+            if key in data:
+                v = data[key]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                    raise ConfigError(f"{where}.{key} = {v!r}: must be a fraction in [0, 1), e.g. 0.1")
+                kwargs[key] = float(v)
+        if "chunk_sizes" in data:
+            v = data["chunk_sizes"]
+            if not isinstance(v, (list, tuple)) or not v:
+                raise ConfigError(f"{where}.chunk_sizes = {v!r}: must be a non-empty list of sizes, "
+                                  f"e.g. [\"32MiB\", \"64MiB\"]")
+            kwargs["chunk_sizes"] = tuple(_size(x, f"{where}.chunk_sizes", positive=True) for x in v)
+        if "runner_ups" in data:
+            v = data["runner_ups"]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{where}.runner_ups = {v!r}: must be a whole number >= 0")
+            kwargs["runner_ups"] = v
+        return cls(**kwargs)
+
+
+def _pins_from_dict(data: Mapping[str, Any], where: str) -> KnobPins:
+    for key in data:
+        if key not in KNOB_NAMES:
+            raise ConfigError(_unknown_key(f"{where}.pins.{key}", key, set(KNOB_NAMES)))
+    kwargs: dict[str, Any] = {}
+    for key, v in data.items():
+        if v is None or v == "auto":
+            continue
+        if key == "chunk_size":
+            kwargs[key] = _size(v, f"{where}.{key}", positive=True)
+        else:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number >= 0, or \"auto\" "
+                                  f"to let the search choose")
+            kwargs[key] = v
+    return KnobPins(**kwargs)
+
+
+def _size(value: Any, key: str, *, positive: bool) -> int:
+    try:
+        n = parse_bytes(value, what=key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if positive and n <= 0:
+        raise ConfigError(f"{key} = {value!r}: must be positive")
+    return n
+
+
+def _unknown_key(path: str, key: str, allowed: set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(allowed), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {path}{hint}. Valid keys: {', '.join(sorted(allowed))}"

@@ -1,0 +1,126 @@
+"""ChunkLayout: parameters packed into fixed-size chunks in execution order.
+
+ProTrain manages model states per chunk: the first ``n_persist`` chunks stay on the device, the
+others live in host memory and pass through ``n_buffer`` device buffers. Packing in order of
+first use means chunks are needed in index order in forward and in reverse order in backward,
+which is what lets one prefetch queue serve both directions.
+
+Rules (the runtime follows the same layout, ``protrain.runtime`` builds it from this value):
+- a parameter is never split: if it does not fit in the current chunk's free space, the next
+  chunk starts; chunk capacity is never below the largest parameter;
+- a shared parameter (tied embedding) lives in the chunk of its first use;
+- a chunk whose users are not a contiguous run of parts (tied head and embedding) must stay
+  persistent, since reloading it mid-iteration would split its gradient: ``min_persist``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..profile.model_profile import ModelProfile
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLayout:
+    chunk_numel: int
+    """Capacity of every chunk, in elements."""
+    chunk_bytes: int
+    """Capacity in bytes of the training dtype (what one device buffer takes)."""
+    param_chunk: tuple[int, ...]
+    """Chunk index of each parameter (same order as ModelProfile.params)."""
+    used: tuple[int, ...]
+    """Elements actually packed in each chunk."""
+    part_chunks: tuple[tuple[int, ...], ...]
+    """For each part, the chunks it uses (home and shared parameters), ascending."""
+    part_chunk_share: tuple[tuple[float, ...], ...]
+    """For each part, the share of its compute attributed to each of ``part_chunks`` (by the
+    elements it uses in that chunk); parts without parameters get one share of 1.0 on no chunk."""
+    chunk_first_part: tuple[int, ...]
+    """First part (forward order) using each chunk: its gradient is complete after this part's
+    backward."""
+    chunk_last_part: tuple[int, ...]
+    """Last part (forward order) using each chunk: its buffer is free after this part's forward."""
+    min_persist: int
+    """Fewest persistent chunks allowed (chunks with non-contiguous users must persist)."""
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.used)
+
+    @property
+    def total_numel(self) -> int:
+        return sum(self.used)
+
+    def min_buffers(self, n_persist: int) -> int:
+        """Fewest buffers that can run the non-persistent chunks: a part must be able to hold
+        every chunk index between its first and last non-persistent chunk at once."""
+        return int(self.min_buffers_table()[n_persist])
+
+    def min_buffers_table(self) -> np.ndarray:
+        """``min_buffers(n)`` for every n in 0..n_chunks."""
+        spans = [(min(c), max(c)) for c in self.part_chunks if c]
+        if not spans:
+            return np.zeros(self.n_chunks + 1, dtype=np.int64)
+        lo, hi = (np.array(x, dtype=np.int64)[:, None] for x in zip(*spans))
+        n = np.arange(self.n_chunks + 1, dtype=np.int64)[None, :]
+        width = np.where(hi >= n, hi - np.maximum(lo, n) + 1, 0)
+        return width.max(axis=0)
+
+
+def chunk_capacities(profile: ModelProfile, sizes_bytes: tuple[int, ...]) -> tuple[int, ...]:
+    """Chunk capacities (elements) to try for the given byte sizes: those that hold the largest
+    parameter; if none does, the largest parameter's size rounded up to a MiB, and twice that."""
+    w = profile.param_bytes
+    largest = profile.largest_param
+    caps = sorted({s // w for s in sizes_bytes if s // w >= largest})
+    if not caps:
+        mib = 2**20
+        base = ((largest * w + mib - 1) // mib) * mib // w
+        caps = [base, 2 * base]
+    return tuple(caps)
+
+
+def build_layout(profile: ModelProfile, chunk_numel: int) -> ChunkLayout:
+    if chunk_numel < profile.largest_param:
+        raise ValueError(f"chunk capacity {chunk_numel} elements is below the largest parameter "
+                         f"({profile.largest_param} elements); pick a larger chunk_size")
+    n_parts = len(profile.parts)
+    param_chunk: list[int] = []
+    used: list[int] = []
+    for rec in profile.params:
+        if not used or used[-1] + rec.numel > chunk_numel:
+            used.append(0)
+        param_chunk.append(len(used) - 1)
+        used[-1] += rec.numel
+
+    # Which parts use which chunk, and how many elements of it.
+    use = [dict() for _ in range(n_parts)]  # part -> {chunk: elements used}
+    users: list[set[int]] = [set() for _ in used]
+    for rec, c in zip(profile.params, param_chunk):
+        for p in rec.parts:
+            use[p][c] = use[p].get(c, 0) + rec.numel
+            users[c].add(p)
+
+    part_chunks, part_share = [], []
+    for p in range(n_parts):
+        chunks = tuple(sorted(use[p]))
+        tot = sum(use[p].values())
+        part_chunks.append(chunks)
+        part_share.append(tuple(use[p][c] / tot for c in chunks) if chunks else (1.0,))
+
+    min_persist = 0
+    for c, u in enumerate(users):
+        if u and max(u) - min(u) + 1 != len(u):
+            min_persist = c + 1
+    return ChunkLayout(
+        chunk_numel=chunk_numel,
+        chunk_bytes=chunk_numel * profile.param_bytes,
+        param_chunk=tuple(param_chunk),
+        used=tuple(used),
+        part_chunks=tuple(part_chunks),
+        part_chunk_share=tuple(part_share),
+        chunk_first_part=tuple(min(u) if u else n_parts - 1 for u in users),
+        chunk_last_part=tuple(max(u) if u else n_parts - 1 for u in users),
+        min_persist=min_persist,
+    )

@@ -1,0 +1,146 @@
+"""Memory cost model: peak device bytes and host bytes of a plan. Pure functions.
+
+Peak device memory = model states (constant all iteration: persistent chunks and pre-allocated
+buffers) + the highest point of an execution-order walk over activations. The walk starts from
+the keep-all profile and subtracts what the block modes free:
+
+    X_k = sum over blocks j < k of freed_j,  freed = {NONE: 0, CKPT: saved - in, SWAP: saved}
+
+- forward of part k:   fwd_peak_k - X_k  (+ saved_{k-1} while the previous block's swap-out
+  is still in flight; the runtime allows one block in flight);
+- backward of NONE/SWAP part k:  bwd_peak_k - X_k  (+ saved_{k-1} while the next swapped block
+  is prefetched, one block ahead);
+- backward of a CKPT part k: max(recompute bump, backward):
+      recompute = bwd_start_k - X_k - saved_k + in_k + (fwd_peak_k - fwd_start_k)
+      backward  = bwd_peak_k - X_k
+  the checkpoint-input chain is in X_k: every earlier CKPT block still holds its input.
+
+The profile's peaks come from the device allocator on CUDA, so intra-op transients (workspaces)
+and inter-op deltas (allocations outside hooked ops) are already inside fwd_peak / bwd_peak.
+A fragmentation margin is applied by the caller when checking feasibility.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..block_mode import CKPT, NONE, SWAP, BlockMode
+from ..profile.model_profile import ModelProfile
+from .layout import ChunkLayout
+
+
+# ---- model states ----------------------------------------------------------------------
+def persistent_bytes_per_element(param_bytes: int) -> int:
+    """Device bytes per element of a persistent chunk: the parameter and its gradient in the
+    training dtype, an fp32 master copy when training in 16 bits, Adam's m and v in fp32.
+    16 bytes for both bf16 and fp32 training."""
+    return 2 * param_bytes + (4 if param_bytes < 4 else 0) + 8
+
+
+def host_bytes_per_element(param_bytes: int) -> int:
+    """Pinned host bytes per element of an offloaded chunk: fp32 master, Adam m and v, and one
+    region in the training dtype that serves as both the upload source of the parameters and
+    the landing buffer of the gradients. Sharing is safe because a chunk's backward upload
+    always precedes its gradients, and CPU Adam consumes the gradient slice by slice, writing
+    the updated parameters back in its place. 14 bytes for 16-bit training; 16 for fp32."""
+    return 12 + param_bytes
+
+
+def model_state_device_bytes(layout: ChunkLayout, n_persist, n_buffer, param_bytes: int):
+    """Persistent chunks (exact size) + n_buffer buffers of one chunk capacity each. A buffer
+    holds a chunk's parameters, then its gradients in place once the chunk's backward is done
+    (the master copy is on the host, so the parameters are no longer needed)."""
+    prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
+    n_persist = np.asarray(n_persist)
+    return (prefix[n_persist] * persistent_bytes_per_element(param_bytes)
+            + np.asarray(n_buffer, dtype=np.int64) * layout.chunk_bytes)
+
+
+def model_state_host_bytes(layout: ChunkLayout, n_persist, param_bytes: int):
+    """Exact-size pinned host memory for the non-persistent chunks' states."""
+    prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
+    return (prefix[-1] - prefix[np.asarray(n_persist)]) * host_bytes_per_element(param_bytes)
+
+
+# ---- activations ----------------------------------------------------------------------
+def part_modes(profile: ModelProfile, block_modes: np.ndarray) -> np.ndarray:
+    """Expand per-block mode codes [K, n_blocks] to per-part codes [K, n_parts] (pre and post
+    are always NONE)."""
+    block_modes = np.atleast_2d(np.asarray(block_modes, dtype=np.int8))
+    out = np.zeros((block_modes.shape[0], len(profile.parts)), dtype=np.int8)
+    out[:, list(profile.block_part_indices)] = block_modes
+    return out
+
+
+def activation_walk(profile: ModelProfile, block_modes) -> tuple[np.ndarray, np.ndarray]:
+    """Highest live activation bytes for each row of per-block mode codes [K, n_blocks], and
+    the walk point where it happens (2*part for forward, 2*part+1 for backward)."""
+    m = part_modes(profile, block_modes)
+    parts = profile.parts
+    saved = np.array([p.saved_bytes for p in parts], dtype=np.int64)
+    inb = np.array([p.in_bytes for p in parts], dtype=np.int64)
+    fs = np.array([p.fwd_start for p in parts], dtype=np.int64)
+    fp = np.array([p.fwd_peak for p in parts], dtype=np.int64)
+    bs = np.array([p.bwd_start for p in parts], dtype=np.int64)
+    bp = np.array([p.bwd_peak for p in parts], dtype=np.int64)
+
+    freed = np.where(m == CKPT, saved - inb, 0) + np.where(m == SWAP, saved, 0)
+    # X_k: what earlier blocks' modes freed (exclusive prefix sum).
+    x = np.cumsum(freed, axis=1) - freed
+    # One swapped block may be in flight: its swap-out during the next part's forward, its
+    # prefetch during the next (in backward order) part's backward.
+    prev_swapped = np.zeros_like(freed)
+    prev_swapped[:, 1:] = np.where(m[:, :-1] == SWAP, saved[:-1], 0)
+
+    fwd = fp - x + prev_swapped
+    bwd_keep = bp - x
+    recompute = bs - x - saved + inb + (fp - fs)
+    bwd = np.where(m == CKPT, np.maximum(recompute, bwd_keep), bwd_keep) + prev_swapped
+    walk = np.stack([fwd, bwd], axis=2).reshape(m.shape[0], -1)
+    where = walk.argmax(axis=1)
+    return np.maximum(walk.max(axis=1), 0), where
+
+
+def swap_host_bytes(profile: ModelProfile, block_modes) -> np.ndarray:
+    """Pinned host bytes holding the swapped blocks' activations (all of them by the end of
+    forward)."""
+    m = part_modes(profile, block_modes)
+    saved = np.array([p.saved_bytes for p in profile.parts], dtype=np.int64)
+    return np.where(m == SWAP, saved, 0).sum(axis=1)
+
+
+# ---- one plan, explained ----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class MemoryPrediction:
+    peak_device_bytes: int
+    """Predicted peak of allocated device bytes (model states + activation peak)."""
+    model_state_bytes: int
+    """Persistent chunks and chunk buffers."""
+    activation_peak_bytes: int
+    """Highest live activation bytes of the walk."""
+    peak_at: str
+    """Where the peak happens, e.g. ``backward of transformer.h.47``."""
+    host_bytes: int
+    """Pinned host bytes: offloaded chunk states plus swapped activations."""
+    swap_host_bytes: int
+    """Of which swapped activations."""
+
+
+def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n_buffer: int,
+                   modes: tuple[BlockMode, ...]) -> MemoryPrediction:
+    codes = np.array([[m.code for m in modes]], dtype=np.int8)
+    act, where = activation_walk(profile, codes)
+    states = int(model_state_device_bytes(layout, n_persist, n_buffer, profile.param_bytes))
+    swap = int(swap_host_bytes(profile, codes)[0])
+    host = int(model_state_host_bytes(layout, n_persist, profile.param_bytes)) + swap
+    w = int(where[0])
+    peak_at = f"{'forward' if w % 2 == 0 else 'backward'} of {profile.parts[w // 2].name}"
+    return MemoryPrediction(
+        peak_device_bytes=states + int(act[0]), model_state_bytes=states,
+        activation_peak_bytes=int(act[0]), peak_at=peak_at, host_bytes=host, swap_host_bytes=swap)
+
+
+__all__ = ["persistent_bytes_per_element", "host_bytes_per_element", "model_state_device_bytes",
+           "model_state_host_bytes", "activation_walk", "swap_host_bytes", "MemoryPrediction",
+           "predict_memory", "NONE", "CKPT", "SWAP"]

@@ -1,0 +1,195 @@
+"""Runtime cost model: predicted iteration time of a plan. Pure, vectorized over plans.
+
+    T_iter = max(T_fwd + T_bwd + T_gpu_optim, end of the last CPU Adam step)
+
+which is ProTrain's T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim) with the CPU steps placed
+where they can start. T_fwd and T_bwd come from a small event simulation of four queues that
+run concurrently - device compute, the host-to-device copy engine, the device-to-host copy
+engine and the CPU optimizer - in the order the runtime issues work:
+
+forward, part by part (pre, blocks, post), each part's compute split over the chunks it uses:
+- a non-persistent chunk is uploaded (H2D) into a buffer as early as both the copy engine and
+  a free buffer allow: chunk c reuses the buffer of chunk c - n_buffer, free once the last part
+  using that chunk has finished; compute on a chunk waits for its upload. With enough buffers
+  this is the per-chunk max(compute, transfer) of the paper; with too few, the wait shows.
+- a SWAP block's saved activations go D2H after its forward; at most one swapped block may be
+  in flight, so part k+1 cannot start before the swap-out of part k-1 is done.
+backward, parts in reverse, chunks in reverse:
+- the last n_buffer non-persistent chunks are still in their buffers and are reused; the
+  others are uploaded again, chunk c into the buffer of chunk c + n_buffer once that chunk's
+  gradient has left the device;
+- a SWAP block's activations are prefetched (H2D) when the next part's backward starts; they
+  share the copy engine with chunk uploads, in issue order - this is how swapping competes
+  with parameter prefetch for PCIe;
+- a CKPT block first recomputes its forward (all its chunks resident), then runs backward;
+- when the first part using a chunk has finished backward, the chunk's gradient is complete:
+  non-persistent chunks go D2H, then to CPU Adam (one chunk at a time), overlapping backward;
+- persistent chunks are updated by the device's fused Adam after backward (T_gpu_optim).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..block_mode import CKPT, SWAP
+from ..profile.hardware import HardwareProfile
+from ..profile.model_profile import ModelProfile
+from .layout import ChunkLayout
+from .memory import part_modes
+
+
+@dataclass(frozen=True, slots=True)
+class TimePrediction:
+    """Seconds; every field is an array with one entry per plan simulated."""
+
+    iter_time: np.ndarray
+    fwd_time: np.ndarray
+    """End of forward (compute of the post part)."""
+    bwd_time: np.ndarray
+    """From end of forward to end of backward compute (recompute and copy waits included)."""
+    gpu_optim_time: np.ndarray
+    """Device Adam over the persistent chunks."""
+    cpu_optim_time: np.ndarray
+    """CPU Adam busy time over the offloaded chunks (mostly hidden behind backward)."""
+    cpu_optim_exposed: np.ndarray
+    """Part of the CPU optimizer not hidden: time from the end of the device's work to the end
+    of the last CPU Adam step."""
+    h2d_bytes: np.ndarray
+    d2h_bytes: np.ndarray
+
+
+def chunk_transfer_times(layout: ChunkLayout, profile: ModelProfile, hw: HardwareProfile):
+    """Per-chunk upload time, gradient offload time and CPU Adam time (seconds)."""
+    used = np.asarray(layout.used, dtype=np.float64)
+    nbytes = used * profile.param_bytes
+    return nbytes / hw.h2d_bandwidth, nbytes / hw.d2h_bandwidth, used / hw.cpu_adam_rate
+
+
+def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist,
+             n_buffer, block_modes) -> TimePrediction:
+    """Simulate K plans at once: n_persist[K], n_buffer[K], block_modes[K, n_blocks] (codes)."""
+    modes = part_modes(profile, block_modes)
+    k_plans = modes.shape[0]
+    npers = np.broadcast_to(np.asarray(n_persist, dtype=np.int64), (k_plans,))
+    nbuf = np.broadcast_to(np.asarray(n_buffer, dtype=np.int64), (k_plans,))
+    n_chunks = layout.n_chunks
+    parts = profile.parts
+    rows = np.arange(k_plans)
+    t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw)
+    saved = np.array([p.saved_bytes for p in parts], dtype=np.float64)
+    bad = (nbuf < 1) & (npers < n_chunks)
+    if bad.any():
+        raise ValueError("a plan with non-persistent chunks needs at least one buffer")
+
+    # Chunks whose last forward user / first backward user is part p.
+    last_of = [[] for _ in parts]
+    first_of = [[] for _ in parts]
+    for c in range(n_chunks):
+        last_of[layout.chunk_last_part[c]].append(c)
+        first_of[layout.chunk_first_part[c]].append(c)
+
+    zeros = np.zeros(k_plans)
+    h2d_bytes = zeros.copy()
+    d2h_bytes = zeros.copy()
+
+    # ---------------- forward ----------------
+    comp = zeros.copy()
+    h2d = zeros.copy()
+    d2h = zeros.copy()
+    ready = np.zeros((k_plans, n_chunks))          # chunk resident (upload done) at
+    released = np.full((k_plans, n_chunks), np.nan)  # buffer of chunk free at (forward)
+    swap_out_end = np.zeros((k_plans, len(parts)))
+    uploaded = 0
+    for p, part in enumerate(parts):
+        if p >= 2:
+            comp = np.maximum(comp, swap_out_end[:, p - 2])
+        for c, share in zip(layout.part_chunks[p] or (None,), layout.part_chunk_share[p]):
+            if c is not None:
+                while uploaded <= c:
+                    j = uploaded
+                    offl = j >= npers
+                    src = j - nbuf
+                    wait = np.where(offl & (src >= npers), released[rows, np.maximum(src, 0)], 0.0)
+                    end = np.maximum(h2d, wait) + t_up[j]
+                    h2d = np.where(offl, end, h2d)
+                    ready[:, j] = np.where(offl, end, 0.0)
+                    h2d_bytes += np.where(offl, layout.used[j] * profile.param_bytes, 0)
+                    uploaded += 1
+                comp = np.maximum(comp, ready[:, c])
+            comp = comp + part.fwd_time * share
+        for c in last_of[p]:
+            released[:, c] = comp
+        if part.kind == "block":
+            sw = modes[:, p] == SWAP
+            end = np.maximum(d2h, comp) + saved[p] / hw.d2h_bandwidth
+            d2h = np.where(sw, end, d2h)
+            swap_out_end[:, p] = np.where(sw, end, 0.0)
+            d2h_bytes += np.where(sw, saved[p], 0)
+    fwd_end = comp.copy()
+
+    # ---------------- backward ----------------
+    grad_out = np.full((k_plans, n_chunks), np.nan)  # gradient left the device at
+    avail = np.zeros((k_plans, n_chunks))      # chunk resident for backward at
+    swap_in_end = np.zeros((k_plans, len(parts)))
+    cpu = zeros.copy()
+    cpu_busy = zeros.copy()
+    next_chunk = n_chunks - 1                  # next chunk (descending) whose upload to issue
+    for p in range(len(parts) - 1, -1, -1):
+        part = parts[p]
+        chunks = layout.part_chunks[p]
+        # Re-uploads of the chunks this part needs first, highest index first.
+        lowest = min(chunks) if chunks else next_chunk + 1
+        while next_chunk >= lowest:
+            j = next_chunk
+            offl = j >= npers
+            reuse = j >= n_chunks - nbuf           # still in a buffer from forward
+            need = offl & ~reuse
+            src = np.minimum(j + nbuf, n_chunks - 1)
+            end = np.maximum(h2d, np.where(need, grad_out[rows, src], 0.0)) + t_up[j]
+            h2d = np.where(need, end, h2d)
+            avail[:, j] = np.where(need, end, 0.0)
+            h2d_bytes += np.where(need, layout.used[j] * profile.param_bytes, 0)
+            next_chunk -= 1
+        start = comp.copy()
+        m = modes[:, p]
+        comp = np.where(m == SWAP, np.maximum(comp, swap_in_end[:, p]), comp)
+        if chunks:
+            all_ready = avail[:, list(chunks)].max(axis=1)
+            comp = np.where(m == CKPT, np.maximum(comp, all_ready) + part.fwd_time, comp)
+            for c, share in zip(reversed(chunks), reversed(layout.part_chunk_share[p])):
+                comp = np.maximum(comp, avail[:, c]) + part.bwd_time * share
+        else:
+            comp = np.where(m == CKPT, comp + part.fwd_time, comp) + part.bwd_time
+        # Prefetch the previous block's swapped activations, issued as this part starts.
+        if p >= 1 and parts[p - 1].kind == "block":
+            sw = modes[:, p - 1] == SWAP
+            end = np.maximum(h2d, start) + saved[p - 1] / hw.h2d_bandwidth
+            h2d = np.where(sw, end, h2d)
+            swap_in_end[:, p - 1] = np.where(sw, end, 0.0)
+            h2d_bytes += np.where(sw, saved[p - 1], 0)
+        # Chunks whose gradient is now complete: offload and step on the CPU.
+        for c in sorted(first_of[p], reverse=True):
+            offl = c >= npers
+            d_end = np.maximum(d2h, comp) + t_down[c]
+            d2h = np.where(offl, d_end, d2h)
+            grad_out[:, c] = np.where(offl, d_end, comp)
+            c_end = np.maximum(cpu, d_end) + t_adam[c]
+            cpu = np.where(offl, c_end, cpu)
+            cpu_busy += np.where(offl, t_adam[c], 0.0)
+            d2h_bytes += np.where(offl, layout.used[c] * profile.param_bytes, 0)
+    bwd_end = comp
+    if np.isnan(bwd_end).any():
+        # A buffer was reused before its chunk was done with: n_buffer is below
+        # layout.min_buffers(n_persist), which callers must not ask for.
+        raise ValueError("n_buffer too small for this chunk layout (see ChunkLayout.min_buffers)")
+
+    prefix = np.concatenate([[0], np.cumsum(layout.used)])
+    gpu_optim = prefix[npers] / hw.gpu_adam_rate
+    device_end = bwd_end + gpu_optim
+    iter_time = np.maximum(device_end, cpu)
+    return TimePrediction(
+        iter_time=iter_time, fwd_time=fwd_end, bwd_time=bwd_end - fwd_end,
+        gpu_optim_time=gpu_optim, cpu_optim_time=cpu_busy,
+        cpu_optim_exposed=np.maximum(cpu - device_end, 0.0),
+        h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes)

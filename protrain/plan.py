@@ -1,0 +1,182 @@
+"""Plan: the knobs the search chose, the per-block modes they imply, and what the cost models
+predict for them. A frozen value: printed at start-up, saved to JSON, loaded back, overridden.
+The runtime executes a Plan and never re-derives a decision the Plan made."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .block_mode import BlockMode, layout_block_modes, modes_string
+from .serde import dump_json, from_jsonable, load_json, to_jsonable
+from .units import fmt_bytes, fmt_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """ProTrain's five knobs."""
+
+    chunk_size: int
+    """Chunk capacity in bytes."""
+    n_persist: int
+    """Leading chunks that stay on the device (parameters, gradients, optimizer states)."""
+    n_buffer: int
+    """Device buffers the other chunks stream through."""
+    n_swap: int
+    """Blocks whose saved activations are swapped to host memory (the first ones)."""
+    n_checkpoint: int
+    """Blocks recomputed in backward (interleaved over the non-swapped blocks)."""
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        return (self.chunk_size, self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What the cost models predict for a plan (seconds, bytes)."""
+
+    iter_time: float
+    """One training iteration (forward, backward, optimizer) of one micro-batch."""
+    fwd_time: float
+    bwd_time: float
+    gpu_optim_time: float
+    cpu_optim_time: float
+    """CPU Adam busy time (overlaps backward)."""
+    cpu_optim_exposed: float
+    """CPU Adam time not hidden behind the device's work."""
+    peak_device_bytes: int
+    """Predicted peak of allocated device memory (compare with torch.cuda.max_memory_allocated)."""
+    model_state_bytes: int
+    """Persistent chunks + chunk buffers."""
+    activation_peak_bytes: int
+    peak_at: str
+    """Where in the iteration the peak happens."""
+    host_bytes: int
+    """Pinned host memory: offloaded chunk states + swapped activations."""
+    swap_host_bytes: int
+    h2d_bytes: int
+    """Bytes copied host to device per iteration (chunk uploads, swap prefetch)."""
+    d2h_bytes: int
+    """Bytes copied device to host per iteration (gradients, swap-outs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSummary:
+    n_chunks: int
+    chunk_numel: int
+    total_numel: int
+    min_persist: int
+    """Chunks that must persist (tied parameters)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """A runner-up plan, for the explain table."""
+
+    knobs: Knobs
+    iter_time: float
+    peak_device_bytes: int
+    host_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    knobs: Knobs
+    block_modes: tuple[BlockMode, ...]
+    chunks: ChunkSummary
+    prediction: Prediction
+    model: str
+    """What was planned for (ModelProfile.describe())."""
+    machine: str
+    """The hardware profile it was planned for (HardwareProfile.describe())."""
+    device_memory: int
+    """Device budget the plan was checked against."""
+    host_memory: int
+    memory_margin: float
+    param_bytes: int
+    profile_source: str
+    """``measured`` or ``analytic``."""
+    pinned: tuple[str, ...] = ()
+    """Knobs the user fixed."""
+    alternatives: tuple[Alternative, ...] = ()
+    search_seconds: float = 0.0
+    candidates_evaluated: int = 0
+    candidates_total: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        k = self.knobs
+        n = len(self.block_modes)
+        if self.block_modes != layout_block_modes(n, k.n_swap, k.n_checkpoint):
+            raise ValueError("Plan.block_modes do not follow the layout rule for "
+                             f"n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint}")
+
+    # ---- persistence --------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return to_jsonable(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        return from_jsonable(cls, data)
+
+    def save(self, path) -> None:
+        dump_json(self, path)
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        return load_json(cls, path)
+
+    # ---- explanation ----------------------------------------------------------------------
+    def explain(self) -> str:
+        """A compact table: the knobs chosen, the framework knobs they replace, the predicted
+        time and memory, and the runner-up plans."""
+        k, p, c = self.knobs, self.prediction, self.chunks
+        n_blocks = len(self.block_modes)
+        pin = lambda name: " (pinned)" if name in self.pinned else ""  # noqa: E731
+        rows = [
+            ("chunk_size", f"{fmt_bytes(k.chunk_size)}{pin('chunk_size')}",
+             f"{c.n_chunks} chunks of {c.chunk_numel / 1e6:.1f} M elements",
+             "DS stage3_prefetch_bucket_size, reduce_bucket_size, sub_group_size"),
+            ("n_persist", f"{k.n_persist}{pin('n_persist')}",
+             f"{k.n_persist}/{c.n_chunks} chunks stay on device, updated by device Adam",
+             "DS offload_param, offload_optimizer, stage3_param_persistence_threshold"),
+            ("n_buffer", f"{k.n_buffer}{pin('n_buffer')}",
+             f"device buffers for the {c.n_chunks - k.n_persist} offloaded chunks",
+             "DS stage3_max_live_parameters, stage3_max_reuse_distance"),
+            ("n_checkpoint", f"{k.n_checkpoint}{pin('n_checkpoint')}",
+             f"{k.n_checkpoint}/{n_blocks} blocks recomputed",
+             "DS activation_checkpointing; Megatron --recompute-granularity/-method/-num-layers"),
+            ("n_swap", f"{k.n_swap}{pin('n_swap')}", f"{k.n_swap}/{n_blocks} blocks swapped to host",
+             "Megatron --cpu-offloading(-num-layers); no DeepSpeed equivalent"),
+        ]
+        w0 = max(len(r[0]) for r in rows)
+        w1 = max(len(r[1]) for r in rows)
+        w2 = max(len(r[2]) for r in rows)
+        out = [f"ProTrain plan for {self.model}",
+               f"  machine: {self.machine}",
+               f"  {'knob':<{w0}}  {'value':<{w1}}  {'meaning':<{w2}}  replaces"]
+        out += [f"  {a:<{w0}}  {b:<{w1}}  {m:<{w2}}  {r}" for a, b, m, r in rows]
+        out.append(f"  block modes (N keep, C checkpoint, S swap): {modes_string(self.block_modes)}")
+        budget = self.device_memory
+        out.append(
+            f"  predicted: iteration {fmt_seconds(p.iter_time)} (forward {fmt_seconds(p.fwd_time)}, "
+            f"backward {fmt_seconds(p.bwd_time)}, device Adam {fmt_seconds(p.gpu_optim_time)}, "
+            f"CPU Adam {fmt_seconds(p.cpu_optim_time)} with {fmt_seconds(p.cpu_optim_exposed)} exposed)")
+        out.append(
+            f"  predicted peak device memory {fmt_bytes(p.peak_device_bytes)} (model states "
+            f"{fmt_bytes(p.model_state_bytes)} + activations {fmt_bytes(p.activation_peak_bytes)}, at "
+            f"{p.peak_at}); with {self.memory_margin:.0%} margin "
+            f"{fmt_bytes(p.peak_device_bytes * (1 + self.memory_margin))} of {fmt_bytes(budget)}")
+        out.append(f"  host memory {fmt_bytes(p.host_bytes)} of {fmt_bytes(self.host_memory)} "
+                   f"(swapped activations {fmt_bytes(p.swap_host_bytes)}); per iteration H2D "
+                   f"{fmt_bytes(p.h2d_bytes)}, D2H {fmt_bytes(p.d2h_bytes)}")
+        if self.alternatives:
+            out.append("  runner-ups:  chunk      persist buffer ckpt swap  iteration   peak        host")
+            for a in self.alternatives:
+                ak = a.knobs
+                out.append(f"               {fmt_bytes(ak.chunk_size):<10} {ak.n_persist:<7} "
+                           f"{ak.n_buffer:<6} {ak.n_checkpoint:<4} {ak.n_swap:<5} "
+                           f"{fmt_seconds(a.iter_time):<11} {fmt_bytes(a.peak_device_bytes):<11} "
+                           f"{fmt_bytes(a.host_bytes)}")
+        out.append(f"  searched {self.candidates_evaluated} of {self.candidates_total} feasible "
+                   f"candidates in {fmt_seconds(self.search_seconds)} ({self.profile_source} profile)")
+        out += [f"  note: {n}" for n in self.notes]
+        return "\n".join(out)

@@ -1,0 +1,69 @@
+"""HardwareProfile: the machine figures the cost models need, measured or published.
+
+Measured by ``protrain.profile.probe.probe_hardware`` (cached on disk), or taken from a named
+machine in ``protrain.profile.machines`` for planning before a GPU is rented.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from ..serde import dump_json, from_jsonable, load_json, to_jsonable
+from ..units import fmt_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareProfile:
+    """One device (the one a rank trains on) and its host."""
+
+    name: str
+    """Device name as the driver reports it (``NVIDIA H100 80GB HBM3``) or the machine preset."""
+    source: Literal["measured", "published"]
+    """``measured`` by the probe on this machine, or ``published`` peak figures (an estimate)."""
+    device_type: str
+    """``cuda`` or ``cpu`` (on CPU the "device" is the CPU itself, for tests)."""
+    device_memory: int
+    """Bytes of device memory the framework can allocate (total less what the CUDA context and
+    other processes hold)."""
+    host_memory: int
+    """Bytes of host memory available for pinned model states and swapped activations."""
+    h2d_bandwidth: float
+    """Host-to-device copy bandwidth from pinned memory, bytes/s."""
+    d2h_bandwidth: float
+    """Device-to-host copy bandwidth into pinned memory, bytes/s."""
+    gpu_adam_rate: float
+    """Parameters per second updated by the device's fused Adam (fp32 master, m, v)."""
+    cpu_adam_rate: float
+    """Parameters per second updated by DeepSpeedCPUAdam on the host, all cores."""
+    peak_flops: float = 0.0
+    """Dense bf16 tensor FLOP/s (published), used only by the analytic profile."""
+    cpu_cores: int = 1
+    """Host cores (logical)."""
+    versions: dict[str, str] = field(default_factory=dict)
+    """Software versions the measurement was taken with (torch, cuda, deepspeed)."""
+
+    def with_limits(self, *, device_memory: int | None = None,
+                    host_memory: int | None = None) -> "HardwareProfile":
+        """The same machine with the plan's memory budgets set to the given limits."""
+        return replace(self, device_memory=device_memory or self.device_memory,
+                       host_memory=host_memory or self.host_memory)
+
+    def describe(self) -> str:
+        return (f"{self.name} ({self.source}): device {fmt_bytes(self.device_memory)}, host "
+                f"{fmt_bytes(self.host_memory)}, H2D {self.h2d_bandwidth / 1e9:.1f} GB/s, D2H "
+                f"{self.d2h_bandwidth / 1e9:.1f} GB/s, device Adam {self.gpu_adam_rate / 1e9:.2f} "
+                f"Gparam/s, CPU Adam {self.cpu_adam_rate / 1e9:.2f} Gparam/s")
+
+    def to_dict(self) -> dict:
+        return to_jsonable(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "HardwareProfile":
+        return from_jsonable(cls, data)
+
+    def save(self, path) -> None:
+        dump_json(self, path)
+
+    @classmethod
+    def load(cls, path) -> "HardwareProfile":
+        return load_json(cls, path)

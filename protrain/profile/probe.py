@@ -1,0 +1,154 @@
+"""Measure this machine -> HardwareProfile, cached on disk keyed by hardware and software.
+
+A few seconds of probes (plus a one-time build of DeepSpeedCPUAdam): device memory, pinned
+host<->device bandwidth, the device's fused Adam and DeepSpeed's CPU Adam throughput, and the
+host memory available. On a CPU-only machine the "device" is the CPU (for tests): bandwidths
+are memcpy rates and device Adam is torch's Adam on the CPU.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from .hardware import HardwareProfile
+
+PROBE_VERSION = 1
+"""Bump when the probe measures differently, so old cache entries are not reused."""
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PROTRAIN_CACHE", Path.home() / ".cache" / "protrain"))
+
+
+def _versions() -> dict[str, str]:
+    v = {"torch": torch.__version__, "probe": str(PROBE_VERSION)}
+    if torch.version.cuda:
+        v["cuda"] = torch.version.cuda
+    try:
+        import deepspeed
+        v["deepspeed"] = deepspeed.__version__
+    except Exception:  # noqa: BLE001 - deepspeed is optional for the probe
+        pass
+    return v
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _host_memory() -> tuple[int, int]:
+    """(total, available) host bytes."""
+    try:
+        import psutil
+        vm = psutil.virtual_memory()
+        return int(vm.total), int(vm.available)
+    except ImportError:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total // 2
+
+
+def cache_key(device: torch.device) -> str:
+    total, _ = _host_memory()
+    ident = {"cpu": _cpu_model(), "cores": os.cpu_count(), "host": total // 2**30,
+             "versions": _versions(), "device": device.type}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        ident.update(gpu=props.name, gpu_mem=props.total_memory, cc=f"{props.major}.{props.minor}")
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def probe_hardware(device: torch.device | str | None = None, *, cache_dir: str | Path | None = None,
+                   refresh: bool = False, size_mib: int = 256, adam_params: int = 2**24,
+                   progress: bool = True) -> HardwareProfile:
+    """Measure (or load from the cache) the profile of ``device`` (default: the current CUDA
+    device, else the CPU). ``size_mib`` and ``adam_params`` size the probes."""
+    device = torch.device(device) if device is not None else \
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = cache / f"hardware-{cache_key(device)}-{size_mib}-{adam_params}.json"
+    if path.exists() and not refresh:
+        try:
+            return HardwareProfile.load(path)
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            pass  # a stale or damaged entry: measure again
+    say = (lambda msg: print(f"protrain: probe: {msg}", flush=True)) if progress else (lambda msg: None)
+    total_host, avail_host = _host_memory()
+    nbytes = size_mib * 2**20
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        name = torch.cuda.get_device_name(device)
+        device_memory = int(free + torch.cuda.memory_allocated(device)) - 512 * 2**20
+    else:
+        name, device_memory = f"cpu ({_cpu_model()})", avail_host
+    say(f"copy bandwidth ({size_mib} MiB, pinned)")
+    h2d, d2h = _copy_bandwidth(device, nbytes)
+    say(f"device Adam ({adam_params / 1e6:.0f} M params)")
+    gpu_adam = _device_adam_rate(device, adam_params)
+    say(f"CPU Adam ({adam_params / 1e6:.0f} M params; DeepSpeedCPUAdam builds once, ~1 min)")
+    cpu_adam = _cpu_adam_rate(adam_params)
+    hw = HardwareProfile(
+        name=name, source="measured", device_type=device.type, device_memory=device_memory,
+        host_memory=avail_host, h2d_bandwidth=h2d, d2h_bandwidth=d2h, gpu_adam_rate=gpu_adam,
+        cpu_adam_rate=cpu_adam, cpu_cores=os.cpu_count() or 1, versions=_versions())
+    try:
+        hw.save(path)
+    except OSError:
+        pass  # a read-only home is no reason to fail; the next run measures again
+    return hw
+
+
+def _best_time(fn, reps: int, sync) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _sync(device: torch.device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _copy_bandwidth(device: torch.device, nbytes: int) -> tuple[float, float]:
+    sync = _sync(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    t_h2d = _best_time(lambda: dev.copy_(host, non_blocking=True), 3, sync)
+    t_d2h = _best_time(lambda: host.copy_(dev, non_blocking=True), 3, sync)
+    return nbytes / t_h2d, nbytes / t_d2h
+
+
+def _device_adam_rate(device: torch.device, n: int) -> float:
+    p = torch.nn.Parameter(torch.zeros(n, device=device))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=device.type == "cuda", foreach=None)
+    t = _best_time(opt.step, 3, _sync(device))
+    return n / t
+
+
+def _cpu_adam_rate(n: int) -> float:
+    p = torch.nn.Parameter(torch.zeros(n))
+    p.grad = torch.full_like(p, 1e-3)
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        opt = DeepSpeedCPUAdam([p], lr=1e-3)
+    except Exception:  # noqa: BLE001 - no compiler / no deepspeed: torch's Adam is the fallback
+        opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+    t = _best_time(opt.step, 3, lambda: None)
+    return n / t

@@ -1,0 +1,482 @@
+"""profile_model: one traced training iteration of the user's real model -> ModelProfile.
+
+Passes (forward + backward each, no optimizer step; weights are never changed):
+1. warm-up: lazy initialisation, kernel autotuning, allocator warm-up;
+2. plain: an un-hooked iteration, timed, to rescale the hooked timings (skipped when the
+   parameters are streamed, since the model cannot run without the hooks then);
+3. timing: block boundaries marked (CUDA events on GPU, perf_counter on CPU) to get per-part
+   forward and backward times;
+4. memory: every aten op goes through a dispatch mode (``meter.OpRecorder``) that reports
+   the live bytes around it; saved-tensor hooks count what autograd keeps per part.
+
+Parts are cut at the block boundaries: forward pre/post hooks on each block, and gradient
+hooks on each block's input and output tensors for backward. RNG state is restored before
+every pass and at the end, so profiling changes neither the weights nor the random stream
+the training run sees.
+
+A model whose parameters do not fit on the device is profiled by *streaming*: each block's
+parameters are copied in just before the block runs (forward and backward) and dropped
+right after; saved references to parameters are replaced by placeholders so the copies are
+really freed.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .blocks import find_blocks
+from .meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
+from .model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
+
+StepFn = Callable[[nn.Module], torch.Tensor]
+
+
+@dataclass
+class _PartStats:
+    fwd_time: float = 0.0
+    bwd_time: float = 0.0
+    in_bytes: int = 0
+    saved_bytes: int = 0
+    fwd_start: int = 0
+    fwd_peak: int = 0
+    bwd_start: int = 0
+    bwd_peak: int = 0
+
+
+class _ParamStreamer:
+    """Keeps block parameters in host memory and brings one block's parameters to the device
+    at a time. On CPU (tests) the "device copy" is a fresh clone, so the same paths run."""
+
+    def __init__(self, blocks: Sequence[nn.Module], device: torch.device, meter_exclude):
+        self.device = device
+        self.block_params = [[p for p in b.parameters()] for b in blocks]
+        self.home: dict[nn.Parameter, torch.Tensor] = {}
+        pin = device.type == "cuda"
+        for params in self.block_params:
+            for p in params:
+                if p not in self.home:
+                    host = p.data.detach().to("cpu")
+                    self.home[p] = host.pin_memory() if pin else host.clone()
+                    p.data = self.home[p]
+        self.loaded: set[int] = set()
+        self.max_loaded = 0
+        self.meter_exclude = meter_exclude
+        self.load_seconds = 0.0
+
+    def _bytes(self, i: int) -> int:
+        return sum(p.numel() * p.element_size() for p in self.block_params[i])
+
+    def load(self, i: int) -> None:
+        if i in self.loaded:
+            return
+        for p in self.block_params[i]:
+            p.data = self.home[p].to(self.device, copy=True)
+        self.loaded.add(i)
+        self.max_loaded = max(self.max_loaded, len(self.loaded))
+        self.meter_exclude(self._bytes(i))
+
+    def unload(self, i: int) -> None:
+        if i not in self.loaded:
+            return
+        for p in self.block_params[i]:
+            p.data = self.home[p]
+        self.loaded.discard(i)
+        self.meter_exclude(-self._bytes(i))
+
+    def restore(self, original: dict[nn.Parameter, torch.device]) -> None:
+        for i in list(self.loaded):
+            self.unload(i)
+        for p, dev in original.items():
+            if p in self.home:
+                p.data = self.home[p].to(dev)
+
+
+class _Clock:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def elapsed(self, a, b) -> float:
+        if self.cuda:
+            return a.elapsed_time(b) / 1e3
+        return b - a
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def profile_model(model: nn.Module, step: StepFn, *, blocks: Sequence[nn.Module] | None = None,
+                  device: torch.device | str | None = None, stream_params: bool | None = None,
+                  name: str | None = None, micro_batch: int | None = None,
+                  seq_len: int | None = None, progress: bool = True) -> ModelProfile:
+    """Profile one training iteration of ``model``.
+
+    ``step(model)`` must run the forward pass on a fixed batch and return the scalar loss; the
+    profiler calls ``backward`` itself. ``blocks`` defaults to the repeated children of the
+    model's layer list. ``device`` defaults to the device of the model's parameters; if the
+    parameters are elsewhere (a model too big for the device, kept on the host), or
+    ``stream_params`` is set, block parameters are streamed through the device one block at
+    a time.
+    """
+    if blocks is None:
+        _, blocks = find_blocks(model)
+    blocks = list(blocks)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no trainable parameters to profile")
+    device = torch.device(device) if device is not None else params[0].device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if stream_params is None:
+        stream_params = any(p.device != device for p in params)
+    tracer = _Tracer(model, step, blocks, params, device, stream_params, progress)
+    try:
+        return tracer.run(name=name or type(model).__name__, micro_batch=micro_batch, seq_len=seq_len)
+    finally:
+        tracer.restore()
+
+
+class _Tracer:
+    def __init__(self, model, step, blocks, params, device, stream, progress):
+        self.model, self.step, self.blocks, self.params = model, step, blocks, params
+        self.device, self.stream, self.progress = device, stream, progress
+        self.n_parts = len(blocks) + 2
+        self.param_index = {p: i for i, p in enumerate(params)}
+        self.original_devices = {p: p.device for p in params}
+        self.clock = _Clock(device)
+        self.rng = _RngState(device)
+        self.streamer: _ParamStreamer | None = None
+        self.registry: StorageRegistry | None = None
+        self.meter = None
+        self.bar = None
+        self.state = ("fwd", 0)          # (phase, part) the iteration is in
+        self.param_of_ptr: dict[int, int] = {}
+        self.block_of_param: dict[nn.Parameter, int] = {}
+        for i, b in enumerate(blocks):
+            for p in b.parameters():
+                self.block_of_param.setdefault(p, i)
+        if stream:
+            # Non-block parameters (embeddings, head) stay on the device while profiling.
+            for p in params:
+                if p not in self.block_of_param and p.device != device:
+                    p.data = p.data.to(device)
+            self.streamer = _ParamStreamer(blocks, device, self._exclude)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def restore(self) -> None:
+        if self.streamer is not None:
+            self.streamer.restore(self.original_devices)
+        for p, dev in self.original_devices.items():
+            if p.device != dev:
+                p.data = p.data.to(dev)
+            p.grad = None
+        self.rng.restore()
+
+    def _exclude(self, nbytes: int) -> None:
+        if self.meter is not None:
+            self.meter.exclude(nbytes)
+
+    def run(self, *, name, micro_batch, seq_len) -> ModelProfile:
+        from tqdm.auto import tqdm
+        n_passes = 3 if self.stream else 4
+        self.bar = tqdm(total=n_passes * 2 * len(self.blocks), desc="protrain: profiling",
+                        unit="block", disable=not self.progress, leave=False)
+        stats = [_PartStats() for _ in range(self.n_parts)]
+        try:
+            self.bar.set_postfix_str("warm-up")
+            self._pass(hooks=self.stream)
+            plain_time = None
+            if not self.stream:
+                self.bar.set_postfix_str("plain")
+                self.clock.sync()
+                t0 = time.perf_counter()
+                self._pass(hooks=False)
+                self.clock.sync()
+                plain_time = time.perf_counter() - t0
+            self.bar.set_postfix_str("timing")
+            marks = self._pass(hooks=True, timing=True, stats=stats)
+            self._times_from_marks(marks, stats)
+            self.bar.set_postfix_str("memory")
+            ops, order, uses = self._memory_pass(stats)
+        finally:
+            self.bar.close()
+        hooked = sum(s.fwd_time + s.bwd_time for s in stats)
+        slowdown = hooked / plain_time if plain_time and hooked > 0 else 1.0
+        records = self._param_records(order, uses)
+        names = self._block_names()
+        parts = []
+        for k, s in enumerate(stats):
+            kind = "pre" if k == 0 else "post" if k == self.n_parts - 1 else "block"
+            parts.append(PartProfile(
+                name={"pre": "<pre>", "post": "<post>"}.get(kind) or names[k - 1], kind=kind,
+                param_numel=sum(r.numel for r in records if r.parts[0] == k),
+                fwd_time=s.fwd_time / slowdown, bwd_time=s.bwd_time / slowdown,
+                in_bytes=s.in_bytes, saved_bytes=s.saved_bytes, fwd_start=s.fwd_start,
+                fwd_peak=max(s.fwd_peak, s.fwd_start), bwd_start=s.bwd_start,
+                bwd_peak=max(s.bwd_peak, s.bwd_start)))
+        return ModelProfile(
+            name=name, source="measured", device=str(self.device),
+            param_bytes=self.params[0].element_size(), params=tuple(records), parts=tuple(parts),
+            micro_batch=micro_batch, seq_len=seq_len, hooked_slowdown=slowdown, ops=tuple(ops))
+
+    def _block_names(self) -> list[str]:
+        names = {m: n for n, m in self.model.named_modules()}
+        return [names.get(b, f"block{i}") for i, b in enumerate(self.blocks)]
+
+    # ---- one iteration with the requested instrumentation ------------------------------
+    def _pass(self, *, hooks: bool, timing: bool = False, stats=None, on_boundary=None):
+        """Run forward + backward. Returns the timing marks [(phase, part, clock mark)]."""
+        self.rng.restore()
+        marks: list[tuple[str, int, object]] = []
+
+        def boundary(phase: str, part: int, load: int | None = None, unload: int | None = None):
+            # Stream first, then mark, so copies are not timed as compute.
+            if self.streamer is not None:
+                if self.registry is not None:
+                    self.registry.paused = True
+                if unload is not None:
+                    self.streamer.unload(unload)
+                if load is not None:
+                    self.streamer.load(load)
+                if self.registry is not None:
+                    self.registry.paused = False
+                self._refresh_param_ptrs()
+            if (phase, part) == self.state and phase == "bwd":
+                return  # the same boundary seen from both sides (block i-1 out = block i in)
+            self.state = (phase, part)
+            if timing:
+                marks.append((phase, part, self.clock.mark()))
+            if on_boundary is not None:
+                on_boundary(phase, part)
+            if 0 < part < self.n_parts - 1:
+                self.bar.update(1)
+
+        self.state = ("fwd", -1)
+        with ExitStack() as stack:
+            if hooks:
+                stack.enter_context(self._block_hooks(boundary, stats))
+            if self.streamer is not None or on_boundary is not None:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                    *self._saved_hooks(stats if on_boundary is not None else None)))
+            stack.enter_context(self._drop_grads())
+            if hooks:
+                boundary("fwd", 0)
+            loss = self.step(self.model)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError("profile_model: step(model) must return the scalar loss tensor, "
+                                f"got {type(loss).__name__}")
+            if hooks:
+                boundary("bwd", self.n_parts - 1)
+            loss.backward()
+            del loss
+            if hooks:
+                if timing:
+                    marks.append(("end", -1, self.clock.mark()))
+                self.state = ("end", -1)
+        self.clock.sync()
+        return marks
+
+    def _times_from_marks(self, marks, stats) -> None:
+        self.clock.sync()
+        for (phase, part, a), (_, _, b) in zip(marks, marks[1:]):
+            dt = self.clock.elapsed(a, b)
+            if phase == "fwd":
+                stats[part].fwd_time += dt
+            elif phase == "bwd":
+                stats[part].bwd_time += dt
+
+    def _memory_pass(self, stats):
+        if self.streamer is not None:
+            for i in list(self.streamer.loaded):
+                self.streamer.unload(i)
+        self.registry = StorageRegistry(self.device.type)
+        self.meter = (AllocatorMeter(self.device) if self.device.type == "cuda"
+                      else StorageMeter(self.registry))
+        ops: list[OpRecord] = []
+        prev_after = [0]
+        order: list[int] = []
+        uses: dict[int, list[int]] = {}
+
+        def on_boundary(phase, part):
+            live = self.meter.live()
+            s = stats[part]
+            if phase == "fwd":
+                s.fwd_start, s.fwd_peak = live, max(s.fwd_peak, live)
+            else:
+                s.bwd_start, s.bwd_peak = live, max(s.bwd_peak, live)
+
+        def on_op(name, before, peak, after):
+            phase, part = self.state
+            if phase == "fwd":
+                stats[part].fwd_peak = max(stats[part].fwd_peak, peak)
+            elif phase == "bwd":
+                stats[part].bwd_peak = max(stats[part].bwd_peak, peak)
+            else:
+                return
+            if self.device.type == "cuda":
+                ops.append(OpRecord(name=name, part=part, phase=phase, live_before=before,
+                                    intra_peak=peak - before, inter_delta=before - prev_after[0]))
+            prev_after[0] = after
+
+        def on_param_use(idx):
+            phase, part = self.state
+            if phase != "fwd":
+                return
+            lst = uses.get(idx)
+            if lst is None:
+                order.append(idx)
+                uses[idx] = [part]
+            elif lst[-1] != part:
+                lst.append(part)
+
+        self._refresh_param_ptrs()
+        recorder = OpRecorder(self.registry, self.meter, on_op, self.param_of_ptr, on_param_use)
+        try:
+            with recorder:
+                self._pass(hooks=True, stats=stats, on_boundary=on_boundary)
+        finally:
+            self.registry = None
+            self.meter = None
+        return ops, order, uses
+
+    def _refresh_param_ptrs(self) -> None:
+        self.param_of_ptr.clear()
+        for p, i in self.param_index.items():
+            if p.device == self.device:
+                self.param_of_ptr[p.untyped_storage().data_ptr()] = i
+
+    # ---- hooks -------------------------------------------------------------------------
+    @contextmanager
+    def _block_hooks(self, boundary, stats):
+        """Part boundaries: forward pre/post hooks on each block; in backward, the gradient
+        of a block's output arriving (its backward starts) and of its input arriving (its
+        backward is done)."""
+        handles = []
+
+        def pre_hook(i):
+            def hook(module, args, kwargs):
+                boundary("fwd", i + 1, load=i)
+                x = _first_tensor(args, kwargs)
+                if x is not None:
+                    if stats is not None:
+                        stats[i + 1].in_bytes = storage_bytes(x)
+                    if x.requires_grad:
+                        x.register_hook(lambda g: boundary("bwd", i, load=i - 1 if i else None,
+                                                           unload=i))
+            return hook
+
+        def post_hook(i):
+            def hook(module, args, kwargs, out):
+                y = _first_tensor(out if isinstance(out, (tuple, list)) else (out,), {})
+                if y is not None and stats is not None and i == len(self.blocks) - 1:
+                    stats[i + 2].in_bytes = storage_bytes(y)
+                boundary("fwd", i + 2, unload=i)
+                if y is not None and y.requires_grad:
+                    y.register_hook(lambda g: boundary("bwd", i + 1, load=i))
+            return hook
+
+        try:
+            for i, b in enumerate(self.blocks):
+                handles.append(b.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+                handles.append(b.register_forward_hook(post_hook(i), with_kwargs=True))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _saved_hooks(self, stats):
+        """One pack/unpack pair (saved-tensor hooks do not nest) that
+        - counts, per part, the distinct storages autograd saves in forward that this
+          iteration allocated (parameters and pre-existing tensors such as the batch are not
+          activations), when ``stats`` is given;
+        - replaces saved references to streamed parameters by placeholders, so dropping a
+          block's device copy really frees it; unpacking takes the copy loaded for backward."""
+        counted: set[int] = set()
+        streamer = self.streamer
+
+        def pack(t):
+            ptr = storage_ptr(t)
+            idx = self.param_of_ptr.get(ptr) if t.device == self.device else None
+            if stats is not None and idx is None and self.state[0] == "fwd" and ptr not in counted \
+                    and self.registry is not None and self.registry.contains(t):
+                counted.add(ptr)
+                stats[self.state[1]].saved_bytes += storage_bytes(t)
+            if streamer is not None and idx is not None and self.params[idx] in streamer.home:
+                return ("protrain-param", self.params[idx], t.size(), t.stride(), t.storage_offset())
+            return t
+
+        def unpack(obj):
+            if isinstance(obj, tuple) and obj[0] == "protrain-param":
+                _, p, size, stride, offset = obj
+                return p.data.as_strided(size, stride, offset)
+            return obj
+
+        return pack, unpack
+
+    @contextmanager
+    def _drop_grads(self):
+        """Parameter gradients are model states (modelled from the chunk layout), not
+        activations: drop each as soon as it is accumulated, as the runtime does when it moves
+        it into its chunk."""
+        handles = [p.register_post_accumulate_grad_hook(_clear_grad) for p in self.params]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    # ---- results -----------------------------------------------------------------------
+    def _param_records(self, order: list[int], uses: dict[int, list[int]]) -> list[ParamRecord]:
+        names = {p: n for n, p in self.model.named_parameters()}
+        post = self.n_parts - 1
+        seen = set(order)
+        records = []
+        for i in order + [i for i in range(len(self.params)) if i not in seen]:
+            p = self.params[i]
+            parts = tuple(uses.get(i) or ())
+            if not parts:  # never used in forward: keep it with its block, else the tail
+                b = self.block_of_param.get(p)
+                parts = (b + 1,) if b is not None else (post,)
+            records.append(ParamRecord(name=names.get(p, f"param{i}"), numel=p.numel(), parts=parts))
+        return records
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+def _clear_grad(p: torch.Tensor) -> None:
+    p.grad = None
+
+
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a
+    return None
+
+
+class _RngState:
+    def __init__(self, device: torch.device):
+        self.cpu = torch.random.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.random.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)

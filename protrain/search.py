@@ -1,0 +1,379 @@
+"""Search: the fastest plan that fits the device and host budgets.
+
+Exhaustive over chunk size, n_persist, n_checkpoint and n_swap; exact over n_buffer through a
+property of the runtime model (more buffers never delay anything), so each point takes the
+most buffers that still fit, and only ties are re-checked with fewer. Points are evaluated in
+order of a lower bound on their iteration time (compute alone, each copy queue alone, the CPU
+optimizer alone) and the search stops when no remaining bound can beat the best time found:
+the answer equals a brute-force search over all five knobs (tests check it), in a fraction of
+its time. Among equally fast plans the one with the lower peak wins.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .block_mode import layout_block_modes
+from .config import PlannerConfig
+from .cost.layout import ChunkLayout, build_layout, chunk_capacities
+from .cost.memory import (activation_walk, host_bytes_per_element, persistent_bytes_per_element,
+                          predict_memory, swap_host_bytes)
+from .cost.runtime import chunk_transfer_times, simulate
+from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
+from .profile.hardware import HardwareProfile
+from .profile.model_profile import ModelProfile
+from .units import fmt_bytes
+
+_BATCH = 2048
+
+
+class InfeasibleError(RuntimeError):
+    """No plan fits. The message says what would fit and what to change."""
+
+    def __init__(self, message: str, *, device_needed: int | None = None,
+                 host_needed: int | None = None, micro_batch_fit: int | None = None):
+        super().__init__(message)
+        self.device_needed = device_needed
+        self.host_needed = host_needed
+        self.micro_batch_fit = micro_batch_fit
+
+
+def plan_key(iter_time: float, peak: int, knobs: tuple) -> tuple:
+    """Order of preference between plans: faster, then smaller peak, then smaller knobs."""
+    return (iter_time, peak, knobs)
+
+
+@dataclass
+class _ActivationConfigs:
+    """Every (n_checkpoint, n_swap) the search may use, with what depends only on them."""
+
+    n_ckpt: np.ndarray
+    n_swap: np.ndarray
+    codes: np.ndarray          # [A, n_blocks] mode codes
+    act_peak: np.ndarray       # [A] bytes
+    swap_host: np.ndarray      # [A] bytes
+    recompute: np.ndarray      # [A] seconds of recompute in backward
+
+
+def _activation_configs(profile: ModelProfile, config: PlannerConfig) -> _ActivationConfigs:
+    n = profile.n_blocks
+    pins = config.pins
+    ckpts = [pins.n_checkpoint] if pins.n_checkpoint is not None else range(n + 1)
+    pairs = []
+    for nc in ckpts:
+        swaps = [pins.n_swap] if pins.n_swap is not None else range(n - nc + 1)
+        pairs += [(nc, ns) for ns in swaps if nc + ns <= n]
+    if not pairs:
+        raise InfeasibleError(
+            f"pinned n_checkpoint={pins.n_checkpoint} and n_swap={pins.n_swap} add up to more than "
+            f"the model's {n} blocks; lower them or leave one on auto")
+    codes = np.array([[m.code for m in layout_block_modes(n, ns, nc)] for nc, ns in pairs],
+                     dtype=np.int8).reshape(len(pairs), n)
+    act_peak, _ = activation_walk(profile, codes)
+    fwd = np.array([b.fwd_time for b in profile.blocks])
+    return _ActivationConfigs(
+        n_ckpt=np.array([p[0] for p in pairs]), n_swap=np.array([p[1] for p in pairs]),
+        codes=codes, act_peak=act_peak, swap_host=swap_host_bytes(profile, codes),
+        recompute=(codes == 1).astype(np.float64) @ fwd if n else np.zeros(len(pairs)))
+
+
+@dataclass
+class _Grid:
+    """Feasible (activation config, n_persist) points of one chunk size, with derived n_buffer."""
+
+    layout: ChunkLayout
+    a: np.ndarray
+    n_persist: np.ndarray
+    n_buffer: np.ndarray
+    n_buffer_min: np.ndarray
+    peak: np.ndarray
+    host: np.ndarray
+    lower_bound: np.ndarray
+
+
+def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budget: float,
+          stats: dict) -> _Grid:
+    layout = build_layout(profile, chunk_numel)
+    pins = config.pins
+    nch = layout.n_chunks
+    w = profile.param_bytes
+    prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
+    persist = prefix * persistent_bytes_per_element(w)
+    host_state = (prefix[-1] - prefix) * host_bytes_per_element(w)
+    buf = layout.chunk_bytes
+    nbmin_table = layout.min_buffers_table()
+
+    lo = layout.min_persist
+    if pins.n_persist is not None:
+        if pins.n_persist > nch:
+            raise InfeasibleError(f"pinned n_persist={pins.n_persist} exceeds the {nch} chunks of "
+                                  f"{fmt_bytes(layout.chunk_bytes)}; use at most {nch}")
+        if pins.n_persist < lo:
+            raise InfeasibleError(f"pinned n_persist={pins.n_persist} is below {lo}: the first {lo} "
+                                  f"chunk(s) hold parameters shared by non-adjacent parts (tied "
+                                  f"embeddings) and must stay on the device")
+        nps = np.array([pins.n_persist])
+    else:
+        # Persistent chunks alone must fit, which bounds the range long before n_chunks.
+        hi = int(np.searchsorted(persist, budget, side="right")) - 1
+        nps = np.arange(lo, max(lo, min(hi, nch)) + 1)
+    a_idx, np_idx = (x.ravel() for x in np.meshgrid(np.arange(len(acts.act_peak)), nps, indexing="ij"))
+    rem = budget - acts.act_peak[a_idx] - persist[np_idx]
+    nbmin = nbmin_table[np_idx]
+    if pins.n_buffer is not None:
+        nb = np.full_like(np_idx, pins.n_buffer)
+    else:
+        nb = np.clip(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0, nch - np_idx)
+    peak = acts.act_peak[a_idx] + persist[np_idx] + nb * buf
+    host = host_state[np_idx] + acts.swap_host[a_idx]
+    # Buffers beyond the offloaded chunks would hold nothing (a pinned n_buffer then caps
+    # n_persist); at least the chunks one part spans are needed.
+    dev_ok = (peak <= budget) & (nb >= nbmin) & (nb <= nch - np_idx)
+    host_ok = host <= hw.host_memory
+    if dev_ok.any():
+        need = host[dev_ok].min()
+        stats["host_needed"] = min(stats.get("host_needed", need), need)
+    ok = dev_ok & host_ok
+    a_idx, np_idx, nb, nbmin, peak, host = (x[ok] for x in (a_idx, np_idx, nb, nbmin, peak, host))
+
+    # Lower bound on iteration time: each resource alone (see cost.runtime for the queues).
+    t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw)
+    up_suffix = np.concatenate([np.cumsum(t_up[::-1])[::-1], [0.0]])      # sum_{c>=n} t_up
+    down_suffix = np.concatenate([np.cumsum(t_down[::-1])[::-1], [0.0]])
+    adam_suffix = np.concatenate([np.cumsum(t_adam[::-1])[::-1], [0.0]])
+    fwd_compute = sum(p.fwd_time for p in profile.parts)
+    bwd_compute = sum(p.bwd_time for p in profile.parts) + acts.recompute[a_idx]
+    swap_bytes = acts.swap_host[a_idx]
+    gpu = prefix[np_idx] / hw.gpu_adam_rate
+    fwd_lb = np.maximum(fwd_compute, up_suffix[np_idx])
+    reup = up_suffix[np_idx] - up_suffix[np.maximum(nch - nb, np_idx)]
+    bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / hw.h2d_bandwidth)
+    lb = fwd_lb + np.maximum(bwd_lb + gpu, np.maximum(adam_suffix[np_idx], down_suffix[np_idx]))
+    return _Grid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb)
+
+
+def _simulate_points(profile, hw, acts, grid: _Grid, idx: np.ndarray, n_buffer=None) -> np.ndarray:
+    nb = grid.n_buffer[idx] if n_buffer is None else n_buffer
+    return simulate(profile, grid.layout, hw, grid.n_persist[idx], nb,
+                    acts.codes[grid.a[idx]]).iter_time
+
+
+def search(profile: ModelProfile, hw: HardwareProfile,
+           config: PlannerConfig | None = None) -> Plan:
+    """The fastest plan for ``profile`` on ``hw`` within ``config``'s budgets and pins.
+    Raises InfeasibleError (with what would fit) when nothing does."""
+    config = config or PlannerConfig()
+    t0 = time.perf_counter()
+    hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
+    budget = hw.device_memory / (1.0 + config.memory_margin)
+    acts = _activation_configs(profile, config)
+    if config.pins.chunk_size is not None:
+        if config.pins.chunk_size < profile.largest_param * profile.param_bytes:
+            raise InfeasibleError(
+                f"pinned chunk_size={fmt_bytes(config.pins.chunk_size)} is below the largest "
+                f"parameter ({fmt_bytes(profile.largest_param * profile.param_bytes)}); use at least that")
+        caps = (config.pins.chunk_size // profile.param_bytes,)
+    else:
+        caps = chunk_capacities(profile, config.chunk_sizes)
+    stats: dict = {}
+    grids = [_grid(profile, hw, config, acts, cap, budget, stats) for cap in caps]
+    total = sum(len(g.lower_bound) for g in grids)
+    if total == 0:
+        raise _infeasible(profile, hw, config, budget, stats, acts, caps)
+
+    # Evaluate in order of lower bound until no bound can beat the best time.
+    lbs = np.concatenate([g.lower_bound for g in grids])
+    owner = np.concatenate([np.full(len(g.lower_bound), i) for i, g in enumerate(grids)])
+    local = np.concatenate([np.arange(len(g.lower_bound)) for g in grids])
+    times = np.full(total, np.inf)
+    pending = np.ones(total, dtype=bool)
+    best = np.inf
+    evaluated = 0
+    while pending.any():
+        cand = np.flatnonzero(pending)
+        if lbs[cand].min() > best:
+            break
+        take = cand[np.argsort(lbs[cand], kind="stable")[:_BATCH]]
+        for gi in np.unique(owner[take]):
+            sel = take[owner[take] == gi]
+            times[sel] = _simulate_points(profile, hw, acts, grids[gi], local[sel])
+        pending[take] = False
+        evaluated += len(take)
+        best = min(best, times[take].min())
+
+    # Ties at the best time: the fewest buffers that keep it (time never rises with buffers).
+    # All tied points of a chunk size are re-simulated in one batch, one row per buffer count.
+    refined: dict[int, tuple[int, int]] = {}
+    if config.pins.n_buffer is None:
+        tied = [i for i in np.flatnonzero(times == best)
+                if grids[owner[i]].n_buffer[local[i]] > grids[owner[i]].n_buffer_min[local[i]]]
+        for gi in sorted({int(owner[i]) for i in tied}):
+            g = grids[gi]
+            rows = [(i, nb) for i in tied if owner[i] == gi
+                    for nb in range(int(g.n_buffer_min[local[i]]), int(g.n_buffer[local[i]]))]
+            if not rows:
+                continue
+            idx = np.array([local[i] for i, _ in rows])
+            nbs = np.array([nb for _, nb in rows])
+            t = _simulate_points(profile, hw, acts, g, idx, n_buffer=nbs)
+            evaluated += len(rows)
+            for (i, nb), ti in zip(rows, t):
+                if ti == best and (i not in refined or nb < refined[i][0]):
+                    j = local[i]
+                    refined[i] = (nb, int(g.peak[j] - (g.n_buffer[j] - nb) * g.layout.chunk_bytes))
+
+    def knobs_of(i: int) -> Knobs:
+        g, j = grids[owner[i]], local[i]
+        nb = refined.get(i, (int(g.n_buffer[j]),))[0]
+        return Knobs(chunk_size=g.layout.chunk_bytes, n_persist=int(g.n_persist[j]), n_buffer=nb,
+                     n_swap=int(acts.n_swap[g.a[j]]), n_checkpoint=int(acts.n_ckpt[g.a[j]]))
+
+    def peak_of(i: int) -> int:
+        g, j = grids[owner[i]], local[i]
+        return refined.get(i, (0, int(g.peak[j])))[1]
+
+    done = np.flatnonzero(np.isfinite(times))
+    order = sorted(done, key=lambda i: plan_key(times[i], peak_of(i), knobs_of(i).as_tuple()))
+    chosen = knobs_of(order[0])
+    alternatives, seen = [], {(chosen.chunk_size, chosen.n_checkpoint, chosen.n_swap)}
+    for i in order[1:]:
+        if len(alternatives) >= config.runner_ups:
+            break
+        k = knobs_of(i)
+        if (k.chunk_size, k.n_checkpoint, k.n_swap) in seen:
+            continue
+        seen.add((k.chunk_size, k.n_checkpoint, k.n_swap))
+        g, j = grids[owner[i]], local[i]
+        alternatives.append(Alternative(knobs=k, iter_time=float(times[i]),
+                                        peak_device_bytes=peak_of(i), host_bytes=int(g.host[j])))
+    return evaluate(profile, hw, chosen, config, alternatives=tuple(alternatives),
+                    search_seconds=time.perf_counter() - t0, evaluated=evaluated, total=total)
+
+
+def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
+             config: PlannerConfig | None = None, *, alternatives=(), search_seconds=0.0,
+             evaluated=1, total=1, check_fit: bool = False) -> Plan:
+    """The Plan (with predictions) for given knobs, e.g. a plan loaded from a file replayed on
+    a new profile. With ``check_fit`` raise InfeasibleError if it does not fit."""
+    config = config or PlannerConfig()
+    hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
+    layout = build_layout(profile, knobs.chunk_size // profile.param_bytes)
+    modes = layout_block_modes(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint)
+    if not layout.min_persist <= knobs.n_persist <= layout.n_chunks:
+        raise InfeasibleError(f"n_persist={knobs.n_persist} must be between {layout.min_persist} "
+                              f"and the {layout.n_chunks} chunks of this layout")
+    nb_min = layout.min_buffers(knobs.n_persist)
+    if knobs.n_buffer < nb_min:
+        raise InfeasibleError(f"n_buffer={knobs.n_buffer} is below {nb_min}, the chunks one block "
+                              f"spans with n_persist={knobs.n_persist}; use at least {nb_min}")
+    mem = predict_memory(profile, layout, knobs.n_persist, knobs.n_buffer, modes)
+    t = simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer,
+                 np.array([[m.code for m in modes]], dtype=np.int8))
+    if check_fit:
+        need = mem.peak_device_bytes * (1 + config.memory_margin)
+        if need > hw.device_memory or mem.host_bytes > hw.host_memory:
+            raise InfeasibleError(
+                f"plan {knobs} needs {fmt_bytes(need)} device (with margin) and "
+                f"{fmt_bytes(mem.host_bytes)} host, but {fmt_bytes(hw.device_memory)} device and "
+                f"{fmt_bytes(hw.host_memory)} host are available; re-plan without the plan file",
+                device_needed=int(need), host_needed=mem.host_bytes)
+    f = lambda a: float(a[0])  # noqa: E731
+    pred = Prediction(
+        iter_time=f(t.iter_time), fwd_time=f(t.fwd_time), bwd_time=f(t.bwd_time),
+        gpu_optim_time=f(t.gpu_optim_time), cpu_optim_time=f(t.cpu_optim_time),
+        cpu_optim_exposed=f(t.cpu_optim_exposed), peak_device_bytes=mem.peak_device_bytes,
+        model_state_bytes=mem.model_state_bytes, activation_peak_bytes=mem.activation_peak_bytes,
+        peak_at=mem.peak_at, host_bytes=mem.host_bytes, swap_host_bytes=mem.swap_host_bytes,
+        h2d_bytes=int(t.h2d_bytes[0]), d2h_bytes=int(t.d2h_bytes[0]))
+    return Plan(
+        knobs=knobs, block_modes=modes,
+        chunks=ChunkSummary(n_chunks=layout.n_chunks, chunk_numel=layout.chunk_numel,
+                            total_numel=layout.total_numel, min_persist=layout.min_persist),
+        prediction=pred, model=profile.describe(), machine=hw.describe(),
+        device_memory=hw.device_memory, host_memory=hw.host_memory,
+        memory_margin=config.memory_margin, param_bytes=profile.param_bytes,
+        profile_source=profile.source, pinned=tuple(sorted(config.pins.pinned())),
+        alternatives=tuple(alternatives), search_seconds=search_seconds,
+        candidates_evaluated=int(evaluated), candidates_total=int(total))
+
+
+def _leanest(profile, config, acts, caps, host_memory) -> tuple[float, float]:
+    """(peak, model-state part of it) of the plan with the smallest device peak whose host
+    needs fit ``host_memory`` (any n_persist, the fewest buffers)."""
+    best = (np.inf, np.inf)
+    for cap in caps:
+        layout = build_layout(profile, cap)
+        w = profile.param_bytes
+        prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
+        nps = np.arange(layout.min_persist, layout.n_chunks + 1)
+        states = prefix[nps] * persistent_bytes_per_element(w) + \
+            layout.min_buffers_table()[nps] * layout.chunk_bytes
+        host = (prefix[-1] - prefix[nps]) * host_bytes_per_element(w)
+        peak = states[None, :] + acts.act_peak[:, None]
+        ok = host[None, :] + acts.swap_host[:, None] <= host_memory
+        if ok.any():
+            a, j = np.unravel_index(np.where(ok, peak, np.inf).argmin(), peak.shape)
+            best = min(best, (float(peak[a, j]), float(states[j])))
+    return best
+
+
+def _infeasible(profile, hw, config, budget, stats, acts, caps) -> InfeasibleError:
+    margin = config.memory_margin
+    pins = config.pins.pinned()
+    if pins:
+        # Would it fit without the pins? Then the pins are the problem; say so.
+        from dataclasses import replace
+        from .config import KnobPins
+        try:
+            free = search(profile, hw, replace(config, pins=KnobPins()))
+        except InfeasibleError:
+            free = None
+        if free is not None:
+            return InfeasibleError(
+                f"no plan fits with the pinned knobs {pins}; without pins the planner finds "
+                f"{free.knobs} ({fmt_bytes(free.prediction.peak_device_bytes)} peak). Unpin "
+                f"(set to \"auto\") or change the pinned values")
+    if "host_needed" in stats:
+        need = int(stats["host_needed"])
+        return InfeasibleError(
+            f"host memory too small: the offloaded model states "
+            f"({host_bytes_per_element(profile.param_bytes)} bytes per offloaded parameter) "
+            f"need at least {fmt_bytes(need)} of host memory, but {fmt_bytes(hw.host_memory)} is "
+            f"available. Add host memory (or raise protrain.host_memory / --host-memory if the "
+            f"machine has more), shard the states over more data-parallel ranks, or train a "
+            f"smaller model.", host_needed=need)
+    need, states = _leanest(profile, config, acts, caps, hw.host_memory)
+    device_needed = int(np.ceil(need * (1 + margin)))
+    msg = (f"device memory too small: the leanest plan that fits {fmt_bytes(hw.host_memory)} of "
+           f"host memory (blocks checkpointed or swapped, as many chunks offloaded as the host "
+           f"takes) peaks at {fmt_bytes(need)}, so it needs {fmt_bytes(device_needed)} with the "
+           f"{margin:.0%} margin, but {fmt_bytes(hw.device_memory)} is available.")
+    unbounded, _ = _leanest(profile, config, acts, caps, np.inf)
+    if unbounded * (1 + margin) <= hw.device_memory:
+        msg += (f" With more host memory it would fit: offloading every chunk needs "
+                f"{fmt_bytes(_host_all(profile))} of host memory.")
+    fit = None
+    act = need - states
+    mb = profile.micro_batch
+    if act > 0 and budget > states:
+        scale = (budget - states) / act
+        if mb:
+            fit = int(np.floor(mb * scale))
+            msg += (f" Lower the micro-batch from {mb} to {fit} or less" if fit >= 1 else
+                    " Even micro-batch 1 does not fit; shorten the sequence")
+            if profile.seq_len:
+                msg += (f" (or the sequence length from {profile.seq_len} to about "
+                        f"{int(profile.seq_len * min(scale, 1.0))})")
+            msg += "."
+        else:
+            msg += f" Shrink the activations (micro-batch or sequence length) to {scale:.0%} or less."
+    else:
+        msg += (f" The model states alone need {fmt_bytes(states)}: use a device with more memory, "
+                f"more host memory, or shard over more data-parallel ranks.")
+    return InfeasibleError(msg, device_needed=device_needed, micro_batch_fit=fit if fit else None)
+
+
+def _host_all(profile: ModelProfile) -> int:
+    return profile.total_params * host_bytes_per_element(profile.param_bytes)

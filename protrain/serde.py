@@ -1,0 +1,73 @@
+"""Exact JSON round trips for the frozen dataclasses the planner passes around.
+
+Profiles and plans are values: saved, loaded, compared. ``to_jsonable`` turns a dataclass tree
+into plain JSON types; ``from_jsonable`` rebuilds it from the field type hints, so a loaded
+value compares equal to the saved one (floats survive because json writes repr()).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+def from_jsonable(tp: Any, data: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return data
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if data is None:
+            return None
+        return from_jsonable(args[0], data)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(from_jsonable(args[0], x) for x in data)
+        return tuple(from_jsonable(a, x) for a, x in zip(args, data))
+    if origin is dict:
+        _, vt = typing.get_args(tp)
+        return {k: from_jsonable(vt, v) for k, v in data.items()}
+    if origin is typing.Literal:
+        return data
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(data)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        kwargs = {f.name: from_jsonable(hints[f.name], data[f.name])
+                  for f in dataclasses.fields(tp) if f.name in data}
+        return tp(**kwargs)
+    if tp is float and isinstance(data, int):
+        return float(data)
+    return data
+
+
+def dump_json(obj: Any, path: str | Path) -> None:
+    """Write atomically: a crash mid-write never leaves a truncated file behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(to_jsonable(obj), indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def load_json(tp: type[T], path: str | Path) -> T:
+    return from_jsonable(tp, json.loads(Path(path).read_text(encoding="utf-8")))

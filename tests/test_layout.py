@@ -1,0 +1,56 @@
+"""Chunk layout: execution-order packing, tied parameters, buffer minimums."""
+import pytest
+
+from protrain.cost.layout import build_layout, chunk_capacities
+from protrain.profile.model_profile import ModelProfile, ParamRecord
+
+from conftest import chain_profile, part
+
+
+def test_packs_in_execution_order_without_splitting():
+    prof = chain_profile(block_params=(60, 60, 60), pre_params=30)
+    layout = build_layout(prof, 100)
+    # 30 + 60 > 100? no: 90 fits; next 60 starts chunk 1; ...
+    assert layout.used == (90, 60, 60)
+    assert layout.param_chunk == (0, 0, 1, 2)
+    assert layout.part_chunks[:4] == ((0,), (0,), (1,), (2,))
+    assert layout.chunk_first_part == (0, 2, 3) and layout.chunk_last_part == (1, 2, 3)
+    assert layout.min_persist == 0
+
+
+def test_tied_parameter_forces_its_chunk_persistent():
+    prof = chain_profile(block_params=(100, 100), pre_params=100, tied=True)
+    layout = build_layout(prof, 100)
+    assert layout.part_chunks[-1] == (0,)      # the head uses the embedding's chunk
+    assert layout.min_persist == 1
+
+
+def test_compute_share_follows_elements_used_per_chunk():
+    params = (ParamRecord("a", 50, (0,)), ParamRecord("b", 80, (1,)), ParamRecord("c", 20, (1,)))
+    parts = (part("<pre>", "pre"), part("b0", "block"), part("<post>", "post"))
+    prof = ModelProfile("x", "measured", "cpu", 4, params, parts)
+    layout = build_layout(prof, 100)           # [a], [b, c]? 50+80 > 100 -> [a], [b, c]
+    assert layout.used == (50, 100)
+    assert layout.part_chunks[1] == (1,) and layout.part_chunk_share[1] == (1.0,)
+    layout = build_layout(prof, 130)           # [a, b], [c]
+    assert layout.part_chunks[1] == (0, 1)
+    assert layout.part_chunk_share[1] == pytest.approx((0.8, 0.2))
+
+
+def test_min_buffers_is_the_widest_chunk_range_of_a_part():
+    prof = chain_profile(block_params=(250, 100), pre_params=10)
+    layout = build_layout(prof, 250)           # [10], [250], [100]
+    assert layout.min_buffers(0) == 1
+    prof = chain_profile(block_params=(100, 100), pre_params=10)
+    layout = build_layout(prof, 105)           # [10], [100], [100]: one chunk per part
+    assert [layout.min_buffers(n) for n in range(4)] == [1, 1, 1, 0]
+
+
+def test_chunk_capacities_skip_sizes_below_the_largest_parameter():
+    prof = chain_profile(block_params=(1000,), pre_params=10, param_bytes=2)
+    assert chunk_capacities(prof, (1000, 4000, 8000)) == (2000, 4000)
+    # none fits: the largest parameter rounded up to a MiB, and twice that
+    big = chain_profile(block_params=(3 * 2**20,), pre_params=10, param_bytes=2)
+    assert chunk_capacities(big, (2**20,)) == (3 * 2**20, 6 * 2**20)
+    with pytest.raises(ValueError, match="largest parameter"):
+        build_layout(prof, 999)

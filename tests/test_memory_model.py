@@ -1,0 +1,86 @@
+"""Memory cost model: each term against hand-computed cases."""
+import numpy as np
+
+from protrain.block_mode import CKPT, NONE, SWAP, BlockMode
+from protrain.cost.layout import build_layout
+from protrain.cost.memory import (activation_walk, host_bytes_per_element,
+                                  model_state_device_bytes, model_state_host_bytes,
+                                  persistent_bytes_per_element, predict_memory, swap_host_bytes)
+from protrain.profile.model_profile import ModelProfile, ParamRecord
+
+from conftest import chain_profile, part
+
+
+def walk_profile():
+    """Keep-all levels chosen by hand (bytes)."""
+    parts = (
+        part("<pre>", "pre", numel=10, fs=0, fp=5, bs=10, bp=12),
+        part("b0", "block", numel=10, inb=5, saved=20, fs=5, fp=30, bs=30, bp=40),
+        part("b1", "block", numel=10, inb=5, saved=20, fs=25, fp=60, bs=50, bp=60),
+        part("<post>", "post", numel=0, inb=5, saved=10, fs=45, fp=60, bs=65, bp=70),
+    )
+    params = tuple(ParamRecord(f"p{i}", 10, (i,)) for i in range(3))
+    return ModelProfile("walk", "measured", "cpu", 2, params, parts)
+
+
+def walk(modes):
+    """(peak, walk index) with index = 2 * part + (0 forward, 1 backward)."""
+    act, where = activation_walk(walk_profile(), np.array([modes]))
+    return int(act[0]), int(where[0])
+
+
+def test_keep_all_peak_is_the_profiled_peak():
+    assert walk([NONE, NONE]) == (70, 7)  # backward of <post>
+
+
+def test_checkpoint_frees_saved_minus_input():
+    # X = 20 - 5 = 15 for the parts after b0: post's backward 70 - 15 = 55 is the new peak;
+    # b0's own backward: max(recompute 30 - 20 + 5 + (30 - 5), 40) = 40.
+    assert walk([CKPT, NONE]) == (55, 7)
+
+
+def test_checkpoint_input_chain_and_recompute_bump():
+    # Both checkpointed: post's backward drops to 70 - 30 = 40, and b1's recompute bump,
+    # 50 - 15 - 20 + 5 + (60 - 25) = 55, is the peak (backward of b1).
+    assert walk([CKPT, CKPT]) == (55, 5)
+
+
+def test_swap_frees_everything_saved_but_one_block_is_in_flight():
+    # b0 swapped: X = 20 after it, but while b1 runs forward b0's copy is in flight (+20):
+    # fwd b1 = 60 - 20 + 20 = 60, and b0's prefetch during b1's backward: 60 - 20 + 20 = 60;
+    # post's backward 70 - 20 = 50.
+    assert walk([SWAP, NONE]) == (60, 4)
+    assert walk([SWAP, SWAP]) == (60, 4)
+
+
+def test_swap_host_bytes():
+    assert int(swap_host_bytes(walk_profile(), np.array([[SWAP, SWAP]]))[0]) == 40
+    assert int(swap_host_bytes(walk_profile(), np.array([[SWAP, CKPT]]))[0]) == 20
+
+
+def test_state_bytes_per_element():
+    # bf16: param 2 + grad 2 + fp32 master 4 + Adam m, v 8 on the device; host: 12 + shared 2.
+    assert persistent_bytes_per_element(2) == 16 and host_bytes_per_element(2) == 14
+    # fp32: param 4 (is the master) + grad 4 + m, v 8; host: master, m, v, grad landing.
+    assert persistent_bytes_per_element(4) == 16 and host_bytes_per_element(4) == 16
+
+
+def test_model_state_bytes_from_the_layout():
+    prof = chain_profile(block_params=(100, 60), pre_params=30, param_bytes=2)
+    layout = build_layout(prof, 100)           # chunks: [30], [100], [60]
+    assert layout.used == (30, 100, 60) and layout.chunk_bytes == 200
+    # 2 persistent chunks (130 elements x 16) + 1 buffer of 100 elements x 2 bytes
+    assert int(model_state_device_bytes(layout, 2, 1, 2)) == 130 * 16 + 200
+    assert int(model_state_host_bytes(layout, 2, 2)) == 60 * 14
+    assert int(model_state_host_bytes(layout, 0, 2)) == 190 * 14
+
+
+def test_predict_memory_adds_states_and_walk_and_names_the_peak():
+    prof = walk_profile()
+    layout = build_layout(prof, 10)
+    m = predict_memory(prof, layout, 1, 2, (BlockMode.CKPT, BlockMode.NONE))
+    assert m.model_state_bytes == 10 * 16 + 2 * 20
+    assert m.activation_peak_bytes == 55
+    assert m.peak_device_bytes == 10 * 16 + 40 + 55
+    assert m.peak_at == "backward of <post>"
+    assert m.host_bytes == 20 * 14

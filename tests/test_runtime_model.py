@@ -1,0 +1,109 @@
+"""Runtime cost model against hand-computed timelines (see the comments for the arithmetic).
+
+Profile: pre (chunk 0, fwd 1 / bwd 2), two blocks (chunks 1 and 2, fwd 10 / bwd 20), post
+(no parameters, fwd 1 / bwd 2). Link: a chunk takes 5 s each way; CPU Adam 4 s per chunk;
+device Adam 1 s per chunk."""
+import numpy as np
+import pytest
+
+from protrain.block_mode import CKPT, NONE, SWAP
+from protrain.cost.layout import build_layout
+from protrain.cost.runtime import simulate
+
+from conftest import chain_profile, slow_link
+
+
+def run(profile, n_persist, n_buffer, modes):
+    layout = build_layout(profile, 100)
+    t = simulate(profile, layout, slow_link(), n_persist, n_buffer, np.array([modes]))
+    return {k: float(getattr(t, k)[0]) for k in t.__dataclass_fields__}
+
+
+def test_all_persistent_is_compute_plus_device_adam():
+    t = run(chain_profile(), 3, 0, [NONE, NONE])
+    # forward 1 + 10 + 10 + 1, backward 2 + 20 + 20 + 2, device Adam 3 chunks x 1 s
+    assert t["fwd_time"] == 22 and t["bwd_time"] == 44 and t["gpu_optim_time"] == 3
+    assert t["iter_time"] == 69
+    assert t["h2d_bytes"] == 0 and t["d2h_bytes"] == 0 and t["cpu_optim_time"] == 0
+
+
+def test_one_buffer_serialises_uploads_and_cpu_adam_is_exposed():
+    t = run(chain_profile(), 1, 1, [NONE, NONE])
+    # fwd: pre 0-1; chunk 1 uploads 0-5; block0 5-15 (frees the buffer at 15);
+    #      chunk 2 uploads 15-20; block1 20-30; post 30-31.
+    assert t["fwd_time"] == 31
+    # bwd: post 31-33; block1 (chunk 2 still in the buffer) 33-53; chunk 2 grads D2H 53-58,
+    #      CPU Adam 58-62; chunk 1 re-upload waits for that buffer: 58-63; block0 63-83;
+    #      chunk 1 grads 83-88, CPU Adam 88-92; pre 83-85; device Adam (chunk 0) 85-86.
+    assert t["bwd_time"] == 85 - 31
+    assert t["iter_time"] == 92
+    assert t["cpu_optim_exposed"] == 92 - 86
+    assert t["cpu_optim_time"] == 8
+    assert t["h2d_bytes"] == 3 * 400 and t["d2h_bytes"] == 2 * 400
+
+
+def test_two_buffers_prefetch_and_reuse_in_backward():
+    t = run(chain_profile(), 1, 2, [NONE, NONE])
+    # fwd: chunk 1 up 0-5, chunk 2 up 5-10 (a second buffer is free); block0 5-15, block1
+    #      15-25, post 25-26.
+    assert t["fwd_time"] == 26
+    # bwd: both chunks still resident: post 26-28, block1 28-48 (grads 48-53, Adam 53-57),
+    #      block0 48-68 (grads 68-73, Adam 73-77), pre 68-70, device Adam 70-71.
+    assert t["iter_time"] == 77
+    assert t["h2d_bytes"] == 2 * 400
+
+
+def test_more_buffers_never_slower():
+    prof = chain_profile(block_params=(100,) * 6)
+    times = [run(prof, 1, nb, [NONE] * 6)["iter_time"] for nb in range(1, 7)]
+    assert all(a >= b for a, b in zip(times, times[1:]))
+    assert times[0] > times[-1]
+
+
+def test_checkpoint_adds_the_block_forward_to_backward():
+    base = run(chain_profile(), 3, 0, [NONE, NONE])
+    ckpt = run(chain_profile(), 3, 0, [NONE, CKPT])
+    assert ckpt["bwd_time"] == base["bwd_time"] + 10
+    assert ckpt["iter_time"] == base["iter_time"] + 10
+
+
+def test_hidden_swap_costs_nothing():
+    # block0's 800 saved bytes: 10 s out after its forward, 10 s back while block1 runs its
+    # 20 s backward: both hidden.
+    t = run(chain_profile(saved=800), 3, 0, [SWAP, NONE])
+    assert t["iter_time"] == 69
+    assert t["h2d_bytes"] == 800 and t["d2h_bytes"] == 800
+
+
+def test_swap_shares_the_upload_link_with_chunk_prefetch():
+    # All offloaded, one buffer, block0 swapped (800 bytes = 10 s each way).
+    # fwd: pre 0-1 (chunk 0 persistent); chunk1 up 0-5; block0 5-15; swap-out 15-25;
+    #      chunk2 up 15-20; block1 20-30; post waits for swap-out of block0 (one in flight)
+    #      until 25... already 30: post 30-31.
+    # bwd: post 31-33; block1 (resident) 33-53; block0's prefetch is issued at 33 and holds
+    #      the H2D link 33-43; chunk 1's re-upload waits for chunk 2's grads (D2H 53-58) ->
+    #      58-63; block0 63-83 -> same as without swap, the link was free in time.
+    swap = run(chain_profile(saved=800), 1, 1, [SWAP, NONE])
+    plain = run(chain_profile(saved=800), 1, 1, [NONE, NONE])
+    assert swap["iter_time"] == plain["iter_time"] == 92
+    # With faster compute the prefetch and the chunk upload collide on the link.
+    fast = chain_profile(saved=800, fwd=1.0, bwd=2.0)
+    s = run(fast, 1, 1, [SWAP, NONE])
+    p = run(fast, 1, 1, [NONE, NONE])
+    assert s["iter_time"] > p["iter_time"]
+
+
+def test_swap_out_throttles_forward_to_one_block_in_flight():
+    # Three blocks, all swapped, saved 800 bytes (10 s out) but forward only 1 s per block:
+    # block k+1 may not start before block k-1's swap-out is done.
+    prof = chain_profile(block_params=(100, 100, 100), saved=800, fwd=1.0)
+    t = run(prof, 4, 0, [SWAP, SWAP, SWAP])
+    # pre 0-1; b0 1-2 (out 2-12); b1 2-3 (out 12-22); b2 waits for b0's out: 12-13
+    # (out 22-32); post waits for b1's out: 22-23.
+    assert t["fwd_time"] == 23
+
+
+@pytest.mark.parametrize("nb", [0])
+def test_offloaded_chunks_need_a_buffer(nb):
+    with pytest.raises(ValueError):
+        run(chain_profile(), 1, nb, [NONE, NONE])

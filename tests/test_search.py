@@ -1,0 +1,160 @@
+"""Search: equals brute force, monotone in memory, pins, actionable errors, speed."""
+import itertools
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from protrain.block_mode import layout_block_modes
+from protrain.config import KnobPins, PlannerConfig
+from protrain.cost.layout import build_layout, chunk_capacities
+from protrain.cost.memory import predict_memory
+from protrain.cost.runtime import simulate
+from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
+from protrain.profile.machines import machine
+from protrain.search import InfeasibleError, plan_key, search
+from protrain.units import GiB, MiB
+
+SMALL = ModelShape("small", "gpt2", n_layers=4, hidden=256, heads=4, vocab=2048, seq_len=256,
+                   micro_batch=4, max_positions=256)
+
+
+def small_hw(**over):
+    hw = machine("rtx3090").profile(host_memory=4 * GiB)
+    return replace(hw, **over)
+
+
+def brute_force(profile, hw, config):
+    """Every combination of the five knobs, each simulated: the reference the search must
+    match exactly (same preference order: time, then peak, then knobs)."""
+    budget = hw.device_memory / (1 + config.memory_margin)
+    n = profile.n_blocks
+    pins = config.pins
+    best = None
+    caps = ([pins.chunk_size // profile.param_bytes] if pins.chunk_size else
+            chunk_capacities(profile, config.chunk_sizes))
+    for cap in caps:
+        layout = build_layout(profile, cap)
+        nch = layout.n_chunks
+        rows = []
+        for np_ in range(layout.min_persist, nch + 1):
+            nbs = [0] if np_ == nch else range(layout.min_buffers(np_), nch - np_ + 1)
+            for nb, nc in itertools.product(nbs, range(n + 1)):
+                for ns in range(n - nc + 1):
+                    knobs = dict(n_persist=np_, n_buffer=nb, n_checkpoint=nc, n_swap=ns)
+                    if any(getattr(pins, k) is not None and getattr(pins, k) != v
+                           for k, v in knobs.items()):
+                        continue
+                    modes = layout_block_modes(n, ns, nc)
+                    mem = predict_memory(profile, layout, np_, nb, modes)
+                    if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory:
+                        rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes))
+        if not rows:
+            continue
+        t = simulate(profile, layout, hw, [r[0] for r in rows], [r[1] for r in rows],
+                     np.array([[m.code for m in r[4]] for r in rows])).iter_time
+        for r, ti in zip(rows, t):
+            key = plan_key(ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3]))
+            if best is None or key < best:
+                best = key
+    return best
+
+
+CASES = [
+    # (shape, device memory, host memory, chunk sizes)
+    (SMALL, 3 * GiB // 10, 4 * GiB, (1 * MiB, 2 * MiB)),
+    (SMALL, 2 * GiB // 10, 4 * GiB, (1 * MiB, 2 * MiB)),
+    (replace(SMALL, micro_batch=16), 6 * GiB // 10, 4 * GiB, (2 * MiB, 4 * MiB)),
+    (replace(SMALL, n_layers=3, family="llama", vocab=1024), 2 * GiB // 10, 4 * GiB, (1 * MiB,)),
+    (SMALL, 3 * GiB // 10, 60 * MiB, (1 * MiB, 2 * MiB)),          # host-bound
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_search_equals_brute_force(case):
+    shape, dev, host, sizes = CASES[case]
+    hw = small_hw(device_memory=dev, host_memory=host)
+    prof = analytic_profile(shape, hw)
+    config = PlannerConfig(chunk_sizes=sizes)
+    plan = search(prof, hw, config)
+    ref = brute_force(prof, hw, config)
+    got = (plan.prediction.iter_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())
+    assert got == ref
+
+
+def test_search_equals_brute_force_with_pins():
+    hw = small_hw(device_memory=3 * GiB // 10)
+    prof = analytic_profile(SMALL, hw)
+    config = PlannerConfig(chunk_sizes=(1 * MiB, 2 * MiB), pins=KnobPins(n_checkpoint=2, n_buffer=3))
+    plan = search(prof, hw, config)
+    assert plan.knobs.n_checkpoint == 2 and plan.knobs.n_buffer == 3
+    assert set(plan.pinned) == {"n_checkpoint", "n_buffer"}
+    ref = brute_force(prof, hw, config)
+    assert (plan.prediction.iter_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple()) == ref
+
+
+def test_more_device_memory_never_gives_a_slower_plan():
+    hw = small_hw()
+    prof = analytic_profile(replace(SMALL, micro_batch=8), hw)
+    config = PlannerConfig(chunk_sizes=(1 * MiB, 2 * MiB))
+    times = []
+    for dev in np.linspace(0.15, 1.2, 15) * GiB:
+        try:
+            plan = search(prof, replace(hw, device_memory=int(dev)), config)
+        except InfeasibleError:
+            times.append(np.inf)
+            continue
+        assert plan.prediction.peak_device_bytes * 1.1 <= dev
+        times.append(plan.prediction.iter_time)
+    assert np.isfinite(times[-1]) and times[0] >= times[-1]
+    assert all(a >= b for a, b in zip(times, times[1:]))
+
+
+def test_too_little_device_memory_says_what_fits_and_what_to_change():
+    hw = small_hw(device_memory=40 * MiB)
+    prof = analytic_profile(replace(SMALL, micro_batch=16), hw)
+    with pytest.raises(InfeasibleError) as e:
+        search(prof, hw, PlannerConfig(chunk_sizes=(1 * MiB,)))
+    msg = str(e.value)
+    assert "device memory too small" in msg and "40.0 MiB" in msg
+    assert e.value.device_needed > 40 * MiB
+    assert "micro-batch from 16 to" in msg and e.value.micro_batch_fit is not None
+    # and the suggestion is right: that micro-batch plans
+    fit = e.value.micro_batch_fit
+    assert 1 <= fit < 16
+    search(analytic_profile(replace(SMALL, micro_batch=fit), hw), hw, PlannerConfig(chunk_sizes=(1 * MiB,)))
+    # the reported need is enough
+    search(prof, replace(hw, device_memory=e.value.device_needed), PlannerConfig(chunk_sizes=(1 * MiB,)))
+
+
+def test_too_little_host_memory_says_how_much_is_needed():
+    hw = small_hw(device_memory=80 * MiB, host_memory=10 * MiB)
+    prof = analytic_profile(SMALL, hw)
+    with pytest.raises(InfeasibleError, match="host memory too small") as e:
+        search(prof, hw, PlannerConfig(chunk_sizes=(1 * MiB,)))
+    assert e.value.host_needed > 10 * MiB
+    search(prof, replace(hw, host_memory=e.value.host_needed), PlannerConfig(chunk_sizes=(1 * MiB,)))
+
+
+def test_impossible_pins_are_named():
+    hw = small_hw(device_memory=3 * GiB // 10)
+    prof = analytic_profile(SMALL, hw)
+    with pytest.raises(InfeasibleError, match="pinned knobs.*n_persist"):
+        search(prof, hw, PlannerConfig(chunk_sizes=(1 * MiB,), pins=KnobPins(n_persist=9, n_buffer=2)))
+    with pytest.raises(InfeasibleError, match="exceeds the 10 chunks"):
+        search(prof, hw, PlannerConfig(chunk_sizes=(1 * MiB,), pins=KnobPins(n_persist=30)))
+    with pytest.raises(InfeasibleError, match="add up to more than"):
+        search(prof, hw, PlannerConfig(pins=KnobPins(n_checkpoint=3, n_swap=3)))
+    with pytest.raises(InfeasibleError, match="must stay on the device"):
+        search(prof, hw, PlannerConfig(chunk_sizes=(1 * MiB,), pins=KnobPins(n_persist=0)))
+
+
+def test_80_block_model_plans_in_under_a_second():
+    hw = machine("h100-80gb").profile(host_memory=1024 * GiB)
+    prof = analytic_profile(PRESETS["llama2-70b"], hw)
+    assert prof.n_blocks == 80
+    t0 = time.perf_counter()
+    plan = search(prof, hw)
+    assert time.perf_counter() - t0 < 1.0
+    assert plan.prediction.peak_device_bytes * 1.1 <= hw.device_memory
