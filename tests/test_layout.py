@@ -47,8 +47,12 @@ def test_min_buffers_is_the_widest_chunk_range_of_a_part():
 
 
 def test_chunk_capacities_skip_sizes_below_the_largest_parameter():
-    prof = chain_profile(block_params=(1000,), pre_params=10, param_bytes=2)
-    assert chunk_capacities(prof, (1000, 4000, 8000)) == (2000, 4000)
+    prof = chain_profile(block_params=(1000, 1000, 1000), pre_params=10, param_bytes=2)
+    # 4000 and 8000 bytes exceed the model: capped at it (3010), plus its half (1505)
+    assert chunk_capacities(prof, (1000, 4000, 8000)) == (1505, 2000, 3010)
+    # a model smaller than every size: the whole model, and halves, quarters, eighths of it
+    small = chain_profile(block_params=(100,) * 7, pre_params=100)
+    assert chunk_capacities(small, (64 * 2**20,)) == (100, 200, 400, 800)
     # none fits: the largest parameter rounded up to a MiB, and twice that
     big = chain_profile(block_params=(3 * 2**20,), pre_params=10, param_bytes=2)
     assert chunk_capacities(big, (2**20,)) == (3 * 2**20, 6 * 2**20)

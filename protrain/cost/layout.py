@@ -69,16 +69,24 @@ class ChunkLayout:
 
 
 def chunk_capacities(profile: ModelProfile, sizes_bytes: tuple[int, ...]) -> tuple[int, ...]:
-    """Chunk capacities (elements) to try for the given byte sizes: those that hold the largest
-    parameter; if none does, the largest parameter's size rounded up to a MiB, and twice that."""
+    """Chunk capacities (elements) to try for the given byte sizes.
+
+    Sizes below the largest parameter cannot hold it and are skipped; if none is left, the
+    largest parameter's size rounded up to a MiB, and twice that, are tried. Sizes above the
+    whole model would only waste buffer memory: they become the model's size, and halves,
+    quarters and eighths of it are tried too, so small models still get several chunks.
+    """
     w = profile.param_bytes
     largest = profile.largest_param
-    caps = sorted({s // w for s in sizes_bytes if s // w >= largest})
+    total = profile.total_params
+    caps = {min(s // w, total) for s in sizes_bytes if s // w >= largest}
     if not caps:
         mib = 2**20
         base = ((largest * w + mib - 1) // mib) * mib // w
-        caps = [base, 2 * base]
-    return tuple(caps)
+        caps = {base, 2 * base}
+    if total in caps:
+        caps |= {-(-total // k) for k in (2, 4, 8) if -(-total // k) >= largest}
+    return tuple(sorted(caps))
 
 
 def build_layout(profile: ModelProfile, chunk_numel: int) -> ChunkLayout:

@@ -2,7 +2,7 @@
 
 Passes (forward + backward each, no optimizer step; weights are never changed):
 1. warm-up: lazy initialisation, kernel autotuning, allocator warm-up;
-2. plain: an un-hooked iteration, timed, to rescale the hooked timings (skipped when the
+2. plain: two un-hooked iterations, the faster timed, to rescale the hooked timings (skipped when the
    parameters are streamed, since the model cannot run without the hooks then);
 3. timing: block boundaries marked (CUDA events on GPU, perf_counter on CPU) to get per-part
    forward and backward times;
@@ -26,6 +26,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -190,8 +191,8 @@ class _Tracer:
 
     def run(self, *, name, micro_batch, seq_len) -> ModelProfile:
         from tqdm.auto import tqdm
-        n_passes = 3 if self.stream else 4
-        self.bar = tqdm(total=n_passes * 2 * len(self.blocks), desc="protrain: profiling",
+        hooked_passes = 3 if self.stream else 2  # warm-up is hooked only when streaming
+        self.bar = tqdm(total=hooked_passes * 2 * len(self.blocks), desc="protrain: profiling",
                         unit="block", disable=not self.progress, leave=False)
         stats = [_PartStats() for _ in range(self.n_parts)]
         try:
@@ -199,12 +200,15 @@ class _Tracer:
             self._pass(hooks=self.stream)
             plain_time = None
             if not self.stream:
+                # Best of two un-hooked iterations: the steady-state time the hooked part
+                # times are rescaled to.
                 self.bar.set_postfix_str("plain")
-                self.clock.sync()
-                t0 = time.perf_counter()
-                self._pass(hooks=False)
-                self.clock.sync()
-                plain_time = time.perf_counter() - t0
+                for _ in range(2):
+                    self.clock.sync()
+                    t0 = time.perf_counter()
+                    self._pass(hooks=False)
+                    self.clock.sync()
+                    plain_time = min(plain_time or np.inf, time.perf_counter() - t0)
             self.bar.set_postfix_str("timing")
             marks = self._pass(hooks=True, timing=True, stats=stats)
             self._times_from_marks(marks, stats)
@@ -384,7 +388,10 @@ class _Tracer:
                     stats[i + 2].in_bytes = storage_bytes(y)
                 boundary("fwd", i + 2, unload=i)
                 if y is not None and y.requires_grad:
-                    y.register_hook(lambda g: boundary("bwd", i + 1, load=i))
+                    # Block i+1 is done when this fires (its input is this output): release
+                    # it before loading block i, so one block is resident at a time.
+                    nxt = i + 1 if i + 1 < len(self.blocks) else None
+                    y.register_hook(lambda g: boundary("bwd", i + 1, load=i, unload=nxt))
             return hook
 
         try:

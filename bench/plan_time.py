@@ -1,0 +1,49 @@
+"""Planning time of the search on analytic profiles (CPU; planning never needs a GPU).
+
+    python bench/plan_time.py
+
+Writes bench/results/plan_time.json: for each model, the blocks, the feasible candidates,
+how many the search simulated, and the best of 3 wall times of ``search``.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from protrain.profile.analytic import PRESETS, analytic_profile
+from protrain.profile.machines import machine
+from protrain.search import search
+from protrain.units import GiB
+
+CASES = [("gpt2-1.5b", 8, 128), ("llama2-7b", 4, 128), ("llama2-13b", 4, 128),
+         ("gpt2-10b", 4, 512), ("llama2-70b", 1, 1024)]
+
+
+def main() -> None:
+    rows = []
+    for name, mb, host_gib in CASES:
+        hw = machine("h100-80gb").profile(host_memory=host_gib * GiB)
+        prof = analytic_profile(replace(PRESETS[name], micro_batch=mb), hw)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            plan = search(prof, hw)
+            best = min(best, time.perf_counter() - t0)
+        rows.append(dict(model=name, blocks=prof.n_blocks, micro_batch=mb, host_gib=host_gib,
+                         candidates=plan.candidates_total, simulated=plan.candidates_evaluated,
+                         seconds=best, knobs=plan.knobs.as_tuple()))
+        print(f"{name:<11} {prof.n_blocks:>3} blocks  {plan.candidates_total:>7} feasible  "
+              f"{plan.candidates_evaluated:>6} simulated  {best * 1e3:7.1f} ms")
+    out = Path(__file__).parent / "results" / "plan_time.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(command="python bench/plan_time.py", machine=platform.processor()
+                                   or platform.machine(), cores=__import__("os").cpu_count(),
+                                   rows=rows), indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

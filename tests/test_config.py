@@ -1,0 +1,42 @@
+"""Strict settings: unknown keys and bad values fail with the key, the value and the fix."""
+import pytest
+
+from protrain.config import ConfigError, KnobPins, PlannerConfig
+from protrain.units import GiB, MiB, fmt_bytes, parse_bytes
+
+
+def test_sizes():
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("80 GiB") == parse_bytes("80G") == 80 * GiB
+    assert parse_bytes("64MiB") == 64 * MiB and parse_bytes(1e9) == 10**9
+    for bad in ("lots", "-1GB", True, None, "12 parsecs"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    assert fmt_bytes(80 * GiB) == "80.0 GiB" and fmt_bytes(512) == "512 B"
+
+
+def test_from_dict_reads_sizes_pins_and_fractions():
+    c = PlannerConfig.from_dict({"device_memory": "70GiB", "host_memory": 10**11,
+                                 "n_persist": 3, "pins": {"chunk_size": "64MiB", "n_swap": "auto"},
+                                 "memory_margin": 0.05, "chunk_sizes": ["32MiB", 2**27]})
+    assert c.device_memory == 70 * GiB and c.host_memory == 10**11
+    assert c.pins == KnobPins(chunk_size=64 * MiB, n_persist=3)
+    assert c.memory_margin == 0.05 and c.chunk_sizes == (32 * MiB, 128 * MiB)
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"device_memroy": "1GB"}, ["protrain.device_memroy", "did you mean 'device_memory'"]),
+    ({"pins": {"n_persists": 1}}, ["protrain.pins.n_persists", "n_persist"]),
+    ({"device_memory": "-4GB"}, ["protrain.device_memory", "negative"]),
+    ({"host_memory": "much"}, ["protrain.host_memory", "64MiB"]),
+    ({"n_buffer": -1}, ["protrain.n_buffer", "-1", "auto"]),
+    ({"n_swap": 1.5}, ["protrain.n_swap", "1.5"]),
+    ({"memory_margin": 2}, ["protrain.memory_margin", "[0, 1)"]),
+    ({"chunk_sizes": []}, ["protrain.chunk_sizes"]),
+    ({"n_persist": 1, "pins": {"n_persist": 2}}, ["given twice"]),
+])
+def test_bad_settings_name_the_key(data, words):
+    with pytest.raises(ConfigError) as e:
+        PlannerConfig.from_dict(data)
+    for w in words:
+        assert w in str(e.value)

@@ -1,0 +1,66 @@
+"""Plan value: exact JSON round trip, explain table, replay of saved knobs."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from protrain.block_mode import BlockMode, layout_block_modes, modes_string
+from protrain.config import PlannerConfig
+from protrain.plan import Plan
+from protrain.profile.analytic import PRESETS, analytic_profile
+from protrain.profile.machines import machine
+from protrain.search import InfeasibleError, evaluate, search
+from protrain.units import GiB
+
+
+@pytest.fixture(scope="module")
+def plan():
+    hw = machine("h100-80gb").profile(host_memory=128 * GiB)
+    prof = analytic_profile(replace(PRESETS["llama2-7b"], micro_batch=4), hw)
+    return search(prof, hw), prof, hw
+
+
+def test_json_round_trip_is_exact(plan, tmp_path):
+    p = plan[0]
+    p.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded == p
+    assert json.loads((tmp_path / "plan.json").read_text()) == p.to_dict()
+    assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+def test_explain_names_knobs_replaced_knobs_predictions_and_runner_ups(plan):
+    p = plan[0]
+    text = p.explain()
+    for s in ("chunk_size", "n_persist", "n_buffer", "n_checkpoint", "n_swap",
+              "offload_param", "stage3_max_live_parameters", "activation_checkpointing",
+              "--recompute-granularity", "predicted: iteration", "peak device memory",
+              "runner-ups", modes_string(p.block_modes)):
+        assert s in text, s
+    assert len(p.alternatives) == 3
+    assert all(a.iter_time >= p.prediction.iter_time for a in p.alternatives)
+
+
+def test_evaluate_replays_saved_knobs(plan):
+    p, prof, hw = plan
+    again = evaluate(prof, hw, p.knobs)
+    assert again.prediction == p.prediction
+    small = replace(hw, device_memory=20 * GiB)
+    with pytest.raises(InfeasibleError, match="re-plan"):
+        evaluate(prof, small, p.knobs, check_fit=True)
+
+
+def test_block_layout_rule():
+    # swap first, checkpoint interleaved over the rest, last block kept
+    assert modes_string(layout_block_modes(8, 2, 3)) == "SSCNCNCN"
+    assert modes_string(layout_block_modes(4, 0, 4)) == "CCCC"
+    assert layout_block_modes(3, 0, 0) == (BlockMode.NONE,) * 3
+    with pytest.raises(ValueError):
+        layout_block_modes(3, 2, 2)
+
+
+def test_plan_rejects_modes_that_do_not_match_the_knobs(plan):
+    p = plan[0]
+    with pytest.raises(ValueError, match="layout rule"):
+        replace(p, block_modes=tuple(reversed(p.block_modes)) if p.knobs.n_swap else
+                (BlockMode.SWAP,) + p.block_modes[1:])
