@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .block_mode import BlockMode, layout_block_modes, modes_string
-from .serde import dump_json, from_jsonable, load_json, to_jsonable
+from .serde import JsonValue
 from .units import fmt_bytes, fmt_seconds
 
 
@@ -78,7 +78,7 @@ class Alternative:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(JsonValue):
     knobs: Knobs
     block_modes: tuple[BlockMode, ...]
     chunks: ChunkSummary
@@ -109,20 +109,6 @@ class Plan:
             raise ValueError("Plan.block_modes do not follow the layout rule for "
                              f"n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint}")
 
-    # ---- persistence --------------------------------------------------------------------
-    def to_dict(self) -> dict:
-        return to_jsonable(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Plan":
-        return from_jsonable(cls, data)
-
-    def save(self, path) -> None:
-        dump_json(self, path)
-
-    @classmethod
-    def load(cls, path) -> "Plan":
-        return load_json(cls, path)
 
     # ---- explanation ----------------------------------------------------------------------
     def explain(self) -> str:

@@ -71,3 +71,23 @@ def dump_json(obj: Any, path: str | Path) -> None:
 
 def load_json(tp: type[T], path: str | Path) -> T:
     return from_jsonable(tp, json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+class JsonValue:
+    """Mixin for frozen dataclasses saved as JSON: to_dict / from_dict / save / load."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict:
+        return to_jsonable(self)
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict) -> T:
+        return from_jsonable(cls, data)
+
+    def save(self, path: str | Path) -> None:
+        dump_json(self, path)
+
+    @classmethod
+    def load(cls: type[T], path: str | Path) -> T:
+        return load_json(cls, path)

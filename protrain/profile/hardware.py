@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from ..serde import dump_json, from_jsonable, load_json, to_jsonable
+from ..serde import JsonValue
 from ..units import fmt_bytes
 
 
 @dataclass(frozen=True, slots=True)
-class HardwareProfile:
+class HardwareProfile(JsonValue):
     """One device (the one a rank trains on) and its host."""
 
     name: str
@@ -54,16 +54,3 @@ class HardwareProfile:
                 f"{self.d2h_bandwidth / 1e9:.1f} GB/s, device Adam {self.gpu_adam_rate / 1e9:.2f} "
                 f"Gparam/s, CPU Adam {self.cpu_adam_rate / 1e9:.2f} Gparam/s")
 
-    def to_dict(self) -> dict:
-        return to_jsonable(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "HardwareProfile":
-        return from_jsonable(cls, data)
-
-    def save(self, path) -> None:
-        dump_json(self, path)
-
-    @classmethod
-    def load(cls, path) -> "HardwareProfile":
-        return load_json(cls, path)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..serde import dump_json, from_jsonable, load_json, to_jsonable
+from ..serde import JsonValue
 
 PartKind = Literal["pre", "block", "post"]
 
@@ -82,7 +82,7 @@ class OpRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelProfile:
+class ModelProfile(JsonValue):
     """Everything the cost models need to know about the model and its batch."""
 
     name: str
@@ -137,20 +137,6 @@ class ModelProfile:
                 f"({self.param_bytes}-byte), micro-batch {self.micro_batch}, seq {self.seq_len}, "
                 f"{self.source} on {self.device}")
 
-    # ---- persistence ---------------------------------------------------------------------
-    def to_dict(self) -> dict:
-        return to_jsonable(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "ModelProfile":
-        return from_jsonable(cls, data)
-
-    def save(self, path) -> None:
-        dump_json(self, path)
-
-    @classmethod
-    def load(cls, path) -> "ModelProfile":
-        return load_json(cls, path)
 
     def __post_init__(self) -> None:
         kinds = [p.kind for p in self.parts]

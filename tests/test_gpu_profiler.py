@@ -1,0 +1,77 @@
+"""CUDA-only: the allocator-based profile, per-op records, streaming and the probe on a GPU."""
+import functools
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from protrain.block_mode import layout_block_modes
+from protrain.cost.memory import activation_walk
+from protrain.models import GPT, GPTConfig, synthetic_batch
+from protrain.profile.probe import probe_hardware
+from protrain.profile.tracer import profile_model
+
+pytestmark = pytest.mark.gpu
+
+CFG = GPTConfig(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, block_size=256)
+
+
+def _peak_with_modes(model, x, y, modes):
+    blocks = model.transformer.h
+    saved = [b.forward for b in blocks]
+    for b, m in zip(blocks, modes):
+        if m.value == "ckpt":
+            b.forward = functools.partial(lambda f, *a: checkpoint(f, *a, use_reentrant=False), b.forward)
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+             for p in model.parameters()]
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model(x, y).backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    finally:
+        for h in hooks:
+            h.remove()
+        for b, f in zip(blocks, saved):
+            b.forward = f
+
+
+def test_cuda_profile_records_ops_and_predicts_the_measured_peak():
+    torch.manual_seed(0)
+    model = GPT(CFG).cuda().to(torch.bfloat16)
+    x, y = synthetic_batch(CFG, 4, device="cuda")
+    prof = profile_model(model, lambda m: m(x, y), progress=False)
+    assert prof.device.startswith("cuda") and prof.param_bytes == 2
+    assert prof.ops and all(op.intra_peak >= 0 for op in prof.ops)
+    assert {op.phase for op in prof.ops} == {"fwd", "bwd"}
+    for n_ckpt in (0, 2, 4):
+        modes = layout_block_modes(CFG.n_layer, 0, n_ckpt)
+        predicted = activation_walk(prof, np.array([[m.code for m in modes]]))[0][0]
+        measured = _peak_with_modes(model, x, y, modes)
+        assert predicted == pytest.approx(measured, rel=0.05), n_ckpt
+
+
+def test_streaming_profiles_a_model_kept_on_the_host():
+    torch.manual_seed(0)
+    model = GPT(CFG).to(torch.bfloat16)                 # parameters stay on the CPU
+    x, y = synthetic_batch(CFG, 4, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    prof = profile_model(model, lambda m: m(x, y), device="cuda", progress=False)
+    block_bytes = sum(p.numel() * 2 for p in model.transformer.h[0].parameters())
+    other_bytes = sum(p.numel() * 2 for n, p in model.named_parameters() if ".h." not in n)
+    # at most one block's parameters (plus the non-block ones) were ever on the device
+    assert torch.cuda.max_memory_allocated() - base <= \
+        other_bytes + 2 * block_bytes + prof.activation_peak_keep_all() * 1.2
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert prof.n_blocks == CFG.n_layer and all(b.saved_bytes > 0 for b in prof.blocks)
+
+
+def test_probe_on_the_gpu(tmp_path):
+    hw = probe_hardware(cache_dir=tmp_path, size_mib=64, adam_params=2**22, progress=False)
+    assert hw.device_type == "cuda" and hw.h2d_bandwidth > 1e9 and hw.d2h_bandwidth > 1e9
+    assert hw.gpu_adam_rate > hw.cpu_adam_rate > 0
+    assert 0 < hw.device_memory <= torch.cuda.get_device_properties(0).total_memory
