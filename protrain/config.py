@@ -61,6 +61,15 @@ class PlannerConfig:
     """Knobs fixed by the user."""
     runner_ups: int = 3
     """How many runner-up plans ``explain()`` lists."""
+    grad_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (set by the framework adapter from the training
+    config). Above 1, offloaded chunks need an fp32 gradient accumulator on the host and the
+    search minimises the time of a whole optimizer step."""
+    cpu_optim_overlap: bool = True
+    """Whether CPU Adam may update a chunk as soon as its gradient is on the host, overlapping
+    the rest of backward (set by the adapter). Gradient clipping and fp16 loss scaling need
+    every gradient first (the global norm, the overflow check), so then CPU Adam runs after
+    backward."""
 
     # ---- strict construction from user dicts -------------------------------------------
     @classmethod
@@ -95,6 +104,17 @@ class PlannerConfig:
                 raise ConfigError(f"{where}.chunk_sizes = {v!r}: must be a non-empty list of sizes, "
                                   f"e.g. [\"32MiB\", \"64MiB\"]")
             kwargs["chunk_sizes"] = tuple(_size(x, f"{where}.chunk_sizes", positive=True) for x in v)
+        for key in ("grad_accumulation_steps",):
+            if key in data:
+                v = data[key]
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number >= 1")
+                kwargs[key] = v
+        if "cpu_optim_overlap" in data:
+            if not isinstance(data["cpu_optim_overlap"], bool):
+                raise ConfigError(f"{where}.cpu_optim_overlap = {data['cpu_optim_overlap']!r}: must be "
+                                  f"true or false")
+            kwargs["cpu_optim_overlap"] = data["cpu_optim_overlap"]
         if "runner_ups" in data:
             v = data["runner_ups"]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

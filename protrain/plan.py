@@ -34,7 +34,14 @@ class Prediction:
     """What the cost models predict for a plan (seconds, bytes)."""
 
     iter_time: float
-    """One training iteration (forward, backward, optimizer) of one micro-batch."""
+    """One training iteration (forward, backward, optimizer) of one micro-batch: the micro-step
+    at the gradient accumulation boundary."""
+    step_time: float
+    """One optimizer step: iter_time plus (grad_accumulation_steps - 1) micro_step_time. This is
+    what the search minimises."""
+    micro_step_time: float
+    """A micro-step that only accumulates gradients (equals iter_time without accumulation)."""
+    grad_accumulation_steps: int
     fwd_time: float
     bwd_time: float
     gpu_optim_time: float
@@ -142,6 +149,10 @@ class Plan(JsonValue):
         out += [f"  {a:<{w0}}  {b:<{w1}}  {m:<{w2}}  {r}" for a, b, m, r in rows]
         out.append(f"  block modes (N keep, C checkpoint, S swap): {modes_string(self.block_modes)}")
         budget = self.device_memory
+        if p.grad_accumulation_steps > 1:
+            out.append(f"  predicted optimizer step {fmt_seconds(p.step_time)} = "
+                       f"{p.grad_accumulation_steps - 1} x {fmt_seconds(p.micro_step_time)} "
+                       f"accumulating + the boundary micro-step below")
         out.append(
             f"  predicted: iteration {fmt_seconds(p.iter_time)} (forward {fmt_seconds(p.fwd_time)}, "
             f"backward {fmt_seconds(p.bwd_time)}, device Adam {fmt_seconds(p.gpu_optim_time)}, "

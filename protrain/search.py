@@ -18,8 +18,7 @@ import numpy as np
 from .block_mode import layout_block_modes
 from .config import PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
-from .cost.memory import (activation_walk, host_bytes_per_element, persistent_bytes_per_element,
-                          predict_memory, swap_host_bytes)
+from .cost.memory import activation_walk, predict_memory, state_bytes, swap_host_bytes
 from .cost.runtime import chunk_transfer_times, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
 from .profile.hardware import HardwareProfile
@@ -98,11 +97,11 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     layout = build_layout(profile, chunk_numel)
     pins = config.pins
     nch = layout.n_chunks
-    w = profile.param_bytes
+    sb = _state_bytes(profile, config)
     prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
-    persist = prefix * persistent_bytes_per_element(w)
-    host_state = (prefix[-1] - prefix) * host_bytes_per_element(w)
-    buf = layout.chunk_bytes
+    persist = prefix * sb.persistent
+    host_state = (prefix[-1] - prefix) * sb.host
+    buf = layout.chunk_numel * sb.buffer
     nbmin_table = layout.min_buffers_table()
 
     lo = layout.min_persist
@@ -138,7 +137,8 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     ok = dev_ok & host_ok
     a_idx, np_idx, nb, nbmin, peak, host = (x[ok] for x in (a_idx, np_idx, nb, nbmin, peak, host))
 
-    # Lower bound on iteration time: each resource alone (see cost.runtime for the queues).
+    # Lower bound on the time of an optimizer step: each resource alone (see cost.runtime
+    # for the queues), for the boundary micro-step and for the (gas - 1) others.
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw)
     up_suffix = np.concatenate([np.cumsum(t_up[::-1])[::-1], [0.0]])      # sum_{c>=n} t_up
     down_suffix = np.concatenate([np.cumsum(t_down[::-1])[::-1], [0.0]])
@@ -150,14 +150,31 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     fwd_lb = np.maximum(fwd_compute, up_suffix[np_idx])
     reup = up_suffix[np_idx] - up_suffix[np.maximum(nch - nb, np_idx)]
     bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / hw.h2d_bandwidth)
-    lb = fwd_lb + np.maximum(bwd_lb + gpu, np.maximum(adam_suffix[np_idx], down_suffix[np_idx]))
+    adam = adam_suffix[np_idx]
+    if config.cpu_optim_overlap:
+        cpu_lb = np.maximum(adam, down_suffix[np_idx])
+    else:
+        cpu_lb = bwd_lb + adam
+    lb = fwd_lb + np.maximum(bwd_lb + gpu, cpu_lb)
+    if config.grad_accumulation_steps > 1:
+        lb = lb + (config.grad_accumulation_steps - 1) * (
+            fwd_lb + np.maximum(bwd_lb, down_suffix[np_idx]))
     return _Grid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb)
 
 
-def _simulate_points(profile, hw, acts, grid: _Grid, idx: np.ndarray, n_buffer=None) -> np.ndarray:
+def _state_bytes(profile: ModelProfile, config: PlannerConfig):
+    return state_bytes(profile.param_bytes, config.grad_accumulation_steps > 1)
+
+
+def _simulate_points(profile, hw, config, acts, grid: _Grid, idx: np.ndarray,
+                     n_buffer=None) -> np.ndarray:
+    """Time of one optimizer step: the boundary micro-step plus the others, if any."""
     nb = grid.n_buffer[idx] if n_buffer is None else n_buffer
-    return simulate(profile, grid.layout, hw, grid.n_persist[idx], nb,
-                    acts.codes[grid.a[idx]]).iter_time
+    args = (profile, grid.layout, hw, grid.n_persist[idx], nb, acts.codes[grid.a[idx]])
+    t = simulate(*args, cpu_overlap=config.cpu_optim_overlap).iter_time
+    if config.grad_accumulation_steps > 1:
+        t = t + (config.grad_accumulation_steps - 1) * simulate(*args, optimizer_step=False).iter_time
+    return t
 
 
 def search(profile: ModelProfile, hw: HardwareProfile,
@@ -198,7 +215,7 @@ def search(profile: ModelProfile, hw: HardwareProfile,
         take = cand[np.argsort(lbs[cand], kind="stable")[:_BATCH]]
         for gi in np.unique(owner[take]):
             sel = take[owner[take] == gi]
-            times[sel] = _simulate_points(profile, hw, acts, grids[gi], local[sel])
+            times[sel] = _simulate_points(profile, hw, config, acts, grids[gi], local[sel])
         pending[take] = False
         evaluated += len(take)
         best = min(best, times[take].min())
@@ -217,12 +234,13 @@ def search(profile: ModelProfile, hw: HardwareProfile,
                 continue
             idx = np.array([local[i] for i, _ in rows])
             nbs = np.array([nb for _, nb in rows])
-            t = _simulate_points(profile, hw, acts, g, idx, n_buffer=nbs)
+            t = _simulate_points(profile, hw, config, acts, g, idx, n_buffer=nbs)
             evaluated += len(rows)
             for (i, nb), ti in zip(rows, t):
                 if ti == best and (i not in refined or nb < refined[i][0]):
                     j = local[i]
-                    refined[i] = (nb, int(g.peak[j] - (g.n_buffer[j] - nb) * g.layout.chunk_bytes))
+                    refined[i] = (nb, int(g.peak[j] - (g.n_buffer[j] - nb) * g.layout.chunk_numel
+                                          * _state_bytes(profile, config).buffer))
 
     def knobs_of(i: int) -> Knobs:
         g, j = grids[owner[i]], local[i]
@@ -268,9 +286,14 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     if knobs.n_buffer < nb_min:
         raise InfeasibleError(f"n_buffer={knobs.n_buffer} is below {nb_min}, the chunks one block "
                               f"spans with n_persist={knobs.n_persist}; use at least {nb_min}")
-    mem = predict_memory(profile, layout, knobs.n_persist, knobs.n_buffer, modes)
-    t = simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer,
-                 np.array([[m.code for m in modes]], dtype=np.int8))
+    mem = predict_memory(profile, layout, knobs.n_persist, knobs.n_buffer, modes,
+                         _state_bytes(profile, config))
+    codes = np.array([[m.code for m in modes]], dtype=np.int8)
+    t = simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
+                 cpu_overlap=config.cpu_optim_overlap)
+    gas = config.grad_accumulation_steps
+    micro = float(simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
+                           optimizer_step=False).iter_time[0]) if gas > 1 else float(t.iter_time[0])
     if check_fit:
         need = mem.peak_device_bytes * (1 + config.memory_margin)
         if need > hw.device_memory or mem.host_bytes > hw.host_memory:
@@ -281,7 +304,9 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
                 device_needed=int(need), host_needed=mem.host_bytes)
     f = lambda a: float(a[0])  # noqa: E731
     pred = Prediction(
-        iter_time=f(t.iter_time), fwd_time=f(t.fwd_time), bwd_time=f(t.bwd_time),
+        iter_time=f(t.iter_time), step_time=f(t.iter_time) + (gas - 1) * micro,
+        micro_step_time=micro, grad_accumulation_steps=gas,
+        fwd_time=f(t.fwd_time), bwd_time=f(t.bwd_time),
         gpu_optim_time=f(t.gpu_optim_time), cpu_optim_time=f(t.cpu_optim_time),
         cpu_optim_exposed=f(t.cpu_optim_exposed), peak_device_bytes=mem.peak_device_bytes,
         model_state_bytes=mem.model_state_bytes, activation_peak_bytes=mem.activation_peak_bytes,
@@ -305,12 +330,12 @@ def _leanest(profile, config, acts, caps, host_memory) -> tuple[float, float]:
     best = (np.inf, np.inf)
     for cap in caps:
         layout = build_layout(profile, cap)
-        w = profile.param_bytes
+        sb = _state_bytes(profile, config)
         prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
         nps = np.arange(layout.min_persist, layout.n_chunks + 1)
-        states = prefix[nps] * persistent_bytes_per_element(w) + \
-            layout.min_buffers_table()[nps] * layout.chunk_bytes
-        host = (prefix[-1] - prefix[nps]) * host_bytes_per_element(w)
+        states = prefix[nps] * sb.persistent + \
+            layout.min_buffers_table()[nps] * layout.chunk_numel * sb.buffer
+        host = (prefix[-1] - prefix[nps]) * sb.host
         peak = states[None, :] + acts.act_peak[:, None]
         ok = host[None, :] + acts.swap_host[:, None] <= host_memory
         if ok.any():
@@ -339,7 +364,7 @@ def _infeasible(profile, hw, config, budget, stats, acts, caps) -> InfeasibleErr
         need = int(stats["host_needed"])
         return InfeasibleError(
             f"host memory too small: the offloaded model states "
-            f"({host_bytes_per_element(profile.param_bytes)} bytes per offloaded parameter) "
+            f"({_state_bytes(profile, config).host} bytes per offloaded parameter) "
             f"need at least {fmt_bytes(need)} of host memory, but {fmt_bytes(hw.host_memory)} is "
             f"available. Add host memory (or raise protrain.host_memory / --host-memory if the "
             f"machine has more), shard the states over more data-parallel ranks, or train a "
@@ -353,7 +378,7 @@ def _infeasible(profile, hw, config, budget, stats, acts, caps) -> InfeasibleErr
     unbounded, _ = _leanest(profile, config, acts, caps, np.inf)
     if unbounded * (1 + margin) <= hw.device_memory:
         msg += (f" With more host memory it would fit: offloading every chunk needs "
-                f"{fmt_bytes(_host_all(profile))} of host memory.")
+                f"{fmt_bytes(profile.total_params * _state_bytes(profile, config).host)} of host memory.")
     fit = None
     act = need - states
     mb = profile.micro_batch
@@ -374,6 +399,3 @@ def _infeasible(profile, hw, config, budget, stats, acts, caps) -> InfeasibleErr
                 f"more host memory, or shard over more data-parallel ranks.")
     return InfeasibleError(msg, device_needed=device_needed, micro_batch_fit=fit if fit else None)
 
-
-def _host_all(profile: ModelProfile) -> int:
-    return profile.total_params * host_bytes_per_element(profile.param_bytes)

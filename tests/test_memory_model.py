@@ -3,9 +3,9 @@ import numpy as np
 
 from protrain.block_mode import CKPT, NONE, SWAP, BlockMode
 from protrain.cost.layout import build_layout
-from protrain.cost.memory import (activation_walk, host_bytes_per_element,
-                                  model_state_device_bytes, model_state_host_bytes,
-                                  persistent_bytes_per_element, predict_memory, swap_host_bytes)
+from protrain.cost.memory import (activation_walk, model_state_device_bytes,
+                                  model_state_host_bytes, predict_memory, state_bytes,
+                                  swap_host_bytes)
 from protrain.profile.model_profile import ModelProfile, ParamRecord
 
 from conftest import chain_profile, part
@@ -59,28 +59,36 @@ def test_swap_host_bytes():
 
 
 def test_state_bytes_per_element():
-    # bf16: param 2 + grad 2 + fp32 master 4 + Adam m, v 8 on the device; host: 12 + shared 2.
-    assert persistent_bytes_per_element(2) == 16 and host_bytes_per_element(2) == 14
-    # fp32: param 4 (is the master) + grad 4 + m, v 8; host: master, m, v, grad landing.
-    assert persistent_bytes_per_element(4) == 16 and host_bytes_per_element(4) == 16
+    # bf16: param 2 + fp32 grad 4 + fp32 master 4 + Adam m, v 8 on the device; on the host
+    # master + m + v 12 and one bf16 region shared by the upload copy and the gradients...
+    assert state_bytes(2) == state_bytes(2, False)
+    assert (state_bytes(2).persistent, state_bytes(2).buffer, state_bytes(2).host) == (18, 2, 14)
+    # ...unless micro-batches accumulate: then an fp32 accumulator of its own.
+    assert state_bytes(2, grad_accumulation=True).host == 18
+    # fp32: param 4 (is the master) + grad 4 + m, v 8; host: master (upload source), m, v and
+    # a 4-byte gradient landing / accumulation region.
+    assert (state_bytes(4).persistent, state_bytes(4).buffer, state_bytes(4).host) == (16, 4, 16)
+    assert state_bytes(4, grad_accumulation=True).host == 16
 
 
 def test_model_state_bytes_from_the_layout():
     prof = chain_profile(block_params=(100, 60), pre_params=30, param_bytes=2)
     layout = build_layout(prof, 100)           # chunks: [30], [100], [60]
     assert layout.used == (30, 100, 60) and layout.chunk_bytes == 200
-    # 2 persistent chunks (130 elements x 16) + 1 buffer of 100 elements x 2 bytes
-    assert int(model_state_device_bytes(layout, 2, 1, 2)) == 130 * 16 + 200
-    assert int(model_state_host_bytes(layout, 2, 2)) == 60 * 14
-    assert int(model_state_host_bytes(layout, 0, 2)) == 190 * 14
+    sb = state_bytes(2)
+    # 2 persistent chunks (130 elements x 18) + 1 buffer of 100 elements x 2 bytes
+    assert int(model_state_device_bytes(layout, 2, 1, sb)) == 130 * 18 + 200
+    assert int(model_state_host_bytes(layout, 2, sb)) == 60 * 14
+    assert int(model_state_host_bytes(layout, 0, sb)) == 190 * 14
+    assert int(model_state_host_bytes(layout, 0, state_bytes(2, True))) == 190 * 18
 
 
 def test_predict_memory_adds_states_and_walk_and_names_the_peak():
     prof = walk_profile()
     layout = build_layout(prof, 10)
     m = predict_memory(prof, layout, 1, 2, (BlockMode.CKPT, BlockMode.NONE))
-    assert m.model_state_bytes == 10 * 16 + 2 * 20
+    assert m.model_state_bytes == 10 * 18 + 2 * 20
     assert m.activation_peak_bytes == 55
-    assert m.peak_device_bytes == 10 * 16 + 40 + 55
+    assert m.peak_device_bytes == 10 * 18 + 40 + 55
     assert m.peak_at == "backward of <post>"
     assert m.host_bytes == 20 * 14

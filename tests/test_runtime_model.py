@@ -13,9 +13,9 @@ from protrain.cost.runtime import simulate
 from conftest import chain_profile, slow_link
 
 
-def run(profile, n_persist, n_buffer, modes):
+def run(profile, n_persist, n_buffer, modes, **kw):
     layout = build_layout(profile, 100)
-    t = simulate(profile, layout, slow_link(), n_persist, n_buffer, np.array([modes]))
+    t = simulate(profile, layout, slow_link(), n_persist, n_buffer, np.array([modes]), **kw)
     return {k: float(getattr(t, k)[0]) for k in t.__dataclass_fields__}
 
 
@@ -107,3 +107,18 @@ def test_swap_out_throttles_forward_to_one_block_in_flight():
 def test_offloaded_chunks_need_a_buffer(nb):
     with pytest.raises(ValueError):
         run(chain_profile(), 1, nb, [NONE, NONE])
+
+
+def test_cpu_adam_after_backward_when_it_cannot_overlap():
+    # As test_one_buffer_...: backward ends at 85; grads of chunk 2 on the host at 58, of
+    # chunk 1 at 88. CPU Adam may only start after backward (85): chunk 2 85-89, chunk 1
+    # 89-93 (waits for its grads at 88 and for the CPU).
+    t = run(chain_profile(), 1, 1, [NONE, NONE], cpu_overlap=False)
+    assert t["iter_time"] == 93 and t["cpu_optim_time"] == 8
+
+
+def test_accumulation_micro_step_has_no_optimizer():
+    t = run(chain_profile(), 1, 1, [NONE, NONE], optimizer_step=False)
+    # backward ends at 85; no device Adam, no CPU Adam
+    assert t["iter_time"] == 85 and t["gpu_optim_time"] == 0 and t["cpu_optim_time"] == 0
+    assert t["d2h_bytes"] == 2 * 400  # gradients still leave the device to be accumulated

@@ -31,36 +31,48 @@ from .layout import ChunkLayout
 
 
 # ---- model states ----------------------------------------------------------------------
-def persistent_bytes_per_element(param_bytes: int) -> int:
-    """Device bytes per element of a persistent chunk: the parameter and its gradient in the
-    training dtype, an fp32 master copy when training in 16 bits, Adam's m and v in fp32.
-    16 bytes for both bf16 and fp32 training."""
-    return 2 * param_bytes + (4 if param_bytes < 4 else 0) + 8
+@dataclass(frozen=True, slots=True)
+class StateBytes:
+    """Bytes per parameter element of the model states, where they live (what the chunk
+    runtime allocates; see protrain.runtime.chunks)."""
+
+    persistent: int
+    """Device bytes per element of a persistent chunk: the parameter in the training dtype,
+    its gradient in fp32 (the device Adam consumes fp32 gradients, and micro-batches
+    accumulate in fp32 as DeepSpeed does), the fp32 master copy when training in 16 bits,
+    and Adam's m and v in fp32. 18 bytes in bf16/fp16, 16 in fp32."""
+    buffer: int
+    """Device bytes per element of a chunk buffer: the parameters in the training dtype; once a
+    chunk's backward is done its gradients overwrite them in place (the master is on the host)."""
+    host: int
+    """Pinned host bytes per element of an offloaded chunk: fp32 master, Adam m and v (12),
+    plus, in 16-bit training, the parameters in the training dtype (the upload source).
+    Without gradient accumulation the gradients land in that same region: a chunk's backward
+    upload always precedes its gradients, and CPU Adam consumes them slice by slice and writes
+    the updated parameters back in their place (14 bytes in bf16; fp32 needs its own 4-byte
+    landing region, since its master is the upload source: 16). With accumulation the
+    gradients need an fp32 accumulator of their own (18 in bf16, 16 in fp32)."""
 
 
-def host_bytes_per_element(param_bytes: int) -> int:
-    """Pinned host bytes per element of an offloaded chunk: fp32 master, Adam m and v, and one
-    region in the training dtype that serves as both the upload source of the parameters and
-    the landing buffer of the gradients. Sharing is safe because a chunk's backward upload
-    always precedes its gradients, and CPU Adam consumes the gradient slice by slice, writing
-    the updated parameters back in its place. 14 bytes for 16-bit training; 16 for fp32."""
-    return 12 + param_bytes
+def state_bytes(param_bytes: int, grad_accumulation: bool = False) -> StateBytes:
+    half = param_bytes < 4
+    host = 12 + (param_bytes if half else 0) + (4 if grad_accumulation or not half else 0)
+    return StateBytes(persistent=param_bytes + 4 + (4 if half else 0) + 8,
+                      buffer=param_bytes, host=host)
 
 
-def model_state_device_bytes(layout: ChunkLayout, n_persist, n_buffer, param_bytes: int):
-    """Persistent chunks (exact size) + n_buffer buffers of one chunk capacity each. A buffer
-    holds a chunk's parameters, then its gradients in place once the chunk's backward is done
-    (the master copy is on the host, so the parameters are no longer needed)."""
+def model_state_device_bytes(layout: ChunkLayout, n_persist, n_buffer, sb: StateBytes):
+    """Persistent chunks (exact size) + n_buffer buffers of one chunk capacity each."""
     prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
     n_persist = np.asarray(n_persist)
-    return (prefix[n_persist] * persistent_bytes_per_element(param_bytes)
-            + np.asarray(n_buffer, dtype=np.int64) * layout.chunk_bytes)
+    return (prefix[n_persist] * sb.persistent
+            + np.asarray(n_buffer, dtype=np.int64) * layout.chunk_numel * sb.buffer)
 
 
-def model_state_host_bytes(layout: ChunkLayout, n_persist, param_bytes: int):
+def model_state_host_bytes(layout: ChunkLayout, n_persist, sb: StateBytes):
     """Exact-size pinned host memory for the non-persistent chunks' states."""
     prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
-    return (prefix[-1] - prefix[np.asarray(n_persist)]) * host_bytes_per_element(param_bytes)
+    return (prefix[-1] - prefix[np.asarray(n_persist)]) * sb.host
 
 
 # ---- activations ----------------------------------------------------------------------
@@ -128,12 +140,13 @@ class MemoryPrediction:
 
 
 def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n_buffer: int,
-                   modes: tuple[BlockMode, ...]) -> MemoryPrediction:
+                   modes: tuple[BlockMode, ...], sb: StateBytes | None = None) -> MemoryPrediction:
+    sb = sb or state_bytes(profile.param_bytes)
     codes = np.array([[m.code for m in modes]], dtype=np.int8)
     act, where = activation_walk(profile, codes)
-    states = int(model_state_device_bytes(layout, n_persist, n_buffer, profile.param_bytes))
+    states = int(model_state_device_bytes(layout, n_persist, n_buffer, sb))
     swap = int(swap_host_bytes(profile, codes)[0])
-    host = int(model_state_host_bytes(layout, n_persist, profile.param_bytes)) + swap
+    host = int(model_state_host_bytes(layout, n_persist, sb)) + swap
     w = int(where[0])
     peak_at = f"{'forward' if w % 2 == 0 else 'backward'} of {profile.parts[w // 2].name}"
     return MemoryPrediction(
@@ -141,6 +154,6 @@ def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n
         activation_peak_bytes=int(act[0]), peak_at=peak_at, host_bytes=host, swap_host_bytes=swap)
 
 
-__all__ = ["persistent_bytes_per_element", "host_bytes_per_element", "model_state_device_bytes",
+__all__ = ["StateBytes", "state_bytes", "model_state_device_bytes",
            "model_state_host_bytes", "activation_walk", "swap_host_bytes", "MemoryPrediction",
            "predict_memory", "NONE", "CKPT", "SWAP"]

@@ -67,8 +67,13 @@ def chunk_transfer_times(layout: ChunkLayout, profile: ModelProfile, hw: Hardwar
 
 
 def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist,
-             n_buffer, block_modes) -> TimePrediction:
-    """Simulate K plans at once: n_persist[K], n_buffer[K], block_modes[K, n_blocks] (codes)."""
+             n_buffer, block_modes, *, optimizer_step: bool = True,
+             cpu_overlap: bool = True) -> TimePrediction:
+    """Simulate K plans at once: n_persist[K], n_buffer[K], block_modes[K, n_blocks] (codes).
+
+    ``optimizer_step=False`` simulates a micro-step that only accumulates gradients (no Adam
+    on either side). ``cpu_overlap=False`` starts CPU Adam only once backward is over (the
+    global gradient norm or the fp16 overflow check needs every gradient first)."""
     modes = part_modes(profile, block_modes)
     k_plans = modes.shape[0]
     npers = np.broadcast_to(np.asarray(n_persist, dtype=np.int64), (k_plans,))
@@ -134,6 +139,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     swap_in_end = np.zeros((k_plans, len(parts)))
     cpu = zeros.copy()
     cpu_busy = zeros.copy()
+    deferred: list[tuple[int, np.ndarray, np.ndarray]] = []  # (chunk, offloaded?, grads on host at)
     next_chunk = n_chunks - 1                  # next chunk (descending) whose upload to issue
     for p in range(len(parts) - 1, -1, -1):
         part = parts[p]
@@ -174,18 +180,25 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             d_end = np.maximum(d2h, comp) + t_down[c]
             d2h = np.where(offl, d_end, d2h)
             grad_out[:, c] = np.where(offl, d_end, comp)
-            c_end = np.maximum(cpu, d_end) + t_adam[c]
-            cpu = np.where(offl, c_end, cpu)
-            cpu_busy += np.where(offl, t_adam[c], 0.0)
             d2h_bytes += np.where(offl, layout.used[c] * profile.param_bytes, 0)
+            if optimizer_step and cpu_overlap:
+                c_end = np.maximum(cpu, d_end) + t_adam[c]
+                cpu = np.where(offl, c_end, cpu)
+                cpu_busy += np.where(offl, t_adam[c], 0.0)
+            elif optimizer_step:
+                deferred.append((c, offl, d_end))
     bwd_end = comp
     if np.isnan(bwd_end).any():
         # A buffer was reused before its chunk was done with: n_buffer is below
         # layout.min_buffers(n_persist), which callers must not ask for.
         raise ValueError("n_buffer too small for this chunk layout (see ChunkLayout.min_buffers)")
 
+    for c, offl, d_end in deferred:
+        c_end = np.maximum(np.maximum(cpu, d_end), bwd_end) + t_adam[c]
+        cpu = np.where(offl, c_end, cpu)
+        cpu_busy += np.where(offl, t_adam[c], 0.0)
     prefix = np.concatenate([[0], np.cumsum(layout.used)])
-    gpu_optim = prefix[npers] / hw.gpu_adam_rate
+    gpu_optim = prefix[npers] / hw.gpu_adam_rate if optimizer_step else np.zeros(k_plans)
     device_end = bwd_end + gpu_optim
     iter_time = np.maximum(device_end, cpu)
     return TimePrediction(

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..runtime.boundaries import part_boundaries
 from .blocks import find_blocks
 from .meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from .model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
@@ -245,20 +246,24 @@ class _Tracer:
         self.rng.restore()
         marks: list[tuple[str, int, object]] = []
 
-        def boundary(phase: str, part: int, load: int | None = None, unload: int | None = None):
-            # Stream first, then mark, so copies are not timed as compute.
+        n_blocks = len(self.blocks)
+
+        def boundary(phase: str, part: int, x: torch.Tensor | None = None):
+            # Stream first, then mark, so copies are not timed as compute. Entering a part
+            # releases the block just left and brings in the one entered.
             if self.streamer is not None:
                 if self.registry is not None:
                     self.registry.paused = True
-                if unload is not None:
-                    self.streamer.unload(unload)
-                if load is not None:
-                    self.streamer.load(load)
+                left = part - 1 if phase == "fwd" else part + 1
+                if 1 <= left <= n_blocks:
+                    self.streamer.unload(left - 1)
+                if 1 <= part <= n_blocks:
+                    self.streamer.load(part - 1)
                 if self.registry is not None:
                     self.registry.paused = False
                 self._refresh_param_ptrs()
-            if (phase, part) == self.state and phase == "bwd":
-                return  # the same boundary seen from both sides (block i-1 out = block i in)
+            if phase == "fwd" and x is not None and stats is not None and part > 0:
+                stats[part].in_bytes = storage_bytes(x)
             self.state = (phase, part)
             if timing:
                 marks.append((phase, part, self.clock.mark()))
@@ -270,7 +275,7 @@ class _Tracer:
         self.state = ("fwd", -1)
         with ExitStack() as stack:
             if hooks:
-                stack.enter_context(self._block_hooks(boundary, stats))
+                stack.enter_context(part_boundaries(self.blocks, boundary))
             if self.streamer is not None or on_boundary is not None:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
                     *self._saved_hooks(stats if on_boundary is not None else None)))
@@ -362,47 +367,6 @@ class _Tracer:
                 self.param_of_ptr[p.untyped_storage().data_ptr()] = i
 
     # ---- hooks -------------------------------------------------------------------------
-    @contextmanager
-    def _block_hooks(self, boundary, stats):
-        """Part boundaries: forward pre/post hooks on each block; in backward, the gradient
-        of a block's output arriving (its backward starts) and of its input arriving (its
-        backward is done)."""
-        handles = []
-
-        def pre_hook(i):
-            def hook(module, args, kwargs):
-                boundary("fwd", i + 1, load=i)
-                x = _first_tensor(args, kwargs)
-                if x is not None:
-                    if stats is not None:
-                        stats[i + 1].in_bytes = storage_bytes(x)
-                    if x.requires_grad:
-                        x.register_hook(lambda g: boundary("bwd", i, load=i - 1 if i else None,
-                                                           unload=i))
-            return hook
-
-        def post_hook(i):
-            def hook(module, args, kwargs, out):
-                y = _first_tensor(out if isinstance(out, (tuple, list)) else (out,), {})
-                if y is not None and stats is not None and i == len(self.blocks) - 1:
-                    stats[i + 2].in_bytes = storage_bytes(y)
-                boundary("fwd", i + 2, unload=i)
-                if y is not None and y.requires_grad:
-                    # Block i+1 is done when this fires (its input is this output): release
-                    # it before loading block i, so one block is resident at a time.
-                    nxt = i + 1 if i + 1 < len(self.blocks) else None
-                    y.register_hook(lambda g: boundary("bwd", i + 1, load=i, unload=nxt))
-            return hook
-
-        try:
-            for i, b in enumerate(self.blocks):
-                handles.append(b.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
-                handles.append(b.register_forward_hook(post_hook(i), with_kwargs=True))
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
     def _saved_hooks(self, stats):
         """One pack/unpack pair (saved-tensor hooks do not nest) that
         - counts, per part, the distinct storages autograd saves in forward that this
@@ -469,13 +433,6 @@ def storage_bytes(t: torch.Tensor) -> int:
 
 def _clear_grad(p: torch.Tensor) -> None:
     p.grad = None
-
-
-def _first_tensor(args, kwargs) -> torch.Tensor | None:
-    for a in list(args) + list(kwargs.values()):
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            return a
-    return None
 
 
 class _RngState:
