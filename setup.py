@@ -3,7 +3,33 @@
 Install for development with ``pip install -e ".[test]"`` (pin ``torch==2.13.0`` on CPU-only
 machines so pip takes the CPU wheel instead of the CUDA build).
 """
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
+
+# The start-up hook: one line that registers a post-import hook wrapping
+# deepspeed.initialize (protrain/_autoload.py). It has to land in site-packages itself.
+PTH = "protrain-autoload.pth"
+
+
+class BuildPyWithPth(build_py):
+    """Regular installs: put the .pth at the root of the wheel (site-packages)."""
+
+    def run(self):
+        super().run()
+        self.copy_file(PTH, os.path.join(self.build_lib, PTH))
+
+
+class EditableWheelWithPth(editable_wheel):
+    """Editable installs (pip install -e .): the same .pth, added to the editable wheel."""
+
+    def _install_namespaces(self, installation_dir, pth_prefix):
+        super()._install_namespaces(installation_dir, pth_prefix)
+        shutil.copy(PTH, os.path.join(installation_dir, PTH))
+
 
 setup(
     name="protrain",
@@ -30,4 +56,5 @@ setup(
         "gds": ["kvikio-cu13==26.10.0"],
     },
     entry_points={"console_scripts": ["protrain=protrain.cli:main"]},
+    cmdclass={"build_py": BuildPyWithPth, "editable_wheel": EditableWheelWithPth},
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .block_mode import BlockMode, layout_block_modes, modes_string
+from .profile.model_profile import ParamRecord
 from .serde import JsonValue
 from .units import fmt_bytes, fmt_seconds
 
@@ -108,6 +109,17 @@ class Plan(JsonValue):
     candidates_evaluated: int = 0
     candidates_total: int = 0
     notes: tuple[str, ...] = field(default=())
+    params: tuple[ParamRecord, ...] = ()
+    """The parameters in execution order (from the profile): with them a saved plan rebuilds
+    its chunk layout without profiling again."""
+    block_saved_bytes: tuple[int, ...] = ()
+    """Bytes each block saves for backward (sizes the host arenas of swapped blocks)."""
+
+    def layout(self):
+        """The chunk layout this plan runs with."""
+        from .cost.layout import layout_of
+        return layout_of(self.params, len(self.block_modes) + 2, self.param_bytes,
+                         self.knobs.chunk_size // self.param_bytes)
 
     def __post_init__(self) -> None:
         k = self.knobs

@@ -134,6 +134,8 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     if dev_ok.any():
         need = host[dev_ok].min()
         stats["host_needed"] = min(stats.get("host_needed", need), need)
+    if pins.n_buffer is not None and len(nbmin) and not (nb >= nbmin).any():
+        stats["buffers_needed"] = min(stats.get("buffers_needed", 1 << 30), int(nbmin.min()))
     ok = dev_ok & host_ok
     a_idx, np_idx, nb, nbmin, peak, host = (x[ok] for x in (a_idx, np_idx, nb, nbmin, peak, host))
 
@@ -321,7 +323,9 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         memory_margin=config.memory_margin, param_bytes=profile.param_bytes,
         profile_source=profile.source, pinned=tuple(sorted(config.pins.pinned())),
         alternatives=tuple(alternatives), search_seconds=search_seconds,
-        candidates_evaluated=int(evaluated), candidates_total=int(total))
+        candidates_evaluated=int(evaluated), candidates_total=int(total),
+        params=profile.params if profile.source == "measured" else (),
+        block_saved_bytes=tuple(b.saved_bytes for b in profile.blocks))
 
 
 def _leanest(profile, config, acts, caps, host_memory) -> tuple[float, float]:
@@ -355,6 +359,11 @@ def _infeasible(profile, hw, config, budget, stats, acts, caps) -> InfeasibleErr
             free = search(profile, hw, replace(config, pins=KnobPins()))
         except InfeasibleError:
             free = None
+        if "buffers_needed" in stats:
+            return InfeasibleError(
+                f"pinned n_buffer={config.pins.n_buffer} is too few: with these chunks a part of the "
+                f"model spans {stats['buffers_needed']} chunks, which must be on the device together. "
+                f"Pin n_buffer >= {stats['buffers_needed']}, a larger chunk_size, or leave n_buffer on auto")
         if free is not None:
             return InfeasibleError(
                 f"no plan fits with the pinned knobs {pins}; without pins the planner finds "

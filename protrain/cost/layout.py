@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..profile.model_profile import ModelProfile
+from ..profile.model_profile import ModelProfile, ParamRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +58,18 @@ class ChunkLayout:
         return int(self.min_buffers_table()[n_persist])
 
     def min_buffers_table(self) -> np.ndarray:
-        """``min_buffers(n)`` for every n in 0..n_chunks."""
-        spans = [(min(c), max(c)) for c in self.part_chunks if c]
-        if not spans:
-            return np.zeros(self.n_chunks + 1, dtype=np.int64)
-        lo, hi = (np.array(x, dtype=np.int64)[:, None] for x in zip(*spans))
-        n = np.arange(self.n_chunks + 1, dtype=np.int64)[None, :]
-        width = np.where(hi >= n, hi - np.maximum(lo, n) + 1, 0)
-        return width.max(axis=0)
+        """``min_buffers(n)`` for every n in 0..n_chunks: the widest index range of the
+        non-persistent chunks (index >= n) any one part uses."""
+        n = np.arange(self.n_chunks + 1, dtype=np.int64)
+        out = np.zeros(self.n_chunks + 1, dtype=np.int64)
+        for chunks in self.part_chunks:
+            if not chunks:
+                continue
+            cs = np.asarray(chunks, dtype=np.int64)          # ascending
+            lo = cs[np.minimum(np.searchsorted(cs, n), len(cs) - 1)]
+            width = np.where(cs[-1] >= n, cs[-1] - lo + 1, 0)
+            out = np.maximum(out, width)
+        return out
 
 
 def chunk_capacities(profile: ModelProfile, sizes_bytes: tuple[int, ...]) -> tuple[int, ...]:
@@ -90,13 +94,19 @@ def chunk_capacities(profile: ModelProfile, sizes_bytes: tuple[int, ...]) -> tup
 
 
 def build_layout(profile: ModelProfile, chunk_numel: int) -> ChunkLayout:
-    if chunk_numel < profile.largest_param:
+    return layout_of(profile.params, len(profile.parts), profile.param_bytes, chunk_numel)
+
+
+def layout_of(params: tuple[ParamRecord, ...], n_parts: int, param_bytes: int,
+              chunk_numel: int) -> ChunkLayout:
+    """Pack ``params`` (in execution order) into chunks of ``chunk_numel`` elements."""
+    largest = max((p.numel for p in params), default=0)
+    if chunk_numel < largest:
         raise ValueError(f"chunk capacity {chunk_numel} elements is below the largest parameter "
-                         f"({profile.largest_param} elements); pick a larger chunk_size")
-    n_parts = len(profile.parts)
+                         f"({largest} elements); pick a larger chunk_size")
     param_chunk: list[int] = []
     used: list[int] = []
-    for rec in profile.params:
+    for rec in params:
         if not used or used[-1] + rec.numel > chunk_numel:
             used.append(0)
         param_chunk.append(len(used) - 1)
@@ -105,7 +115,7 @@ def build_layout(profile: ModelProfile, chunk_numel: int) -> ChunkLayout:
     # Which parts use which chunk, and how many elements of it.
     use = [dict() for _ in range(n_parts)]  # part -> {chunk: elements used}
     users: list[set[int]] = [set() for _ in used]
-    for rec, c in zip(profile.params, param_chunk):
+    for rec, c in zip(params, param_chunk):
         for p in rec.parts:
             use[p][c] = use[p].get(c, 0) + rec.numel
             users[c].add(p)
@@ -123,7 +133,7 @@ def build_layout(profile: ModelProfile, chunk_numel: int) -> ChunkLayout:
             min_persist = c + 1
     return ChunkLayout(
         chunk_numel=chunk_numel,
-        chunk_bytes=chunk_numel * profile.param_bytes,
+        chunk_bytes=chunk_numel * param_bytes,
         param_chunk=tuple(param_chunk),
         used=tuple(used),
         part_chunks=tuple(part_chunks),

@@ -144,8 +144,9 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     for p in range(len(parts) - 1, -1, -1):
         part = parts[p]
         chunks = layout.part_chunks[p]
-        # Re-uploads of the chunks this part needs first, highest index first.
-        lowest = min(chunks) if chunks else next_chunk + 1
+        # Re-uploads of the chunks this part needs first, highest index first. Chunks below
+        # min_persist (tied parameters) are persistent in every plan: never re-uploaded.
+        lowest = min((c for c in chunks if c >= layout.min_persist), default=next_chunk + 1)
         while next_chunk >= lowest:
             j = next_chunk
             offl = j >= npers

@@ -1,0 +1,58 @@
+"""Adam kernels that update flat chunk segments in place.
+
+Reused, not rewritten: DeepSpeed's CPU Adam (the C++ kernel behind DeepSpeedCPUAdam, also
+behind FusedAdam on DeepSpeed's CPU accelerator, so on CPU both give identical bits) for the
+host; torch's fused AdamW for the device; torch's own single-tensor Adam/AdamW when the user
+asked DeepSpeed for ``"torch_adam": true``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AdamHyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    bias_correction: bool
+    adamw: bool
+    """Decoupled weight decay (AdamW) rather than L2 added to the gradient (Adam)."""
+
+
+class CPUAdamKernel:
+    """DeepSpeed's vectorised CPU Adam on fp32 host tensors."""
+
+    def __init__(self, adamw: bool):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        # One tiny instance owns the C++ optimizer id (and builds the op once per machine).
+        self._owner = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], adamw_mode=adamw)
+        self._op = self._owner.ds_opt_adam
+        self._id = self._owner.opt_id
+
+    def update(self, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper) -> None:
+        self._op.adam_update(self._id, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                             h.bias_correction, master, grad, exp_avg, exp_avg_sq)
+
+
+class TorchAdamKernel:
+    """torch's Adam/AdamW: fused on CUDA, single-tensor elsewhere (what torch.optim picks for
+    CPU tensors, so results match a plain torch optimizer bit for bit)."""
+
+    def __init__(self, fused: bool):
+        self.fused = fused
+
+    def update(self, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper) -> None:
+        if not h.bias_correction:
+            raise ValueError("torch's Adam always applies bias correction; set "
+                             "\"bias_correction\": true or drop \"torch_adam\"")
+        dev = master.device if self.fused else torch.device("cpu")
+        step_t = torch.tensor(float(step - 1), dtype=torch.float32, device=dev)  # incremented inside
+        fn = torch.optim.adamw.adamw if h.adamw else torch.optim.adam.adam
+        fn([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], foreach=False,
+           fused=self.fused, amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr,
+           weight_decay=h.weight_decay, eps=h.eps, maximize=False)

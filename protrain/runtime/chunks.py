@@ -1,0 +1,306 @@
+"""Chunks of model states and the device buffers they stream through.
+
+The layout (which parameter sits where) comes from the Plan; this module allocates it:
+
+- a *persistent* chunk lives on the device: parameters (training dtype), fp32 gradients, fp32
+  master (16-bit training), Adam m and v; its parameters' ``.data`` are views into it;
+- an *offloaded* chunk lives in host memory: fp32 master, m, v and, in 16-bit training, a
+  copy of the parameters in the training dtype that is uploaded into one of ``n_buffer``
+  device buffers ahead of use. While not resident its parameters' ``.data`` are views of that
+  host copy (shapes stay right, values are the current weights); while resident, views of the
+  buffer. After the chunk's backward its buffer holds its gradients (written in place: the
+  parameters are not needed any more, the master is on the host) and is copied back.
+
+Chunk states and their legal transitions (checked on every move):
+
+    HOST -> UPLOADING -> RESIDENT -> CACHED -> RESIDENT (reused without a copy)
+                                  \\-> GRADS -> HOST  (gradients offloaded)
+    CACHED -> HOST (its buffer was taken by another chunk)
+
+No tensor is allocated in the steady-state loop: every buffer and host region is allocated
+once, here.
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .streams import Streams
+
+
+class ChunkState(enum.Enum):
+    HOST = "host"
+    UPLOADING = "uploading"
+    RESIDENT = "resident"
+    CACHED = "cached"
+    GRADS = "grads"
+
+
+_LEGAL = {
+    ChunkState.HOST: {ChunkState.UPLOADING},
+    ChunkState.UPLOADING: {ChunkState.RESIDENT},
+    ChunkState.RESIDENT: {ChunkState.CACHED, ChunkState.GRADS},
+    ChunkState.CACHED: {ChunkState.RESIDENT, ChunkState.HOST},
+    ChunkState.GRADS: {ChunkState.HOST},
+}
+
+
+@dataclass(eq=False)
+class Slot:
+    """One parameter's place in its chunk."""
+
+    param: nn.Parameter
+    name: str
+    offset: int
+    numel: int
+    group: int
+    """Index of the optimizer param group the parameter belongs to."""
+    has_grad: bool = False
+    """A gradient arrived for it in this optimizer step (parameters without one are skipped by
+    Adam, as torch and DeepSpeed optimizers skip ``grad is None``)."""
+    step: int = 0
+    """Adam steps taken (per parameter, as torch keeps them)."""
+
+    @property
+    def stop(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(eq=False)
+class Chunk:
+    index: int
+    numel: int
+    persistent: bool
+    slots: list[Slot]
+    first_part: int
+    last_part: int
+    # Device states (persistent chunks).
+    data: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    # Host states (offloaded chunks).
+    shadow: torch.Tensor | None = None
+    """Parameters in the training dtype: the upload source (and, without gradient
+    accumulation in 16-bit training, the landing region of the gradients)."""
+    grad_acc: torch.Tensor | None = None
+    """fp32 gradient landing / accumulation region (fp32 training or accumulation)."""
+    # Optimizer states (device for persistent chunks, host for offloaded ones).
+    master: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    # Residency.
+    state: ChunkState = ChunkState.HOST
+    buffer: int | None = None
+    ready: object = None
+    """Event after which the chunk's data is in its buffer."""
+    grads_on_host: object = None
+    """Event after which the chunk's gradients are on the host."""
+    grads_pending: bool = False
+    """Gradients of this micro-step still to be folded into the host states."""
+
+    def move(self, new: ChunkState) -> None:
+        if new not in _LEGAL[self.state]:
+            raise RuntimeError(f"chunk {self.index}: illegal move {self.state.value} -> {new.value}")
+        self.state = new
+
+
+class BufferPool:
+    """n_buffer device chunk buffers. A free buffer keeps its last chunk's data (CACHED) until
+    taken; buffers are taken in the order they were freed, which is the FIFO reuse the cost
+    model assumes (chunk c reuses the buffer of chunk c - n_buffer)."""
+
+    def __init__(self, n: int, capacity: int, dtype: torch.dtype, device: torch.device):
+        self.tensors = [torch.empty(capacity, dtype=dtype, device=device) for _ in range(n)]
+        self.owner: list[Chunk | None] = [None] * n
+        self.free_after: list[object] = [None] * n
+        self.free = deque(range(n))
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def release(self, b: int, after_event) -> None:
+        self.free_after[b] = after_event
+        if b not in self.free:
+            self.free.append(b)
+
+    def take(self, b: int) -> None:
+        self.free.remove(b)
+
+
+class ChunkManager:
+    """Allocates the chunks, moves them between host and device buffers, and keeps every
+    parameter's ``.data`` pointing at where its values are."""
+
+    def __init__(self, *, named_params: list[tuple[str, nn.Parameter]], param_chunk: list[int],
+                 chunk_parts: list[tuple[int, int]], n_persist: int, n_buffer: int,
+                 chunk_capacity: int, group_of: dict[nn.Parameter, int], device: torch.device,
+                 streams: Streams, grad_accumulation: bool):
+        if not named_params:
+            raise ValueError("no parameters to place in chunks")
+        self.device = device
+        self.streams = streams
+        self.dtype = named_params[0][1].dtype
+        self.half = self.dtype in (torch.float16, torch.bfloat16)
+        self.n_persist = n_persist
+        n_chunks = max(param_chunk) + 1
+        slots: list[list[Slot]] = [[] for _ in range(n_chunks)]
+        for (name, p), c in zip(named_params, param_chunk):
+            if p.dtype != self.dtype:
+                raise TypeError(f"parameter {name} is {p.dtype}, others are {self.dtype}: ProTrain "
+                                f"chunks hold one training dtype (cast the model, or keep the odd "
+                                f"parameter frozen with requires_grad=False)")
+            off = slots[c][-1].stop if slots[c] else 0
+            slots[c].append(Slot(p, name, off, p.numel(), group_of[p]))
+        self.chunks = [Chunk(i, s[-1].stop, i < n_persist, s, *chunk_parts[i])
+                       for i, s in enumerate(slots)]
+        self.slot_of: dict[nn.Parameter, tuple[Chunk, Slot]] = {
+            s.param: (c, s) for c in self.chunks for s in c.slots}
+        self.pool = BufferPool(n_buffer if n_persist < n_chunks else 0, chunk_capacity,
+                               self.dtype, device)
+        self._materialize(grad_accumulation)
+
+    # ---- allocation ----------------------------------------------------------------------
+    def _materialize(self, grad_accumulation: bool) -> None:
+        """Copy every parameter's current value into its chunk and repoint ``.data``."""
+        for c in self.chunks:
+            if c.persistent:
+                c.data = torch.empty(c.numel, dtype=self.dtype, device=self.device)
+                c.grad = torch.zeros(c.numel, dtype=torch.float32, device=self.device)
+                for s in c.slots:
+                    c.data[s.offset:s.stop].copy_(s.param.data.reshape(-1))
+                c.master = c.data.float() if self.half else c.data
+                c.exp_avg = torch.zeros(c.numel, dtype=torch.float32, device=self.device)
+                c.exp_avg_sq = torch.zeros(c.numel, dtype=torch.float32, device=self.device)
+                c.state = ChunkState.RESIDENT
+            else:
+                flat = torch.cat([s.param.data.detach().reshape(-1).to("cpu") for s in c.slots])
+                if self.half:
+                    c.shadow = self.streams.pinned(c.numel, self.dtype)
+                    c.shadow.copy_(flat)
+                    c.master = flat.float()
+                else:
+                    c.master = self.streams.pinned(c.numel, torch.float32)
+                    c.master.copy_(flat)
+                if grad_accumulation or not self.half:
+                    c.grad_acc = self.streams.pinned(c.numel, torch.float32)
+                    c.grad_acc.zero_()
+                c.exp_avg = torch.zeros(c.numel, dtype=torch.float32)
+                c.exp_avg_sq = torch.zeros(c.numel, dtype=torch.float32)
+                del flat
+            self._point_params(c)
+
+    def host_params(self, c: Chunk) -> torch.Tensor:
+        """The host region the parameters of an offloaded chunk are uploaded from."""
+        return c.shadow if self.half else c.master
+
+    def _point_params(self, c: Chunk) -> None:
+        if c.persistent:
+            base = c.data
+        elif c.state in (ChunkState.RESIDENT, ChunkState.UPLOADING, ChunkState.CACHED):
+            base = self.pool.tensors[c.buffer]
+        else:
+            base = self.host_params(c)
+        for s in c.slots:
+            s.param.data = base[s.offset:s.stop].view(s.param.shape)
+
+    # ---- residency -----------------------------------------------------------------------
+    def offloaded(self) -> list[Chunk]:
+        return [c for c in self.chunks if not c.persistent]
+
+    def can_upload(self) -> bool:
+        return bool(self.pool.free)
+
+    def upload(self, c: Chunk) -> None:
+        """Start bringing an offloaded chunk into the oldest free buffer (or reuse its own
+        buffer if it is still cached there)."""
+        if c.persistent or c.state in (ChunkState.RESIDENT, ChunkState.UPLOADING):
+            return
+        if c.state == ChunkState.CACHED:
+            self.pool.take(c.buffer)
+            c.move(ChunkState.RESIDENT)
+            return
+        if not self.pool.free:
+            raise RuntimeError(
+                f"chunk {c.index} is needed but all {len(self.pool)} buffers are in use; the plan's "
+                f"n_buffer is below what this model's forward needs (re-plan, or pin a larger "
+                f"n_buffer)")
+        b = self.pool.free.popleft()
+        prev = self.pool.owner[b]
+        if prev is not None and prev is not c and prev.state == ChunkState.CACHED:
+            prev.move(ChunkState.HOST)
+            prev.buffer = None
+            self._point_params(prev)
+        self.pool.owner[b] = c
+        c.buffer = b
+        c.move(ChunkState.UPLOADING)
+        c.ready = self.streams.copy(self.pool.tensors[b][:c.numel], self.host_params(c), "upload",
+                                    after=self.pool.free_after[b])
+        self._point_params(c)
+
+    def access(self, c: Chunk) -> None:
+        """Make a chunk usable by the compute stream now."""
+        if c.persistent:
+            return
+        if c.state in (ChunkState.HOST, ChunkState.CACHED):
+            self.upload(c)
+        if c.state == ChunkState.UPLOADING:
+            self.streams.wait(c.ready)
+            c.move(ChunkState.RESIDENT)
+        if c.state != ChunkState.RESIDENT:
+            raise RuntimeError(f"chunk {c.index} cannot be used in state {c.state.value}")
+
+    def release(self, c: Chunk) -> None:
+        """Forward is done with the chunk: its buffer may be reused, its data stays until then."""
+        if c.persistent or c.state != ChunkState.RESIDENT:
+            return
+        c.move(ChunkState.CACHED)
+        self.pool.release(c.buffer, self.streams.compute_event())
+
+    def offload_grads(self, c: Chunk, target: torch.Tensor) -> None:
+        """The chunk's backward is done: its buffer holds its gradients (parameters without a
+        gradient are zeroed first); copy them to ``target`` on the offload queue and free the
+        buffer once the copy is done."""
+        buf = self.pool.tensors[c.buffer]
+        for s in c.slots:
+            if not s.has_grad:
+                buf[s.offset:s.stop].zero_()
+        c.move(ChunkState.GRADS)
+        done = self.streams.copy(target, buf[:c.numel], "offload", after=self.streams.compute_event())
+        c.grads_on_host = done
+        self.pool.owner[c.buffer] = None
+        self.pool.release(c.buffer, done)
+        c.buffer = None
+        c.move(ChunkState.HOST)
+        self._point_params(c)
+
+    # ---- accounting ------------------------------------------------------------------------
+    def device_bytes(self) -> int:
+        """Device bytes the chunks hold (persistent states and buffers)."""
+        total = sum(t.numel() * t.element_size() for t in self.pool.tensors)
+        for c in self.chunks:
+            if c.persistent:
+                tensors = {id(t): t for t in (c.data, c.grad, c.master, c.exp_avg, c.exp_avg_sq)}
+                total += sum(t.numel() * t.element_size() for t in tensors.values())
+        return total
+
+    def host_bytes(self) -> int:
+        total = 0
+        for c in self.chunks:
+            if not c.persistent:
+                tensors = {id(t): t for t in (c.shadow, c.grad_acc, c.master, c.exp_avg, c.exp_avg_sq)
+                           if t is not None}
+                total += sum(t.numel() * t.element_size() for t in tensors.values())
+        return total
+
+    def close(self) -> None:
+        """Leave every parameter as a standalone tensor on the device it would be on without
+        ProTrain (persistent ones on the device, offloaded ones on the host), holding its
+        current value."""
+        for c in self.chunks:
+            for s in c.slots:
+                s.param.data = s.param.data.clone()
+        self.pool.tensors = []
+        self.streams.release_pinned()

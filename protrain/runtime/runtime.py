@@ -1,0 +1,299 @@
+"""ProTrainRuntime: executes a Plan on a model, framework-neutral.
+
+It owns the chunks (``chunks``), the gradient/optimizer path (``optimizer``) and the block
+activation modes (``activations``), and drives them from the part boundaries of every
+iteration:
+
+forward, entering part p:  release chunks whose last user was before p; make part p's chunks
+    resident; prefetch the following chunks into free buffers; note which block is running
+    (swap bookkeeping).
+backward, entering part p: part p+1 is done, so chunks first used there have all their
+    gradients: offload them (and start CPU Adam if it may overlap); make part p's chunks
+    resident (reused if still cached, re-uploaded otherwise); prefetch the next ones; start
+    bringing back the previous block's swapped activations.
+end of backward:           the remaining chunks' gradients are complete.
+
+Framework adapters (DeepSpeed engine, Megatron hooks) only call ``forward_context()``,
+``finish_backward()`` and ``step()``.
+"""
+from __future__ import annotations
+
+import bisect
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..block_mode import BlockMode
+from ..cost.layout import ChunkLayout
+from ..plan import Plan
+from ..profile.meter import OpRecorder, StorageMeter, StorageRegistry, storage_ptr
+from .activations import ActivationRuntime
+from .adam import AdamHyper, CPUAdamKernel, TorchAdamKernel
+from .boundaries import part_boundaries
+from .chunks import ChunkManager, ChunkState
+from .optimizer import ChunkOptimizer
+from .streams import Streams
+
+
+@dataclass
+class OptimizerSetup:
+    """What the framework's optimizer configuration says, in the runtime's terms."""
+
+    param_groups: list[dict]
+    """The framework optimizer's param groups (shared: a scheduler's lr changes are seen)."""
+    hyper: Callable[[dict], AdamHyper]
+    """Adam hyper-parameters of a group, read at every step."""
+    adamw: bool
+    torch_adam: bool = False
+    """Use torch's Adam implementation everywhere (DeepSpeed's ``"torch_adam": true``)."""
+    grad_accumulation_steps: int = 1
+    clip: float = 0.0
+    loss_scaler: object | None = None
+    """DeepSpeed's loss scaler for fp16, else None."""
+
+
+class ProTrainRuntime:
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], plan: Plan,
+                 layout: ChunkLayout, param_names: Sequence[str], device: torch.device,
+                 setup: OptimizerSetup, *, swap_bytes: Sequence[int],
+                 is_boundary: Callable[[], bool] = lambda: True, accounting: bool = False):
+        self.model = model
+        self.blocks = list(blocks)
+        self.plan = plan
+        self.layout = layout
+        self.device = device
+        self.setup = setup
+        self.is_boundary = is_boundary
+        self.n_parts = len(self.blocks) + 2
+        self.streams = Streams(device)
+        named = dict(model.named_parameters())
+        missing = [n for n in param_names if n not in named]
+        if missing:
+            raise ValueError(f"the plan names parameters the model does not have: {missing[:3]}; "
+                             f"it was made for another model (delete the plan file to re-plan)")
+        group_of = {p: gi for gi, g in enumerate(setup.param_groups) for p in g["params"]}
+        params = [(n, named[n]) for n in param_names]
+        absent = [n for n, p in params if p not in group_of]
+        if absent:
+            raise ValueError(f"parameters {absent[:3]} are trainable but in no optimizer param group; "
+                             f"give every trainable parameter to the optimizer or freeze it")
+        self.chunks = ChunkManager(
+            named_params=params, param_chunk=list(layout.param_chunk),
+            chunk_parts=list(zip(layout.chunk_first_part, layout.chunk_last_part)),
+            n_persist=plan.knobs.n_persist, n_buffer=plan.knobs.n_buffer,
+            chunk_capacity=layout.chunk_numel, group_of=group_of, device=device,
+            streams=self.streams, grad_accumulation=setup.grad_accumulation_steps > 1)
+        host_kernel = TorchAdamKernel(fused=False) if setup.torch_adam else CPUAdamKernel(setup.adamw)
+        if device.type == "cuda":
+            device_kernel = TorchAdamKernel(fused=True)
+        else:
+            device_kernel = host_kernel  # on CPU the "device" Adam is the host one: same bits
+        self.accounting = _Accounting(device) if accounting else None
+        in_order = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = ChunkOptimizer(
+            self.chunks, self.streams, param_groups=setup.param_groups, hyper=setup.hyper,
+            host_kernel=host_kernel, device_kernel=device_kernel,
+            grad_accumulation_steps=setup.grad_accumulation_steps, clip=setup.clip,
+            loss_scaler=setup.loss_scaler, params_in_order=in_order,
+            pause_accounting=self.accounting.paused if self.accounting else None)
+        self._buffer_index = {t.data_ptr(): b for b, t in enumerate(self.chunks.pool.tensors)}
+        self._slot_offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
+        self.activations = ActivationRuntime(self.blocks, plan.block_modes, self.streams, device,
+                                             swap_bytes, self._param_lookup)
+        self._needs_saved_hooks = bool(self.chunks.offloaded()) or BlockMode.SWAP in plan.block_modes
+        self._hooks = ExitStack()
+        self._hooks.enter_context(part_boundaries(self.blocks, self._on_enter))
+        for _, p in params:
+            self._hooks.callback(p.register_post_accumulate_grad_hook(self.optimizer.on_grad).remove)
+        self._part_chunks = [[self.chunks.chunks[c] for c in cs] for cs in layout.part_chunks]
+        self._in_backward = False
+        self._next_up = 0
+        self._next_down = len(self.chunks.chunks) - 1
+        self.iterations = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Undo everything: hooks, wrapped block forwards; parameters become standalone
+        tensors again with their current values."""
+        self.optimizer.worker.drain()
+        self.optimizer.worker.close()
+        self._hooks.close()
+        self.activations.close()
+        self.chunks.close()
+
+    @contextmanager
+    def forward_context(self):
+        """Wrap one forward pass (the model's forward, and the loss if computed outside)."""
+        self._begin_forward()
+        with ExitStack() as stack:
+            if self.accounting is not None:
+                self.accounting.begin()
+            if self._needs_saved_hooks:
+                stack.enter_context(self.activations.hooks())
+            yield
+        self.activations.enter_forward_block(None)
+        last = len(self.blocks) - 1
+        if last >= 0 and self.plan.block_modes[last] == BlockMode.SWAP:
+            self.activations.prefetch(last)
+
+    def _begin_forward(self) -> None:
+        if self._in_backward:
+            self.finish_backward()
+        if self.accounting is not None:
+            self.accounting.end(self.chunks.device_bytes())
+        for c in self.chunks.offloaded():      # a forward without backward (evaluation)
+            if c.state == ChunkState.RESIDENT:
+                self.chunks.release(c)
+            elif c.state == ChunkState.UPLOADING:
+                self.chunks.access(c)
+                self.chunks.release(c)
+        self.activations.reset()
+        self._next_up = 0
+        self._enter_forward(0)
+
+    def finish_backward(self) -> None:
+        """All gradients of this micro-batch exist (idempotent): offload what is still on the
+        device. Runs at the end of autograd's backward and again from the framework's
+        backward epilogue."""
+        boundary = self.is_boundary()
+        for c in self.chunks.offloaded():
+            if c.state == ChunkState.RESIDENT and any(s.has_grad for s in c.slots):
+                self.optimizer.chunk_backward_done(c, boundary)
+        if self._in_backward:
+            self.activations.reset()
+        self._in_backward = False
+
+    def step(self) -> None:
+        """The optimizer step at the accumulation boundary."""
+        self.finish_backward()
+        if self.accounting is not None:
+            self.accounting.end(self.chunks.device_bytes())
+        self.optimizer.step()
+        self.iterations += 1
+
+    # ---- boundaries -----------------------------------------------------------------------
+    def _on_enter(self, phase: str, part: int, tensor) -> None:
+        if phase == "fwd":
+            self._enter_forward(part)
+        else:
+            self._enter_backward(part)
+
+    def _block_of(self, part: int) -> int | None:
+        return part - 1 if 1 <= part <= len(self.blocks) else None
+
+    def _enter_forward(self, part: int) -> None:
+        # The post part counts as "block N" for the swap throttle (one block in flight).
+        self.activations.enter_forward_block(part - 1 if part >= 1 else None)
+        for c in self.chunks.offloaded():
+            if c.last_part < part:
+                self.chunks.release(c)
+        for c in self._part_chunks[part]:
+            self.chunks.access(c)
+        self._prefetch_forward(max((c.index for c in self._part_chunks[part] if not c.persistent),
+                                   default=self._next_up - 1) + 1)
+
+    def _prefetch_forward(self, start: int) -> None:
+        self._next_up = max(self._next_up, start)
+        chunks = self.chunks.chunks
+        while self._next_up < len(chunks) and self.chunks.can_upload():
+            c = chunks[self._next_up]
+            if not c.persistent:
+                self.chunks.upload(c)
+            self._next_up += 1
+
+    def _enter_backward(self, part: int) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            self._next_down = len(self.chunks.chunks) - 1
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        boundary = self.is_boundary()
+        for c in self.chunks.offloaded():
+            if c.first_part > part and c.state == ChunkState.RESIDENT:
+                self.optimizer.chunk_backward_done(c, boundary)
+        if part + 1 <= len(self.blocks):
+            self.activations.leave_backward_block(part)   # block `part` is part part + 1
+        for c in sorted(self._part_chunks[part], key=lambda c: -c.index):
+            self.chunks.access(c)
+        low = min((c.index for c in self._part_chunks[part] if not c.persistent),
+                  default=self._next_down + 1)
+        self._prefetch_backward(low - 1)
+        if part >= 2:
+            self.activations.prefetch(part - 2)            # the block of part - 1
+
+    def _prefetch_backward(self, start: int) -> None:
+        self._next_down = min(self._next_down, start)
+        chunks = self.chunks.chunks
+        while self._next_down >= 0 and self.chunks.can_upload():
+            c = chunks[self._next_down]
+            if not c.persistent and c.state in (ChunkState.HOST, ChunkState.CACHED):
+                self.chunks.upload(c)
+            self._next_down -= 1
+
+    # ---- saved parameter views ------------------------------------------------------------
+    def _param_lookup(self, t: torch.Tensor):
+        b = self._buffer_index.get(storage_ptr(t))
+        if b is None:
+            return None
+        c = self.chunks.pool.owner[b]
+        if c is None:
+            return None
+        offs = self._slot_offsets[c.index]
+        i = bisect.bisect_right(offs, t.storage_offset()) - 1
+        if i < 0:
+            return None
+        s = c.slots[i]
+        return s.param, t.storage_offset() - s.offset
+
+    # ---- accounting -------------------------------------------------------------------------
+    def device_peak(self) -> int:
+        """Highest device bytes seen (accounting mode): chunk states + live activations."""
+        if self.accounting is None:
+            raise RuntimeError("device_peak() needs the runtime built with accounting=True")
+        return self.accounting.peak
+
+
+class _Accounting:
+    """The runtime's own count of device-resident bytes (for CPU tests, where there is no
+    device allocator to ask): chunk states plus the storages operators allocate, with the
+    runtime's host-side work (copies into host regions, CPU Adam) excluded."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+        self.activation_peak = 0
+        self._recorder = None
+
+    def begin(self) -> None:
+        if self._recorder is not None:
+            return
+        self.registry = StorageRegistry(self.device.type)
+        top = [0]
+        self._top = top
+        self._recorder = OpRecorder(self.registry, StorageMeter(self.registry),
+                                    lambda n, b, pk, a: top.__setitem__(0, max(top[0], pk)),
+                                    {}, lambda i: None)
+        self._recorder.__enter__()
+
+    def end(self, state_bytes: int) -> None:
+        if self._recorder is None:
+            return
+        self._recorder.__exit__(None, None, None)
+        self._recorder = None
+        self.activation_peak = max(self.activation_peak, self._top[0])
+        self.peak = max(self.peak, state_bytes + self._top[0])
+
+    @contextmanager
+    def paused(self):
+        reg = getattr(self, "registry", None)
+        if reg is None or self._recorder is None:
+            yield
+            return
+        old = reg.paused
+        reg.paused = True
+        try:
+            yield
+        finally:
+            reg.paused = old

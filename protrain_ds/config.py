@@ -1,0 +1,158 @@
+"""The ``"protrain"`` section of a DeepSpeed JSON, and what enabling it does to the rest.
+
+DeepSpeed keeps unknown top-level sections without looking at them, so this module is the
+only validation the section gets: unknown keys and bad values fail at initialize with the key
+named. The memory knobs ProTrain replaces are taken out of the config DeepSpeed sees (and
+reported if the user set them); setups that cannot work with ProTrain are refused with the
+reason.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from protrain.config import KNOB_NAMES, ConfigError, PlannerConfig
+
+SECTION = "protrain"
+
+_OWN_KEYS = {
+    "enabled": "turn ProTrain on (true) or off (false)",
+    "plan_file": "path: load this plan if it exists, else save the chosen plan there",
+    "profile_cache_dir": "directory where measured model profiles are cached between runs",
+    "verbosity": "0 quiet, 1 the plan table at start-up (default), 2 debug details",
+    "progress": "show a progress bar while profiling (default true)",
+    "accounting": "count device-resident bytes in the runtime (slow; for tests and debugging)",
+}
+_PLANNER_KEYS = {f.name for f in dataclasses.fields(PlannerConfig)} | set(KNOB_NAMES)
+_DERIVED = {"grad_accumulation_steps": "gradient_accumulation_steps",
+            "cpu_optim_overlap": "gradient_clipping / fp16"}
+
+# Memory knobs of DeepSpeed that the plan replaces.
+REPLACED_ZERO_KEYS = ("stage", "offload_param", "offload_optimizer", "sub_group_size",
+                      "contiguous_gradients", "overlap_comm", "reduce_bucket_size",
+                      "allgather_bucket_size", "reduce_scatter", "allgather_partitions",
+                      "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights")
+REPLACED_SECTIONS = ("activation_checkpointing",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProTrainDSConfig:
+    """The validated ``"protrain"`` section."""
+
+    enabled: bool = False
+    """ProTrain drives memory; false leaves DeepSpeed untouched."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """Memory limits, margins and knob pins for the search."""
+    plan_file: str | None = None
+    """Load this plan if the file exists; otherwise save the chosen plan to it."""
+    profile_cache_dir: str | None = None
+    """Cache measured model profiles here, keyed by model, batch shape, device and versions."""
+    verbosity: int = 1
+    """0: one summary line; 1: the plan table at start-up; 2: debug details."""
+    progress: bool = True
+    """Progress bar while profiling."""
+    accounting: bool = False
+    """Count the runtime's device-resident bytes (CPU tests and debugging; slows training)."""
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict | None) -> "ProTrainDSConfig":
+        section = (ds_config or {}).get(SECTION)
+        if section is None:
+            return cls()
+        if not isinstance(section, dict):
+            raise ConfigError(f"{SECTION} must be an object such as {{\"enabled\": true}}, got {section!r}")
+        data = dict(section)
+        for key in data:
+            if key in _DERIVED:
+                raise ConfigError(f"{SECTION}.{key} is derived from DeepSpeed's {_DERIVED[key]}; "
+                                  f"remove it from the protrain section")
+            if key not in _OWN_KEYS and key not in _PLANNER_KEYS:
+                from protrain.config import _unknown_key
+                raise ConfigError(_unknown_key(f"{SECTION}.{key}", key,
+                                               set(_OWN_KEYS) | _PLANNER_KEYS - set(_DERIVED)))
+        enabled = data.pop("enabled", False)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"{SECTION}.enabled = {enabled!r}: must be true or false")
+        kwargs: dict[str, Any] = {"enabled": enabled}
+        for key in ("plan_file", "profile_cache_dir"):
+            v = data.pop(key, None)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ConfigError(f"{SECTION}.{key} = {v!r}: must be a path string")
+            kwargs[key] = v
+        v = data.pop("verbosity", 1)
+        if isinstance(v, bool) or v not in (0, 1, 2):
+            raise ConfigError(f"{SECTION}.verbosity = {v!r}: must be 0, 1 or 2")
+        kwargs["verbosity"] = v
+        for key in ("progress", "accounting"):
+            v = data.pop(key, cls.__dataclass_fields__[key].default)
+            if not isinstance(v, bool):
+                raise ConfigError(f"{SECTION}.{key} = {v!r}: must be true or false")
+            kwargs[key] = v
+        kwargs["planner"] = PlannerConfig.from_dict(data, where=SECTION)
+        return cls(**kwargs)
+
+
+def load_ds_config(config: Any) -> dict:
+    """A DeepSpeed config given as a dict or a path (JSON or HJSON), as DeepSpeed reads it."""
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, Path)):
+        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config as ds_load
+        return ds_load(str(config))
+    raise ConfigError(f"DeepSpeed config must be a dict or a path, got {type(config).__name__}")
+
+
+def is_enabled(ds_config: dict) -> bool:
+    section = ds_config.get(SECTION)
+    return isinstance(section, dict) and section.get("enabled") is True
+
+
+def strip_replaced_knobs(ds_config: dict) -> tuple[dict, list[str]]:
+    """The config DeepSpeed should see (ZeRO off, activation checkpointing off: ProTrain's
+    chunks and block modes do both), and a line per knob the user had set that the plan now
+    decides."""
+    cfg = copy.deepcopy(ds_config)
+    overridden = []
+    zero = cfg.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        raise ConfigError(f"zero_optimization must be an object, got {zero!r}")
+    for key, value in zero.items():
+        if key == "stage" and value in (0, None):
+            continue
+        if key in REPLACED_ZERO_KEYS or key.startswith("stage3_"):
+            overridden.append(f"zero_optimization.{key}={json.dumps(value)}")
+        else:
+            overridden.append(f"zero_optimization.{key}={json.dumps(value)} (ignored)")
+    cfg["zero_optimization"] = {"stage": 0}
+    for key in REPLACED_SECTIONS:
+        if key in cfg:
+            overridden.append(f"{key}={json.dumps(cfg.pop(key))}")
+    return cfg, overridden
+
+
+def refuse_conflicts(ds_config: dict) -> None:
+    """Setups that cannot run under ProTrain, refused before anything is built."""
+    auto = ds_config.get("autotuning") or {}
+    if isinstance(auto, dict) and auto.get("enabled"):
+        raise ConfigError("autotuning and protrain both tune memory: DeepSpeed's autotuner "
+                          "relaunches the job per trial and does not know ProTrain's knobs. "
+                          "Disable one of them (autotuning.enabled=false or protrain.enabled=false)")
+    for key in ("data_parallel_size", "sequence_parallel_size"):
+        if (ds_config.get(key) or 1) > 1:
+            raise ConfigError(f"{key}={ds_config[key]} with protrain is not supported yet")
+    if ds_config.get("torch_autocast", {}).get("enabled"):
+        raise ConfigError("torch_autocast with protrain is not supported: use the bf16 or fp16 "
+                          "section (parameters are kept in the training dtype in chunks)")
+    opt = ds_config.get("optimizer")
+    if opt is not None:
+        kind = str(opt.get("type", "")).lower()
+        if kind not in ("adam", "adamw"):
+            raise ConfigError(f"optimizer.type={opt.get('type')!r} with protrain: only Adam and "
+                              f"AdamW are supported (the chunk runtime updates with Adam kernels)")
+        params = opt.get("params") or {}
+        if params.get("amsgrad"):
+            raise ConfigError("optimizer.params.amsgrad=true is not supported with protrain")

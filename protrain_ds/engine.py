@@ -1,0 +1,254 @@
+"""ProTrainEngine: a DeepSpeedEngine whose memory is run by a ProTrain plan.
+
+Everything a DeepSpeed script uses stays DeepSpeed's: forward/backward/step, gradient
+accumulation, clipping, loss scaling, LR schedulers, global_steps, get_lr, the Hugging Face
+integration. What changes:
+
+- the model stays where the user put it (``dont_change_device``): ProTrain places every
+  parameter itself, in chunks;
+- the optimizer DeepSpeed builds is a ProTrainOptimizer (``_configure_optimizer``);
+- the first forward profiles the model on its first batch (or loads a saved plan), searches
+  the plan, prints it, and builds the runtime; every forward then runs inside the runtime's
+  forward context.
+
+Private DeepSpeed methods overridden here (checked by tests/test_ds_contract.py):
+``_configure_optimizer``, ``clip_fp32_gradients``, ``_broadcast_model``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from protrain.config import ConfigError
+from protrain.plan import Plan
+from protrain.profile.blocks import find_blocks
+from protrain.profile.model_profile import ModelProfile
+from protrain.runtime.runtime import ProTrainRuntime
+from protrain.search import InfeasibleError, search
+
+from .config import ProTrainDSConfig
+from .optimizer import ProTrainOptimizer
+
+log = logging.getLogger("protrain")
+
+
+class ProTrainEngine(DeepSpeedEngine):
+    def __init__(self, *args, protrain_config: ProTrainDSConfig, overridden: list[str], **kwargs):
+        # Set before DeepSpeed's constructor: it calls _configure_optimizer.
+        self.protrain_config = protrain_config
+        self.protrain_overridden = overridden
+        self.protrain_runtime: ProTrainRuntime | None = None
+        self.protrain_plan: Plan | None = None
+        self.protrain_profile: ModelProfile | None = None
+        super().__init__(*args, dont_change_device=True, **kwargs)
+        # Gradients live in chunks, not in .grad: DeepSpeed's own all-reduce has nothing to do.
+        self.enable_backward_allreduce = False
+        if not isinstance(self.optimizer, ProTrainOptimizer):
+            raise ConfigError("ProTrain needs an optimizer to train: add an \"optimizer\" section "
+                              "(Adam or AdamW) to the DeepSpeed config or pass one to initialize")
+        if self.global_rank == 0 and protrain_config.verbosity >= 1:
+            lines = ["ProTrain: enabled; the model is profiled and the plan chosen at the first "
+                     "forward pass"]
+            if overridden:
+                lines.append("ProTrain: the plan replaces these DeepSpeed settings: " + ", ".join(overridden))
+            print("\n".join(lines), flush=True)
+
+    # ---- DeepSpeed hooks (private API; see tests/test_ds_contract.py) ---------------------
+    def _configure_optimizer(self, client_optimizer, model_parameters):
+        self.optimizer = ProTrainOptimizer(self, client_optimizer, model_parameters)
+        self.basic_optimizer = self.optimizer.optimizer
+
+    def clip_fp32_gradients(self):
+        """Clipping happens in ProTrainOptimizer.step, where the gradients are (in chunks)."""
+
+    def _broadcast_model(self):
+        if self.dist_backend is not None and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise ConfigError("protrain runs on one rank for now (data parallel is the next "
+                              "milestone); launch a single process or disable protrain")
+
+    # ---- training ----------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        if self.protrain_runtime is None:
+            self._protrain_setup(inputs, kwargs)
+        with self.protrain_runtime.forward_context():
+            return super().forward(*inputs, **kwargs)
+
+    def train_batch(self, data_iter):
+        """Run one optimizer step over ``gradient_accumulation_steps`` micro-batches drawn from
+        ``data_iter`` (each a tuple/list of positional inputs or a dict of keyword inputs) and
+        return the mean loss, as DeepSpeed's PipelineEngine.train_batch does."""
+        losses = []
+        for _ in range(self.gradient_accumulation_steps()):
+            batch = next(data_iter)
+            out = self(**batch) if isinstance(batch, dict) else self(*batch)
+            loss = _loss_of(out)
+            self.backward(loss)
+            self.step()
+            losses.append(loss.detach().float())
+        return torch.stack(losses).mean()
+
+    def destroy(self):
+        if self.protrain_runtime is not None:
+            self.protrain_runtime.close()
+            self.protrain_runtime = None
+        super().destroy()
+
+    # ---- planning at the first batch --------------------------------------------------------
+    def _protrain_setup(self, inputs, kwargs) -> None:
+        cfg = self.protrain_config
+        verbose = self.global_rank == 0 and cfg.verbosity >= 1
+        _, blocks = find_blocks(self.module)
+        if getattr(self.module, "is_gradient_checkpointing", False) and \
+                hasattr(self.module, "gradient_checkpointing_disable"):
+            self.module.gradient_checkpointing_disable()
+            if verbose:
+                print("ProTrain: turned off the model's own gradient checkpointing: the plan "
+                      "decides per block", flush=True)
+        for p in self.module.parameters():
+            if hasattr(p, "ds_id"):
+                raise ConfigError(
+                    "the model's parameters are already partitioned by ZeRO-3 (zero.Init): "
+                    "ProTrain places parameters itself. Set zero_optimization.stage to 0, 1 or 2 "
+                    "(Hugging Face partitions at load time when it sees stage 3)")
+        planner = _planner_config(self)
+        t0 = time.perf_counter()
+        plan = self._load_plan(planner)
+        loaded = plan is not None
+        profile_seconds = 0.0
+        if plan is None:
+            profile = self._profile(blocks, inputs, kwargs)
+            profile_seconds = time.perf_counter() - t0
+            hw = self._hardware()
+            try:
+                plan = search(profile, hw, planner)
+            except InfeasibleError as e:
+                raise InfeasibleError(f"ProTrain: no plan fits: {e}", device_needed=e.device_needed,
+                                      host_needed=e.host_needed,
+                                      micro_batch_fit=e.micro_batch_fit) from None
+            self.protrain_profile = profile
+            if cfg.plan_file:
+                plan.save(cfg.plan_file)
+        self.protrain_plan = plan
+        if verbose:
+            print(plan.explain(), flush=True)
+            if loaded:
+                print(f"ProTrain: plan loaded from {cfg.plan_file} (no profiling or search)", flush=True)
+            else:
+                print(f"ProTrain: profiling took {profile_seconds:.2f} s, search "
+                      f"{plan.search_seconds:.3f} s" + (f"; plan saved to {cfg.plan_file}"
+                                                        if cfg.plan_file else ""), flush=True)
+        elif self.global_rank == 0 and cfg.verbosity == 0:
+            k = plan.knobs
+            print(f"ProTrain: plan {k.as_tuple()} predicted {plan.prediction.iter_time:.3f} s/iter, "
+                  f"peak {plan.prediction.peak_device_bytes / 2**30:.2f} GiB", flush=True)
+        self.protrain_runtime = ProTrainRuntime(
+            self.module, blocks, plan, plan.layout(), [r.name for r in plan.params], self.device,
+            self.optimizer.runtime_setup(), swap_bytes=plan.block_saved_bytes,
+            is_boundary=self.is_gradient_accumulation_boundary, accounting=cfg.accounting)
+        self.optimizer.runtime = self.protrain_runtime
+
+    def _load_plan(self, planner) -> Plan | None:
+        path = self.protrain_config.plan_file
+        if not path or not Path(path).exists():
+            return None
+        try:
+            plan = Plan.load(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"protrain.plan_file {path}: cannot read it ({e}); delete it to re-plan") from None
+        if not plan.params:
+            raise ConfigError(f"protrain.plan_file {path} has no parameter layout (it was made from "
+                              f"an analytic profile); delete it to plan from a measured profile")
+        named = dict(self.module.named_parameters())
+        for rec in plan.params:
+            p = named.get(rec.name)
+            if p is None or p.numel() != rec.numel:
+                raise ConfigError(f"protrain.plan_file {path} was made for another model (parameter "
+                                  f"{rec.name} differs); delete it to re-plan")
+        need = plan.prediction.peak_device_bytes * (1 + planner.memory_margin)
+        if planner.device_memory and need > planner.device_memory:
+            raise ConfigError(f"protrain.plan_file {path} needs {need / 2**30:.2f} GiB of device "
+                              f"memory, above protrain.device_memory; delete it to re-plan")
+        return plan
+
+    def _profile(self, blocks, inputs, kwargs) -> ModelProfile:
+        from protrain.profile.tracer import profile_model
+        cfg = self.protrain_config
+        cache = _profile_cache_path(cfg.profile_cache_dir, self.module, inputs, kwargs, self.device)
+        if cache is not None and cache.exists():
+            try:
+                return ModelProfile.load(cache)
+            except (ValueError, KeyError, TypeError):
+                pass
+        micro_batch, seq = _batch_shape(inputs, kwargs)
+        profile = profile_model(
+            self.module, lambda m: _loss_of(m(*inputs, **kwargs)), blocks=blocks,
+            device=self.device, name=type(self.module).__name__, micro_batch=micro_batch,
+            seq_len=seq, progress=cfg.progress and self.global_rank == 0)
+        if cache is not None:
+            profile.save(cache)
+        return profile
+
+    def _hardware(self):
+        from protrain.profile.probe import probe_hardware
+        return probe_hardware(self.device, progress=self.protrain_config.verbosity >= 2)
+
+
+def _planner_config(engine) -> "PlannerConfig":  # noqa: F821
+    from dataclasses import replace
+    cfg = engine.protrain_config.planner
+    clip = engine.gradient_clipping() or 0.0
+    return replace(cfg, grad_accumulation_steps=engine.gradient_accumulation_steps(),
+                   cpu_optim_overlap=not (clip > 0 or engine.fp16_enabled()))
+
+
+def _loss_of(out) -> torch.Tensor:
+    """The scalar to backpropagate from a model's output: the output itself, its ``loss``
+    (Hugging Face), or the first scalar of a tuple; else a stand-in (the mean) so a model that
+    returns logits can still be profiled - its loss's own memory is then not measured."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return out
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor) and o.numel() == 1:
+                return o
+        out = out[0]
+    if isinstance(out, torch.Tensor):
+        log.warning("protrain: the model returns no loss; profiling backward from the mean of its "
+                    "output (the loss computed outside the model is not measured)")
+        return out.float().mean()
+    raise TypeError(f"cannot find a loss in the model output ({type(out).__name__}); return the loss "
+                    f"or a Hugging Face ModelOutput with .loss from forward")
+
+
+def _batch_shape(inputs, kwargs) -> tuple[int | None, int | None]:
+    for t in list(inputs) + list(kwargs.values()):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return int(t.shape[0]), int(t.shape[1])
+    return None, None
+
+
+def _profile_cache_path(directory, module, inputs, kwargs, device) -> Path | None:
+    if not directory:
+        return None
+    ident = {
+        "model": type(module).__name__,
+        "params": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()],
+        "inputs": [(k, list(t.shape), str(t.dtype)) for k, t in
+                   list(enumerate(inputs)) + list(kwargs.items()) if isinstance(t, torch.Tensor)],
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(directory) / f"profile-{key}.json"

@@ -1,0 +1,138 @@
+"""ProTrainOptimizer: what DeepSpeed's engine sees as its (ZeRO) optimizer.
+
+Subclassing DeepSpeed's ZeROOptimizer keeps the engine's own backward and step paths (loss
+scaling, gradient accumulation boundaries, overflow bookkeeping, LR scheduling, direct
+``loss.backward()``); the work is done by the framework-neutral chunk runtime.
+
+The Adam hyper-parameters come from the DeepSpeed ``optimizer`` section or from a client
+optimizer (torch Adam/AdamW, DeepSpeedCPUAdam, FusedAdam). A plain torch optimizer holds the
+param groups (schedulers, DeepSpeed's and torch's, need one); it is never stepped itself.
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+from protrain.config import ConfigError
+from protrain.runtime.adam import AdamHyper
+from protrain.runtime.runtime import OptimizerSetup
+
+_OPTIMIZER_PARAM_KEYS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode",
+                         "torch_adam", "amsgrad", "fp32_optimizer_states"}
+
+
+class ProTrainOptimizer(ZeROOptimizer):
+    def __init__(self, engine, client_optimizer, model_parameters):
+        super().__init__()
+        self.engine = engine
+        self.runtime = None
+        self.custom_loss_scaler = False
+        self.torch_autocast_gradscaler = None
+        self.overflow = False
+        self._global_grad_norm = None
+        self.torch_adam = False
+        if client_optimizer is None:
+            self.optimizer, self.adamw, self.torch_adam = self._from_config(engine, model_parameters)
+        else:
+            opt = client_optimizer
+            if not isinstance(opt, torch.optim.Optimizer) and callable(opt):
+                opt = opt(model_parameters)
+            self.optimizer, self.adamw = opt, self._adamw_of(opt)
+        self.param_groups = self.optimizer.param_groups
+        self.defaults = self.optimizer.defaults
+        self.state = {}
+        self.fp16 = engine.fp16_enabled()
+        self.dynamic_loss_scale = self.fp16 and engine.dynamic_loss_scale()
+        self.loss_scaler = None
+        if self.fp16:
+            from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+            self.loss_scaler = CreateLossScaler(dtype=torch.float16,
+                                                static_loss_scale=engine.loss_scale(),
+                                                dynamic_scaling=engine.dynamic_loss_scale(),
+                                                dynamic_loss_args=engine.dynamic_loss_scale_args())
+
+    # ---- configuration ---------------------------------------------------------------------
+    @staticmethod
+    def _from_config(engine, model_parameters):
+        params = dict(engine.optimizer_params() or {})
+        for key in params:
+            if key not in _OPTIMIZER_PARAM_KEYS:
+                raise ConfigError(f"optimizer.params.{key} is not an Adam/AdamW setting ProTrain "
+                                  f"knows; supported: {', '.join(sorted(_OPTIMIZER_PARAM_KEYS))}")
+        name = engine.optimizer_name()
+        # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
+        adamw = name.lower() == "adamw" or params.pop("adam_w_mode", True)
+        torch_adam = bool(params.pop("torch_adam", False))
+        params.pop("amsgrad", None)
+        params.pop("fp32_optimizer_states", None)
+        bias_correction = params.pop("bias_correction", True)
+        cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        shell = cls(model_parameters, **params)
+        for g in shell.param_groups:
+            g.setdefault("bias_correction", bias_correction)
+        return shell, adamw, torch_adam
+
+    @staticmethod
+    def _adamw_of(opt) -> bool:
+        if isinstance(opt, torch.optim.AdamW):
+            return True
+        if isinstance(opt, torch.optim.Adam):
+            return False
+        for attr in ("adam_w_mode", "adamw_mode"):
+            if hasattr(opt, attr):
+                return bool(getattr(opt, attr))
+        raise ConfigError(f"client optimizer {type(opt).__name__} is not supported with protrain: "
+                          f"pass torch.optim.Adam/AdamW, DeepSpeedCPUAdam or FusedAdam, or describe "
+                          f"it in the DeepSpeed config's optimizer section")
+
+    def runtime_setup(self) -> OptimizerSetup:
+        defaults = self.defaults
+        adamw = self.adamw
+
+        def hyper(group: dict) -> AdamHyper:
+            b1, b2 = group.get("betas", defaults.get("betas", (0.9, 0.999)))
+            return AdamHyper(lr=float(group["lr"]), beta1=b1, beta2=b2,
+                             eps=group.get("eps", defaults.get("eps", 1e-8)),
+                             weight_decay=group.get("weight_decay", defaults.get("weight_decay", 0.0)),
+                             bias_correction=group.get("bias_correction", True), adamw=adamw)
+
+        return OptimizerSetup(param_groups=self.param_groups, hyper=hyper, adamw=adamw,
+                              torch_adam=self.torch_adam,
+                              grad_accumulation_steps=self.engine.gradient_accumulation_steps(),
+                              clip=self.engine.gradient_clipping() or 0.0,
+                              loss_scaler=self.loss_scaler)
+
+    # ---- what the engine calls ---------------------------------------------------------------
+    def backward_prologue(self, *args, **kwargs):
+        if args:  # ZeROOptimizer.backward(loss) path: scale and return the loss
+            return self.scale_if_loss(args[0])
+        return None
+
+    def backward_epilogue(self, **kwargs):
+        if self.runtime is not None:
+            self.runtime.finish_backward()
+
+    def step(self, closure=None):
+        if self.runtime is None:
+            raise RuntimeError("engine.step() before any forward: ProTrain plans at the first "
+                               "forward pass, so run engine(batch) and engine.backward(loss) first")
+        self.runtime.step()
+        opt = self.runtime.optimizer
+        self.overflow = opt.overflow
+        self._global_grad_norm = opt.global_grad_norm
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self.runtime is not None:
+            self.runtime.optimizer.zero_grad()
+
+    @property
+    def cur_scale(self):
+        return self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
+
+    def state_dict(self):
+        raise NotImplementedError(
+            "saving a ProTrain engine's optimizer state is not available yet (checkpointing is the "
+            "next milestone); engine.module.state_dict() has the current weights")
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError("loading optimizer state into a ProTrain engine is not available yet")
