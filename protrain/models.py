@@ -24,6 +24,8 @@ class GPTConfig:
     """Longest sequence (size of the learned position table)."""
     dropout: float = 0.0
     bias: bool = True
+    tie_embeddings: bool = True
+    """Share the token embedding with the output head, as GPT-2 does."""
 
 
 PRESETS = {
@@ -88,7 +90,8 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):

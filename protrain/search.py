@@ -272,6 +272,32 @@ def search(profile: ModelProfile, hw: HardwareProfile,
                     search_seconds=time.perf_counter() - t0, evaluated=evaluated, total=total)
 
 
+def check_budgets(total_params: int, largest_param: int, param_bytes: int,
+                  config: PlannerConfig, *, grad_accumulation: bool = False) -> None:
+    """Refuse budgets no plan can meet, from the parameter counts alone (before profiling):
+    one chunk buffer must hold the largest parameter, and device plus host memory must hold
+    the model states. The search makes the exact check once the model is profiled."""
+    sb = state_bytes(param_bytes, grad_accumulation)
+    margin = 1 + config.memory_margin
+    if config.device_memory is not None:
+        need = largest_param * param_bytes * margin
+        if config.device_memory < need:
+            raise InfeasibleError(
+                f"device_memory={fmt_bytes(config.device_memory)} cannot hold even the largest "
+                f"parameter ({fmt_bytes(largest_param * param_bytes)}, with the {config.memory_margin:.0%} "
+                f"margin {fmt_bytes(need)}); raise device_memory or remove the limit",
+                device_needed=int(need))
+    if config.device_memory is not None and config.host_memory is not None:
+        states = total_params * min(sb.host, sb.persistent)
+        if config.device_memory / margin + config.host_memory < states:
+            raise InfeasibleError(
+                f"device_memory={fmt_bytes(config.device_memory)} plus host_memory="
+                f"{fmt_bytes(config.host_memory)} cannot hold the model states: "
+                f"{total_params / 1e6:.1f} M parameters need at least {fmt_bytes(states)} "
+                f"({min(sb.host, sb.persistent)} bytes each); raise the limits",
+                host_needed=int(states - config.device_memory / margin))
+
+
 def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
              config: PlannerConfig | None = None, *, alternatives=(), search_seconds=0.0,
              evaluated=1, total=1, check_fit: bool = False) -> Plan:
@@ -285,6 +311,11 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         raise InfeasibleError(f"n_persist={knobs.n_persist} must be between {layout.min_persist} "
                               f"and the {layout.n_chunks} chunks of this layout")
     nb_min = layout.min_buffers(knobs.n_persist)
+    offloaded = layout.n_chunks - knobs.n_persist
+    if knobs.n_buffer > offloaded:
+        raise InfeasibleError(f"n_buffer={knobs.n_buffer} is more than the {offloaded} offloaded "
+                              f"chunk(s) (n_persist={knobs.n_persist} of {layout.n_chunks}); use at "
+                              f"most {offloaded}")
     if knobs.n_buffer < nb_min:
         raise InfeasibleError(f"n_buffer={knobs.n_buffer} is below {nb_min}, the chunks one block "
                               f"spans with n_persist={knobs.n_persist}; use at least {nb_min}")
@@ -302,7 +333,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
             raise InfeasibleError(
                 f"plan {knobs} needs {fmt_bytes(need)} device (with margin) and "
                 f"{fmt_bytes(mem.host_bytes)} host, but {fmt_bytes(hw.device_memory)} device and "
-                f"{fmt_bytes(hw.host_memory)} host are available; re-plan without the plan file",
+                f"{fmt_bytes(hw.host_memory)} host are available",
                 device_needed=int(need), host_needed=mem.host_bytes)
     f = lambda a: float(a[0])  # noqa: E731
     pred = Prediction(
@@ -359,6 +390,14 @@ def _infeasible(profile, hw, config, budget, stats, acts, caps) -> InfeasibleErr
             free = search(profile, hw, replace(config, pins=KnobPins()))
         except InfeasibleError:
             free = None
+        if len(pins) == 5:
+            # Every knob fixed: say which constraint that one plan breaks.
+            from .plan import Knobs
+            try:
+                evaluate(profile, hw, Knobs(**pins), config, check_fit=True)
+            except InfeasibleError as e:
+                return InfeasibleError(f"the pinned plan does not work: {e}",
+                                       device_needed=e.device_needed, host_needed=e.host_needed)
         if "buffers_needed" in stats:
             return InfeasibleError(
                 f"pinned n_buffer={config.pins.n_buffer} is too few: with these chunks a part of the "

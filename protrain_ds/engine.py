@@ -30,7 +30,7 @@ from protrain.plan import Plan
 from protrain.profile.blocks import find_blocks
 from protrain.profile.model_profile import ModelProfile
 from protrain.runtime.runtime import ProTrainRuntime
-from protrain.search import InfeasibleError, search
+from protrain.search import InfeasibleError, check_budgets, search
 
 from .config import ProTrainDSConfig
 from .optimizer import ProTrainOptimizer
@@ -52,6 +52,14 @@ class ProTrainEngine(DeepSpeedEngine):
         if not isinstance(self.optimizer, ProTrainOptimizer):
             raise ConfigError("ProTrain needs an optimizer to train: add an \"optimizer\" section "
                               "(Adam or AdamW) to the DeepSpeed config or pass one to initialize")
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if params:
+            try:
+                check_budgets(sum(p.numel() for p in params), max(p.numel() for p in params),
+                              params[0].element_size(), protrain_config.planner,
+                              grad_accumulation=self.gradient_accumulation_steps() > 1)
+            except InfeasibleError as e:
+                raise ConfigError(f"protrain: impossible memory budget: {e}") from None
         if self.global_rank == 0 and protrain_config.verbosity >= 1:
             lines = ["ProTrain: enabled; the model is profiled and the plan chosen at the first "
                      "forward pass"]
@@ -187,10 +195,22 @@ class ProTrainEngine(DeepSpeedEngine):
             except (ValueError, KeyError, TypeError):
                 pass
         micro_batch, seq = _batch_shape(inputs, kwargs)
+        gas = self.gradient_accumulation_steps()
+
+        held = []
+
+        def step(m):
+            # What a training step does with the loss: the script keeps it, engine.backward
+            # divides it by the accumulation steps and applies the loss scale; so the profiled
+            # iteration allocates what a training iteration does.
+            held[:] = [_loss_of(m(*inputs, **kwargs))]
+            return self.optimizer.scale_if_loss(held[0] / gas)
+
         profile = profile_model(
-            self.module, lambda m: _loss_of(m(*inputs, **kwargs)), blocks=blocks,
+            self.module, step, blocks=blocks,
             device=self.device, name=type(self.module).__name__, micro_batch=micro_batch,
             seq_len=seq, progress=cfg.progress and self.global_rank == 0)
+        held.clear()
         if cache is not None:
             profile.save(cache)
         return profile

@@ -104,6 +104,8 @@ class ProTrainOptimizer(ZeROOptimizer):
 
     # ---- what the engine calls ---------------------------------------------------------------
     def backward_prologue(self, *args, **kwargs):
+        if self.runtime is not None:
+            self.runtime.begin_backward()
         if args:  # ZeROOptimizer.backward(loss) path: scale and return the loss
             return self.scale_if_loss(args[0])
         return None

@@ -69,6 +69,8 @@ class _Stored:
     out_done: object = None
     device_back: torch.Tensor | None = None   # the prefetched device copy
     in_done: object = None
+    packs: int = 0                            # saved tensors that view this storage
+    unpacks: int = 0                          # ... handed back in this backward
 
 
 @dataclass
@@ -130,6 +132,8 @@ class ActivationRuntime:
         if isinstance(t, nn.Parameter) or t.device != self.device:
             return t
         found = self.param_lookup(t)
+        if found is True:
+            return t                         # a view of a persistent chunk: it never moves
         if found is not None:
             p, delta = found
             return ParamRef(p, delta, t.size(), t.stride())
@@ -155,6 +159,7 @@ class ActivationRuntime:
             self.stats["swapped_bytes"] += entry.nbytes
         else:
             self.stats["swap_dedup_hits"] += 1
+        entry.packs += 1
         return SwapRef(b, key, t.dtype, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, obj):
@@ -163,10 +168,16 @@ class ActivationRuntime:
         if isinstance(obj, SwapRef):
             entry = self.stashes[obj.block].stored[obj.key]
             if entry.device_back is None:
-                self.prefetch(obj.block)
+                self._fetch(entry)
             self.streams.wait(entry.in_done)
-            return torch.empty(0, dtype=obj.dtype, device=self.device).set_(
+            out = torch.empty(0, dtype=obj.dtype, device=self.device).set_(
                 entry.device_back.untyped_storage(), obj.offset, obj.size, obj.stride)
+            entry.unpacks += 1
+            if entry.unpacks >= entry.packs:
+                # Every saved view is with autograd now: let the storage go when autograd
+                # is done with it, as it would free a kept tensor (not at the block's end).
+                entry.device_back = None
+            return out
         return obj
 
     # ---- schedule ----------------------------------------------------------------------------
@@ -196,11 +207,14 @@ class ActivationRuntime:
             return
         after = self.streams.compute_event()
         for entry in stash.stored.values():
-            if entry.device_back is None:
-                entry.device_back = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
-                entry.in_done = self.streams.copy(entry.device_back, entry.host, "upload",
-                                                  after=[after, entry.out_done])
-                self.stats["prefetched_bytes"] += entry.nbytes
+            if entry.device_back is None and entry.unpacks == 0:
+                self._fetch(entry, after)
+
+    def _fetch(self, entry: _Stored, after=None) -> None:
+        entry.device_back = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
+        entry.in_done = self.streams.copy(entry.device_back, entry.host, "upload",
+                                          after=[after or self.streams.compute_event(), entry.out_done])
+        self.stats["prefetched_bytes"] += entry.nbytes
 
     def leave_backward_block(self, b: int) -> None:
         """Block ``b``'s backward is done: forget its stash for the next iteration."""

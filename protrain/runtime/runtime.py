@@ -100,6 +100,7 @@ class ProTrainRuntime:
             loss_scaler=setup.loss_scaler, params_in_order=in_order,
             pause_accounting=self.accounting.paused if self.accounting else None)
         self._buffer_index = {t.data_ptr(): b for b, t in enumerate(self.chunks.pool.tensors)}
+        self._persistent_ptrs = {c.data.data_ptr() for c in self.chunks.chunks if c.persistent}
         self._slot_offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
         self.activations = ActivationRuntime(self.blocks, plan.block_modes, self.streams, device,
                                              swap_bytes, self._param_lookup)
@@ -135,6 +136,10 @@ class ProTrainRuntime:
                 stack.enter_context(self.activations.hooks())
             yield
         self.activations.enter_forward_block(None)
+
+    def begin_backward(self) -> None:
+        """Backward is about to start (called by the framework): bring the last block's
+        swapped activations back while the head's backward runs."""
         last = len(self.blocks) - 1
         if last >= 0 and self.plan.block_modes[last] == BlockMode.SWAP:
             self.activations.prefetch(last)
@@ -234,7 +239,12 @@ class ProTrainRuntime:
 
     # ---- saved parameter views ------------------------------------------------------------
     def _param_lookup(self, t: torch.Tensor):
-        b = self._buffer_index.get(storage_ptr(t))
+        """(param, offset within it) if ``t`` views a parameter in a chunk buffer; True if it
+        views a persistent chunk (kept as is: it never moves); None otherwise."""
+        ptr = storage_ptr(t)
+        if ptr in self._persistent_ptrs:
+            return True
+        b = self._buffer_index.get(ptr)
         if b is None:
             return None
         c = self.chunks.pool.owner[b]
