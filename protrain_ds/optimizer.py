@@ -119,6 +119,9 @@ class ProTrainOptimizer(ZeROOptimizer):
             raise RuntimeError("engine.step() before any forward: ProTrain plans at the first "
                                "forward pass, so run engine(batch) and engine.backward(loss) first")
         self.runtime.step()
+        # The holder of the param groups is never stepped itself; tell torch's LR schedulers
+        # that an optimizer step did happen (they warn otherwise).
+        self.optimizer._opt_called = True
         opt = self.runtime.optimizer
         self.overflow = opt.overflow
         self._global_grad_norm = opt.global_grad_norm

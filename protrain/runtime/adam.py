@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.optim import adam as _torch_adam
+from torch.optim import adamw as _torch_adamw
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,7 @@ class TorchAdamKernel:
                              "\"bias_correction\": true or drop \"torch_adam\"")
         dev = master.device if self.fused else torch.device("cpu")
         step_t = torch.tensor(float(step - 1), dtype=torch.float32, device=dev)  # incremented inside
-        fn = torch.optim.adamw.adamw if h.adamw else torch.optim.adam.adam
+        fn = _torch_adamw.adamw if h.adamw else _torch_adam.adam
         fn([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], foreach=False,
            fused=self.fused, amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr,
            weight_decay=h.weight_decay, eps=h.eps, maximize=False)

@@ -1,0 +1,148 @@
+"""Turning ProTrain on and off, strict config, refusals, reporting, and the Hugging Face Trainer."""
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstrain import TINY, base_config, train, with_protrain
+
+import deepspeed
+from protrain.config import ConfigError
+from protrain.models import GPT, synthetic_batch
+
+
+def init(cfg, model=None):
+    model = model or GPT(TINY)
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+
+def test_without_the_key_deepspeed_is_untouched():
+    engine, *_ = init(base_config())
+    assert type(engine) is deepspeed.DeepSpeedEngine
+    engine, *_ = init(with_protrain(base_config()))
+    assert type(engine).__name__ == "ProTrainEngine" and isinstance(engine, deepspeed.DeepSpeedEngine)
+    engine.destroy()
+    cfg = with_protrain(base_config())
+    cfg["protrain"]["enabled"] = False
+    engine, *_ = init(cfg)
+    assert type(engine) is deepspeed.DeepSpeedEngine
+
+
+def test_the_wrapper_is_installed_at_import_in_a_fresh_interpreter():
+    site = Path(sysconfig.get_paths()["purelib"])
+    if not (site / "protrain-autoload.pth").exists():
+        pytest.skip("package not installed with pip (start-up hook missing)")
+    code = ("import deepspeed; from deepspeed import initialize; import protrain_ds; "
+            "print(initialize._protrain_wrapper, deepspeed.initialize is initialize)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.stdout.split()[-2:] == ["True", "True"], r.stderr
+
+
+@pytest.mark.parametrize("section, words", [
+    ({"enabled": True, "device_memroy": "1GiB"}, ["protrain.device_memroy", "device_memory"]),
+    ({"enabled": True, "host_memory": "-2GB"}, ["protrain.host_memory", "negative"]),
+    ({"enabled": True, "device_memory": "1KiB"}, ["impossible memory budget", "largest parameter"]),
+    ({"enabled": True, "device_memory": "300KiB", "host_memory": "300KiB"},
+     ["cannot hold the model states", "raise the limits"]),
+    ({"enabled": "yes"}, ["protrain.enabled", "true or false"]),
+    ({"enabled": True, "n_swap": -1}, ["protrain.n_swap", "-1"]),
+    ({"enabled": True, "grad_accumulation_steps": 4}, ["derived", "gradient_accumulation_steps"]),
+    ({"enabled": True, "verbosity": 5}, ["protrain.verbosity", "0, 1 or 2"]),
+    ({"enabled": False, "typo": 1}, ["protrain.typo"]),
+])
+def test_bad_protrain_settings_fail_at_initialize_naming_the_key(section, words):
+    cfg = base_config()
+    cfg["protrain"] = section
+    with pytest.raises(ConfigError) as e:
+        init(cfg)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"autotuning": {"enabled": True}}, ["autotuning", "protrain.enabled=false"]),
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, ["optimizer.type='Lamb'", "Adam"]),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": True}}}, ["amsgrad"]),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "momentum": 0.9}}}, ["optimizer.params.momentum"]),
+])
+def test_setups_that_cannot_work_are_refused_with_the_reason(extra, words):
+    with pytest.raises(ConfigError) as e:
+        init(with_protrain(base_config(**extra)))
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_zero3_partitioned_parameters_and_pipeline_models_are_refused():
+    model = GPT(TINY)
+    for p in model.parameters():
+        p.ds_id = 0                        # what zero.Init leaves on parameters
+    engine, *_ = init(with_protrain(base_config()), model)
+    x, y = synthetic_batch(TINY, 2)
+    with pytest.raises(ConfigError, match="zero.Init"):
+        engine(x, y)
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    deepspeed.init_distributed()
+    pipe = PipelineModule(layers=[LayerSpec(torch.nn.Linear, 4, 4)], num_stages=1)
+    with pytest.raises(ConfigError, match="pipeline engine"):
+        init(with_protrain(base_config()), pipe)
+
+
+def test_replaced_knobs_are_reported(capsys):
+    extra = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                   "offload_optimizer": {"device": "cpu"},
+                                   "stage3_max_live_parameters": 1e9},
+             "activation_checkpointing": {"partition_activations": True}}
+    cfg = with_protrain(base_config(**extra), verbosity=1)
+    engine, *_ = init(cfg)
+    out = capsys.readouterr().out
+    for knob in ("zero_optimization.stage=3", "zero_optimization.offload_param",
+                 "zero_optimization.offload_optimizer", "stage3_max_live_parameters",
+                 "activation_checkpointing"):
+        assert knob in out, out
+    x, y = synthetic_batch(TINY, 2)
+    engine.backward(engine(x, y))
+    engine.step()
+    out = capsys.readouterr().out
+    assert "ProTrain plan for" in out and "profiling took" in out
+    engine.destroy()
+
+
+def test_hugging_face_trainer_trains_with_the_protrain_key(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i % 4))
+            return {"input_ids": ids, "labels": ids}
+
+    ds_cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "train_batch_size": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                         "betas": "auto", "eps": "auto"}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+              "protrain": {"enabled": True, "device_memory": "1GiB", "progress": False}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds_cfg))
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=20, per_device_train_batch_size=4,
+        logging_steps=1, learning_rate=3e-3, report_to="none", save_strategy="no",
+        deepspeed=str(tmp_path / "ds.json"), use_cpu=True, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Data())
+    trainer.train()
+    assert type(trainer.model_wrapped).__name__ == "ProTrainEngine"
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 20
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3     # it learns
+    trainer.model_wrapped.destroy()
