@@ -185,7 +185,7 @@ class Plan(JsonValue):
                            f"{ak.n_buffer:<6} {ak.n_checkpoint:<4} {ak.n_swap:<5} "
                            f"{fmt_seconds(a.iter_time):<11} {fmt_bytes(a.peak_device_bytes):<11} "
                            f"{fmt_bytes(a.host_bytes)}")
-        out.append(f"  searched {self.candidates_evaluated} of {self.candidates_total} feasible "
-                   f"candidates in {fmt_seconds(self.search_seconds)} ({self.profile_source} profile)")
+        out.append(f"  search: {self.candidates_total} feasible candidates, {self.candidates_evaluated} "
+                   f"simulated, {fmt_seconds(self.search_seconds)} ({self.profile_source} profile)")
         out += [f"  note: {n}" for n in self.notes]
         return "\n".join(out)

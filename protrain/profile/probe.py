@@ -18,7 +18,7 @@ import torch
 
 from .hardware import HardwareProfile
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 """Bump when the probe measures differently, so old cache entries are not reused."""
 
 
@@ -94,10 +94,13 @@ def probe_hardware(device: torch.device | str | None = None, *, cache_dir: str |
         name, device_memory = f"cpu ({_cpu_model()})", avail_host
     say(f"copy bandwidth ({size_mib} MiB, pinned)")
     h2d, d2h = _copy_bandwidth(device, nbytes)
-    say(f"device Adam ({adam_params / 1e6:.0f} M params)")
-    gpu_adam = _device_adam_rate(device, adam_params)
     say(f"CPU Adam ({adam_params / 1e6:.0f} M params; DeepSpeedCPUAdam builds once, ~1 min)")
     cpu_adam = _cpu_adam_rate(adam_params)
+    if device.type == "cuda":
+        say(f"device Adam ({adam_params / 1e6:.0f} M params)")
+        gpu_adam = _device_adam_rate(device, adam_params)
+    else:
+        gpu_adam = cpu_adam   # on a CPU "device" the runtime updates with the same CPU kernel
     hw = HardwareProfile(
         name=name, source="measured", device_type=device.type, device_memory=device_memory,
         host_memory=avail_host, h2d_bandwidth=h2d, d2h_bandwidth=d2h, gpu_adam_rate=gpu_adam,

@@ -30,10 +30,11 @@ def first_tensor(args, kwargs=None) -> torch.Tensor | None:
 @contextmanager
 def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
     """Install the hooks for the duration of the context. ``on_enter`` is called once per
-    boundary; the backward boundary between two blocks is seen from both sides (output of
-    block i-1 and input of block i) and reported once."""
+    boundary: the boundary between two blocks is seen from both sides (output of block i-1,
+    input of block i), in forward and in backward, and reported once."""
     n_parts = len(blocks) + 2
     last_bwd = [None]
+    last_fwd = [None]
 
     def bwd(part):
         if last_bwd[0] == part:
@@ -41,10 +42,18 @@ def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
         last_bwd[0] = part
         on_enter("bwd", part, None)
 
+    def fwd(part, x):
+        if last_fwd[0] == part:
+            return
+        last_fwd[0] = part
+        on_enter("fwd", part, x)
+
     def pre_hook(i):
         def hook(module, args, kwargs):
             x = first_tensor(args, kwargs)
-            on_enter("fwd", i + 1, x)
+            if i == 0:
+                last_fwd[0] = None   # a new forward pass
+            fwd(i + 1, x)
             if x is not None and x.requires_grad:
                 x.register_hook(lambda g: bwd(i))
         return hook
@@ -54,7 +63,7 @@ def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
             y = first_tensor(out if isinstance(out, (tuple, list)) else (out,))
             if i + 2 == n_parts - 1:
                 last_bwd[0] = None  # a new backward will start from the post part
-            on_enter("fwd", i + 2, y)
+            fwd(i + 2, y)
             if y is not None and y.requires_grad:
                 y.register_hook(lambda g: bwd(i + 1))
         return hook

@@ -1,0 +1,159 @@
+"""ProTrain vs DeepSpeed's offload configurations, side by side on one model.
+
+Each system runs in its own process (a clean device), one after the other, with the same
+model, batch and optimizer:
+
+- protrain: ``"protrain": {"enabled": true}`` (the planner decides everything);
+- zero3_offload: ZeRO-3 with parameters and optimizer offloaded to CPU, DeepSpeed defaults;
+- zero2_offload: ZeRO-2 with the optimizer offloaded to CPU.
+
+For each: tokens/s and model TFLOPS over the timed steps (after warm-up steps, which include
+ProTrain's profiling), peak device memory (max_memory_allocated / max_memory_reserved), and
+for protrain the plan's predicted iteration time and peak. Results go to
+bench/results/ds_compare-<device>-<tag>.json.
+
+    python bench/ds_compare.py --layers 40 --hidden 3072 --heads 24 --micro-batch 4 --seq 1024  # GPU
+    python bench/ds_compare.py --smoke                                                        # CPU check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SYSTEMS = {
+    "protrain": {"protrain": {"enabled": True, "progress": False}},
+    "zero3_offload": {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                                            "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+    "zero2_offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+}
+
+
+def worker(spec: dict) -> dict:
+    """Train ``spec['steps']`` steps of one system in this process and measure them."""
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29700 + spec["index"])),
+                 ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    import torch
+    import deepspeed
+    from protrain.models import GPT, GPTConfig, synthetic_batch
+
+    cuda = torch.cuda.is_available()
+    cfg = GPTConfig(n_layer=spec["layers"], n_embd=spec["hidden"], n_head=spec["heads"],
+                    vocab_size=spec["vocab"], block_size=spec["seq"])
+    ds = {"train_micro_batch_size_per_gpu": spec["micro_batch"], "gradient_accumulation_steps": 1,
+          "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+          "steps_per_print": 10**9, **SYSTEMS[spec["system"]]}
+    if cuda:
+        ds["bf16"] = {"enabled": True}
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    mb, seq = spec["micro_batch"], spec["seq"]
+    losses, times = [], []
+    for step in range(spec["warmup"] + spec["steps"]):
+        x, y = synthetic_batch(cfg, mb, seq, device=engine.device, seed=step % 8)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    step_time = sorted(times)[len(times) // 2]          # median
+    tokens = mb * seq / step_time
+    # 6 N per token for the matmuls plus causal attention (fwd 2 b s^2 h per layer, x3 with bwd)
+    flops = 6 * n_params * mb * seq + 3 * 2 * mb * seq * seq * cfg.n_embd * cfg.n_layer
+    out = dict(system=spec["system"], params=n_params, step_time_median=step_time,
+               step_times=times, tokens_per_s=tokens, tflops=flops / step_time / 1e12,
+               losses=losses)
+    if cuda:
+        out.update(max_memory_allocated=torch.cuda.max_memory_allocated(),
+                   max_memory_reserved=torch.cuda.max_memory_reserved())
+    plan = getattr(engine, "protrain_plan", None)
+    if plan is not None:
+        p = plan.prediction
+        out.update(plan=plan.knobs.as_tuple(), block_modes="".join(m.letter for m in plan.block_modes),
+                   predicted_iter_time=p.iter_time, predicted_peak=p.peak_device_bytes,
+                   iter_time_error=(p.iter_time - step_time) / step_time)
+        if cuda:
+            out["peak_error"] = (p.peak_device_bytes - out["max_memory_allocated"]) / out["max_memory_allocated"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=40)
+    ap.add_argument("--hidden", type=int, default=3072)
+    ap.add_argument("--heads", type=int, default=24)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU check)")
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    if args.smoke:
+        args.layers, args.hidden, args.heads, args.vocab, args.seq = 2, 64, 4, 256, 64
+        args.micro_batch, args.steps, args.warmup = 2, 3, 1
+    results = []
+    for i, system in enumerate(args.systems.split(",")):
+        spec = dict(system=system, index=i, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                    vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch, steps=args.steps,
+                    warmup=args.warmup)
+        print(f"== {system}", flush=True)
+        r = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
+                           capture_output=True, text=True)
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+        if r.returncode != 0 or not line:
+            tail = (r.stdout + r.stderr)[-3000:]
+            print(f"{system} failed (exit {r.returncode}):\n{tail}", flush=True)
+            results.append(dict(system=system, error=tail))
+            continue
+        results.append(json.loads(line[0][len("RESULT "):]))
+    import torch
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else (platform.processor() or "cpu")
+    import deepspeed
+    record = dict(command="python bench/ds_compare.py " + " ".join(sys.argv[1:]), device=device,
+                  torch=torch.__version__, deepspeed=deepspeed.__version__,
+                  model=dict(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab),
+                  micro_batch=args.micro_batch, seq=args.seq, results=results)
+    base = next((r for r in results if r.get("system") == "zero3_offload" and "tokens_per_s" in r), None)
+    print(f"\n{'system':<15}{'tokens/s':>12}{'TFLOPS':>9}{'peak alloc':>12}{'vs ZeRO-3 off':>15}")
+    for r in results:
+        if "tokens_per_s" not in r:
+            print(f"{r['system']:<15}{'failed':>12}")
+            continue
+        speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        peak = f"{r['max_memory_allocated'] / 2**30:.1f} GiB" if "max_memory_allocated" in r else "-"
+        print(f"{r['system']:<15}{r['tokens_per_s']:>12,.0f}{r['tflops']:>9.1f}{peak:>12}{speed:>15}")
+        if "predicted_iter_time" in r:
+            pk = f", peak error {r['peak_error']:+.1%}" if "peak_error" in r else ""
+            print(f"{'':<15}plan {r['plan']} {r['block_modes']}: predicted {r['predicted_iter_time']:.3f} s "
+                  f"vs {r['step_time_median']:.3f} s measured ({r['iter_time_error']:+.1%}){pk}")
+    tag = args.tag or ("smoke" if args.smoke else f"L{args.layers}H{args.hidden}b{args.micro_batch}s{args.seq}")
+    out = Path(__file__).parent / "results" / f"ds_compare-{'cuda' if torch.cuda.is_available() else 'cpu'}-{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
