@@ -15,7 +15,6 @@ Writes bench/results/profile_accuracy-<device>-<model>.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import platform
 import time
@@ -23,25 +22,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from protrain.block_mode import layout_block_modes
 from protrain.cost.memory import activation_walk
 from protrain.models import GPT, PRESETS, synthetic_batch
 from protrain.profile.meter import OpRecorder, StorageMeter, StorageRegistry
-from protrain.profile.tracer import profile_model
+from protrain.profile.tracer import drop_param_grads, profile_model
+from protrain.runtime.activations import checkpointed_blocks
 
 
 def run_step(model, x, y, modes, device, reps=3):
     """fwd+bwd with the given block modes: (peak activation bytes, best wall seconds)."""
-    blocks = model.transformer.h
-    saved = [b.forward for b in blocks]
-    for b, m in zip(blocks, modes):
-        if m.value == "ckpt":
-            b.forward = functools.partial(lambda f, *a: checkpoint(f, *a, use_reentrant=False), b.forward)
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-             for p in model.parameters()]
-    try:
+    with checkpointed_blocks(model.transformer.h, modes), drop_param_grads(model.parameters()):
         best = float("inf")
         for _ in range(reps + 1):  # first run warms up
             sync(device)
@@ -57,17 +49,11 @@ def run_step(model, x, y, modes, device, reps=3):
             peak = torch.cuda.max_memory_allocated(device) - base
         else:
             reg = StorageRegistry("cpu")
-            meter = StorageMeter(reg)
             top = [0]
-            with OpRecorder(reg, meter, lambda n, b, pk, a: top.__setitem__(0, max(top[0], pk)),
+            with OpRecorder(reg, StorageMeter(reg), lambda n, b, pk, a: top.__setitem__(0, max(top[0], pk)),
                             {}, lambda i: None):
                 model(x, y).backward()
             peak = top[0]
-    finally:
-        for h in hooks:
-            h.remove()
-        for b, f in zip(blocks, saved):
-            b.forward = f
     return peak, best
 
 

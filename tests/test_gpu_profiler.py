@@ -1,16 +1,14 @@
 """CUDA-only: the allocator-based profile, per-op records, streaming and the probe on a GPU."""
-import functools
-
 import numpy as np
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from protrain.block_mode import layout_block_modes
 from protrain.cost.memory import activation_walk
 from protrain.models import GPT, GPTConfig, synthetic_batch
 from protrain.profile.probe import probe_hardware
-from protrain.profile.tracer import profile_model
+from protrain.profile.tracer import drop_param_grads, profile_model
+from protrain.runtime.activations import checkpointed_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -18,25 +16,13 @@ CFG = GPTConfig(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, block_size=256
 
 
 def _peak_with_modes(model, x, y, modes):
-    blocks = model.transformer.h
-    saved = [b.forward for b in blocks]
-    for b, m in zip(blocks, modes):
-        if m.value == "ckpt":
-            b.forward = functools.partial(lambda f, *a: checkpoint(f, *a, use_reentrant=False), b.forward)
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-             for p in model.parameters()]
-    try:
+    with checkpointed_blocks(model.transformer.h, modes), drop_param_grads(model.parameters()):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         model(x, y).backward()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    finally:
-        for h in hooks:
-            h.remove()
-        for b, f in zip(blocks, saved):
-            b.forward = f
 
 
 def test_cuda_profile_records_ops_and_predicts_the_measured_peak():

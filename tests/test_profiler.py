@@ -1,11 +1,8 @@
 """Profiler on CPU: activation bytes, peaks the memory model can rebuild, streaming, hygiene."""
-import functools
-
 import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from protrain.block_mode import layout_block_modes
 from protrain.cost.memory import activation_walk
@@ -14,7 +11,8 @@ from protrain.profile import tracer
 from protrain.profile.blocks import find_blocks
 from protrain.profile.meter import OpRecorder, StorageMeter, StorageRegistry
 from protrain.profile.model_profile import ModelProfile
-from protrain.profile.tracer import profile_model
+from protrain.profile.tracer import drop_param_grads, profile_model
+from protrain.runtime.activations import checkpointed_blocks
 
 CFG = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=64)
 
@@ -57,25 +55,12 @@ def test_activation_bytes_equal_what_autograd_saved(gpt):
 def _measured_peak(model, x, y, modes):
     """Run forward + backward with the given block modes (CKPT through torch's non-reentrant
     checkpoint) and return the peak live activation bytes, as the profiler counts them."""
-    saved_forward = [b.forward for b in model.transformer.h]
-    for b, mode in zip(model.transformer.h, modes):
-        if mode.value == "ckpt":
-            b.forward = functools.partial(
-                lambda f, *a: checkpoint(f, *a, use_reentrant=False), b.forward)
     reg = StorageRegistry("cpu")
-    meter = StorageMeter(reg)
     peak = [0]
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-             for p in model.parameters()]
-    try:
-        with OpRecorder(reg, meter, lambda n, b, pk, a: peak.__setitem__(0, max(peak[0], pk)),
-                        {}, lambda i: None):
-            model(x, y).backward()
-    finally:
-        for h in hooks:
-            h.remove()
-        for b, f in zip(model.transformer.h, saved_forward):
-            b.forward = f
+    recorder = OpRecorder(reg, StorageMeter(reg),
+                          lambda n, b, pk, a: peak.__setitem__(0, max(peak[0], pk)), {}, lambda i: None)
+    with checkpointed_blocks(model.transformer.h, modes), drop_param_grads(model.parameters()), recorder:
+        model(x, y).backward()
     return peak[0]
 
 

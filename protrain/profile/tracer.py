@@ -279,7 +279,7 @@ class _Tracer:
             if self.streamer is not None or on_boundary is not None:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
                     *self._saved_hooks(stats if on_boundary is not None else None)))
-            stack.enter_context(self._drop_grads())
+            stack.enter_context(drop_param_grads(self.params))
             if hooks:
                 boundary("fwd", 0)
             loss = self.step(self.model)
@@ -396,18 +396,6 @@ class _Tracer:
 
         return pack, unpack
 
-    @contextmanager
-    def _drop_grads(self):
-        """Parameter gradients are model states (modelled from the chunk layout), not
-        activations: drop each as soon as it is accumulated, as the runtime does when it moves
-        it into its chunk."""
-        handles = [p.register_post_accumulate_grad_hook(_clear_grad) for p in self.params]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
     # ---- results -----------------------------------------------------------------------
     def _param_records(self, order: list[int], uses: dict[int, list[int]]) -> list[ParamRecord]:
         names = {p: n for n, p in self.model.named_parameters()}
@@ -429,6 +417,19 @@ def storage_bytes(t: torch.Tensor) -> int:
         return t.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
         return t.numel() * t.element_size()
+
+
+@contextmanager
+def drop_param_grads(params):
+    """Parameter gradients are model states (modelled from the chunk layout), not
+    activations: drop each as soon as it is accumulated, as the runtime does when it moves it
+    into its chunk."""
+    handles = [p.register_post_accumulate_grad_hook(_clear_grad) for p in params]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _clear_grad(p: torch.Tensor) -> None:

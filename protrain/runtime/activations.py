@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -112,17 +113,14 @@ class ActivationRuntime:
             if m == BlockMode.SWAP:
                 cap = int(swap_bytes[i] * 1.25) + 2**16
                 self.stashes[i] = HostStash(streams.pinned(cap, torch.uint8))
-        self._originals: dict[int, object] = {}
-        for i, (b, m) in enumerate(zip(self.blocks, self.modes)):
-            if m == BlockMode.CKPT:
-                self._originals[i] = b.forward
-                b.forward = functools.partial(_checkpointed, b.forward)
+        self._ckpt = checkpointed_blocks(self.blocks, self.modes)
+        self._ckpt.__enter__()
         self.stats = {"swapped_bytes": 0, "swap_dedup_hits": 0, "prefetched_bytes": 0}
 
     def close(self) -> None:
-        for i, fwd in self._originals.items():
-            self.blocks[i].forward = fwd
-        self._originals.clear()
+        if self._ckpt is not None:
+            self._ckpt.__exit__(None, None, None)
+            self._ckpt = None
 
     # ---- saved-tensor hooks ----------------------------------------------------------------
     def hooks(self):
@@ -231,3 +229,19 @@ class ActivationRuntime:
 
 def _checkpointed(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+@contextmanager
+def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode]):
+    """Run the CKPT blocks of ``modes`` under checkpoint for the duration of the context (what
+    the runtime does), e.g. to measure a plan's activation memory without the runtime."""
+    saved = {}
+    try:
+        for i, (b, m) in enumerate(zip(blocks, modes)):
+            if m == BlockMode.CKPT:
+                saved[i] = b.forward
+                b.forward = functools.partial(_checkpointed, b.forward)
+        yield
+    finally:
+        for i, fwd in saved.items():
+            blocks[i].forward = fwd
