@@ -62,6 +62,11 @@ def _initialize_protrain(ds_config: dict, kw: dict):
     model = kw["model"]
     if model is None:
         raise ConfigError("deepspeed.initialize requires a model")
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ConfigError(
+            "the model's parameters are already partitioned by ZeRO-3 (zero.Init): ProTrain "
+            "places parameters itself. Set zero_optimization.stage to 0, 1 or 2 (Hugging Face "
+            "partitions at load time when it sees stage 3)")
     if isinstance(model, PipelineModule):
         raise ConfigError("protrain does not drive DeepSpeed's pipeline engine (a PipelineModule "
                           "was given): use protrain with data parallel training, or disable it")
