@@ -65,6 +65,9 @@ class PlannerConfig:
     """Micro-batches per optimizer step (set by the framework adapter from the training
     config). Above 1, offloaded chunks need an fp32 gradient accumulator on the host and the
     search minimises the time of a whole optimizer step."""
+    data_parallel_size: int = 1
+    """Data-parallel ranks (set by the adapter from the launch). Offloaded chunks are sharded:
+    each rank keeps 1/world of their host states and gathers the rest over the network."""
     cpu_optim_overlap: bool = True
     """Whether CPU Adam may update a chunk as soon as its gradient is on the host, overlapping
     the rest of backward (set by the adapter). Gradient clipping and fp16 loss scaling need
@@ -104,7 +107,7 @@ class PlannerConfig:
                 raise ConfigError(f"{where}.chunk_sizes = {v!r}: must be a non-empty list of sizes, "
                                   f"e.g. [\"32MiB\", \"64MiB\"]")
             kwargs["chunk_sizes"] = tuple(_size(x, f"{where}.chunk_sizes", positive=True) for x in v)
-        for key in ("grad_accumulation_steps",):
+        for key in ("grad_accumulation_steps", "data_parallel_size"):
             if key in data:
                 v = data[key]
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:

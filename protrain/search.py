@@ -18,8 +18,8 @@ import numpy as np
 from .block_mode import layout_block_modes
 from .config import PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
-from .cost.memory import activation_walk, predict_memory, state_bytes, swap_host_bytes
-from .cost.runtime import chunk_transfer_times, simulate
+from .cost.memory import activation_walk, buffer_numel, predict_memory, state_bytes, swap_host_bytes
+from .cost.runtime import chunk_transfer_times, persistent_allreduce_time, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
 from .profile.hardware import HardwareProfile
 from .profile.model_profile import ModelProfile
@@ -98,10 +98,12 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     pins = config.pins
     nch = layout.n_chunks
     sb = _state_bytes(profile, config)
+    world = config.data_parallel_size
     prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
+    shard = np.concatenate([[0], np.cumsum([-(-u // world) for u in layout.used], dtype=np.int64)])
     persist = prefix * sb.persistent
-    host_state = (prefix[-1] - prefix) * sb.host
-    buf = layout.chunk_numel * sb.buffer
+    host_state = (shard[-1] - shard) * sb.host
+    buf = buffer_numel(layout, world) * sb.buffer
     nbmin_table = layout.min_buffers_table()
 
     lo = layout.min_persist
@@ -141,14 +143,14 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
 
     # Lower bound on the time of an optimizer step: each resource alone (see cost.runtime
     # for the queues), for the boundary micro-step and for the (gas - 1) others.
-    t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw)
+    t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
     up_suffix = np.concatenate([np.cumsum(t_up[::-1])[::-1], [0.0]])      # sum_{c>=n} t_up
     down_suffix = np.concatenate([np.cumsum(t_down[::-1])[::-1], [0.0]])
     adam_suffix = np.concatenate([np.cumsum(t_adam[::-1])[::-1], [0.0]])
     fwd_compute = sum(p.fwd_time for p in profile.parts)
     bwd_compute = sum(p.bwd_time for p in profile.parts) + acts.recompute[a_idx]
     swap_bytes = acts.swap_host[a_idx]
-    gpu = prefix[np_idx] / hw.gpu_adam_rate
+    gpu = prefix[np_idx] / hw.gpu_adam_rate + persistent_allreduce_time(layout, np_idx, hw, world)
     fwd_lb = np.maximum(fwd_compute, up_suffix[np_idx])
     reup = up_suffix[np_idx] - up_suffix[np.maximum(nch - nb, np_idx)]
     bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / hw.h2d_bandwidth)
@@ -173,9 +175,11 @@ def _simulate_points(profile, hw, config, acts, grid: _Grid, idx: np.ndarray,
     """Time of one optimizer step: the boundary micro-step plus the others, if any."""
     nb = grid.n_buffer[idx] if n_buffer is None else n_buffer
     args = (profile, grid.layout, hw, grid.n_persist[idx], nb, acts.codes[grid.a[idx]])
-    t = simulate(*args, cpu_overlap=config.cpu_optim_overlap).iter_time
+    world = config.data_parallel_size
+    t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world).iter_time
     if config.grad_accumulation_steps > 1:
-        t = t + (config.grad_accumulation_steps - 1) * simulate(*args, optimizer_step=False).iter_time
+        t = t + (config.grad_accumulation_steps - 1) * simulate(
+            *args, optimizer_step=False, world=world).iter_time
     return t
 
 
@@ -241,8 +245,8 @@ def search(profile: ModelProfile, hw: HardwareProfile,
             for (i, nb), ti in zip(rows, t):
                 if ti == best and (i not in refined or nb < refined[i][0]):
                     j = local[i]
-                    refined[i] = (nb, int(g.peak[j] - (g.n_buffer[j] - nb) * g.layout.chunk_numel
-                                          * _state_bytes(profile, config).buffer))
+                    refined[i] = (nb, int(g.peak[j] - (g.n_buffer[j] - nb) * _state_bytes(
+                        profile, config).buffer * buffer_numel(g.layout, config.data_parallel_size)))
 
     def knobs_of(i: int) -> Knobs:
         g, j = grids[owner[i]], local[i]
@@ -319,14 +323,15 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     if knobs.n_buffer < nb_min:
         raise InfeasibleError(f"n_buffer={knobs.n_buffer} is below {nb_min}, the chunks one block "
                               f"spans with n_persist={knobs.n_persist}; use at least {nb_min}")
+    world = config.data_parallel_size
     mem = predict_memory(profile, layout, knobs.n_persist, knobs.n_buffer, modes,
-                         _state_bytes(profile, config))
+                         _state_bytes(profile, config), world)
     codes = np.array([[m.code for m in modes]], dtype=np.int8)
     t = simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
-                 cpu_overlap=config.cpu_optim_overlap)
+                 cpu_overlap=config.cpu_optim_overlap, world=world)
     gas = config.grad_accumulation_steps
     micro = float(simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
-                           optimizer_step=False).iter_time[0]) if gas > 1 else float(t.iter_time[0])
+                           optimizer_step=False, world=world).iter_time[0]) if gas > 1 else float(t.iter_time[0])
     if check_fit:
         need = mem.peak_device_bytes * (1 + config.memory_margin)
         if need > hw.device_memory or mem.host_bytes > hw.host_memory:
@@ -368,9 +373,11 @@ def _leanest(profile, config, acts, caps, host_memory) -> tuple[float, float]:
         sb = _state_bytes(profile, config)
         prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
         nps = np.arange(layout.min_persist, layout.n_chunks + 1)
+        world = config.data_parallel_size
+        shard = np.concatenate([[0], np.cumsum([-(-u // world) for u in layout.used], dtype=np.int64)])
         states = prefix[nps] * sb.persistent + \
-            layout.min_buffers_table()[nps] * layout.chunk_numel * sb.buffer
-        host = (prefix[-1] - prefix[nps]) * sb.host
+            layout.min_buffers_table()[nps] * buffer_numel(layout, world) * sb.buffer
+        host = (shard[-1] - shard[nps]) * sb.host
         peak = states[None, :] + acts.act_peak[:, None]
         ok = host[None, :] + acts.swap_host[:, None] <= host_memory
         if ok.any():

@@ -3,7 +3,7 @@ import numpy as np
 
 from protrain.block_mode import CKPT, NONE, SWAP, BlockMode
 from protrain.cost.layout import build_layout
-from protrain.cost.memory import (activation_walk, model_state_device_bytes,
+from protrain.cost.memory import (activation_walk, buffer_numel, model_state_device_bytes,
                                   model_state_host_bytes, predict_memory, state_bytes,
                                   swap_host_bytes)
 from protrain.profile.model_profile import ModelProfile, ParamRecord
@@ -92,3 +92,13 @@ def test_predict_memory_adds_states_and_walk_and_names_the_peak():
     assert m.peak_device_bytes == 10 * 18 + 40 + 55
     assert m.peak_at == "backward of <post>"
     assert m.host_bytes == 20 * 14
+
+
+def test_sharded_host_bytes_and_padded_buffers():
+    prof = chain_profile(block_params=(100, 61), pre_params=30, param_bytes=2)
+    layout = build_layout(prof, 100)           # chunks: [30], [100], [61]
+    sb = state_bytes(2)
+    # 2 ranks keep ceil(100 / 2) + ceil(61 / 2) = 81 elements of the offloaded chunks each
+    assert int(model_state_host_bytes(layout, 1, sb, world=2)) == (50 + 31) * 14
+    assert buffer_numel(layout, 3) == 102       # 100 padded to a multiple of 3
+    assert int(model_state_device_bytes(layout, 1, 2, sb, world=3)) == 30 * 18 + 2 * 102 * 2

@@ -122,3 +122,18 @@ def test_accumulation_micro_step_has_no_optimizer():
     # backward ends at 85; no device Adam, no CPU Adam
     assert t["iter_time"] == 85 and t["gpu_optim_time"] == 0 and t["cpu_optim_time"] == 0
     assert t["d2h_bytes"] == 2 * 400  # gradients still leave the device to be accumulated
+
+
+def test_two_ranks_shard_uploads_offloads_and_cpu_adam():
+    # world 2, collective bandwidth 80 B/s: an upload is the 200-byte shard over PCIe (2.5 s)
+    # plus the all-gather of the other half (2.5 s) = 5 s, as before; CPU Adam does half a
+    # chunk (2 s); the persistent chunk's 400 fp32 gradient bytes are all-reduced at the end:
+    # 2 * 400 * 1/2 / 80 = 5 s, before device Adam (1 s).
+    layout = build_layout(chain_profile(), 100)
+    hw = slow_link(collective_bandwidth=80.0)
+    t = simulate(chain_profile(), layout, hw, 1, 1, np.array([[NONE, NONE]]), world=2)
+    # backward ends at 85 as with one rank; CPU Adam: chunk 2 at 58-60, chunk 1 at 88-90;
+    # device: 85 + 5 (all-reduce) + 1 (Adam) = 91.
+    assert float(t.iter_time[0]) == 91
+    assert float(t.cpu_optim_time[0]) == 4
+    assert float(t.h2d_bytes[0]) == 3 * 200     # only this rank's shards cross PCIe

@@ -9,7 +9,7 @@ import pytest
 from protrain.block_mode import layout_block_modes
 from protrain.config import KnobPins, PlannerConfig
 from protrain.cost.layout import build_layout, chunk_capacities
-from protrain.cost.memory import predict_memory, state_bytes
+from protrain.cost.memory import buffer_numel, predict_memory, state_bytes
 from protrain.cost.runtime import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
 from protrain.profile.machines import machine
@@ -30,6 +30,7 @@ def brute_force(profile, hw, config):
     match exactly (same preference order: time, then peak, then knobs)."""
     budget = hw.device_memory / (1 + config.memory_margin)
     gas = config.grad_accumulation_steps
+    world = config.data_parallel_size
     sb = state_bytes(profile.param_bytes, gas > 1)
     n = profile.n_blocks
     pins = config.pins
@@ -49,16 +50,16 @@ def brute_force(profile, hw, config):
                            for k, v in knobs.items()):
                         continue
                     modes = layout_block_modes(n, ns, nc)
-                    mem = predict_memory(profile, layout, np_, nb, modes, sb)
+                    mem = predict_memory(profile, layout, np_, nb, modes, sb, world)
                     if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory:
                         rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes))
         if not rows:
             continue
         args = (profile, layout, hw, [r[0] for r in rows], [r[1] for r in rows],
                 np.array([[m.code for m in r[4]] for r in rows]))
-        t = simulate(*args, cpu_overlap=config.cpu_optim_overlap).iter_time
+        t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world).iter_time
         if gas > 1:
-            t = t + (gas - 1) * simulate(*args, optimizer_step=False).iter_time
+            t = t + (gas - 1) * simulate(*args, optimizer_step=False, world=world).iter_time
         for r, ti in zip(rows, t):
             key = plan_key(ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3]))
             if best is None or key < best:
@@ -77,12 +78,13 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("gas, overlap", [(1, True), (3, False)])
-def test_search_equals_brute_force(case, gas, overlap):
+@pytest.mark.parametrize("gas, overlap, world", [(1, True, 1), (3, False, 1), (1, True, 4)])
+def test_search_equals_brute_force(case, gas, overlap, world):
     shape, dev, host, sizes = CASES[case]
     hw = small_hw(device_memory=dev, host_memory=host)
     prof = analytic_profile(shape, hw)
-    config = PlannerConfig(chunk_sizes=sizes, grad_accumulation_steps=gas, cpu_optim_overlap=overlap)
+    config = PlannerConfig(chunk_sizes=sizes, grad_accumulation_steps=gas, cpu_optim_overlap=overlap,
+                           data_parallel_size=world)
     plan = search(prof, hw, config)
     ref = brute_force(prof, hw, config)
     got = (plan.prediction.step_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())

@@ -61,18 +61,27 @@ def state_bytes(param_bytes: int, grad_accumulation: bool = False) -> StateBytes
                       buffer=param_bytes, host=host)
 
 
-def model_state_device_bytes(layout: ChunkLayout, n_persist, n_buffer, sb: StateBytes):
-    """Persistent chunks (exact size) + n_buffer buffers of one chunk capacity each."""
+def model_state_device_bytes(layout: ChunkLayout, n_persist, n_buffer, sb: StateBytes,
+                             world: int = 1):
+    """Persistent chunks (exact size, replicated on every rank) + n_buffer buffers of one
+    chunk capacity each."""
     prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
     n_persist = np.asarray(n_persist)
     return (prefix[n_persist] * sb.persistent
-            + np.asarray(n_buffer, dtype=np.int64) * layout.chunk_numel * sb.buffer)
+            + np.asarray(n_buffer, dtype=np.int64) * buffer_numel(layout, world) * sb.buffer)
 
 
-def model_state_host_bytes(layout: ChunkLayout, n_persist, sb: StateBytes):
-    """Exact-size pinned host memory for the non-persistent chunks' states."""
-    prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
-    return (prefix[-1] - prefix[np.asarray(n_persist)]) * sb.host
+def buffer_numel(layout: ChunkLayout, world: int) -> int:
+    """Elements of one device buffer: the chunk capacity padded to a multiple of the world
+    size, so a chunk splits into equal shards for all-gather / reduce-scatter."""
+    return -(-layout.chunk_numel // world) * world
+
+
+def model_state_host_bytes(layout: ChunkLayout, n_persist, sb: StateBytes, world: int = 1):
+    """Exact-size pinned host memory for the non-persistent chunks' states, per rank: with
+    ``world`` data-parallel ranks each keeps a 1/world shard of every offloaded chunk."""
+    shard = np.concatenate([[0], np.cumsum([-(-u // world) for u in layout.used], dtype=np.int64)])
+    return (shard[-1] - shard[np.asarray(n_persist)]) * sb.host
 
 
 # ---- activations ----------------------------------------------------------------------
@@ -140,13 +149,14 @@ class MemoryPrediction:
 
 
 def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n_buffer: int,
-                   modes: tuple[BlockMode, ...], sb: StateBytes | None = None) -> MemoryPrediction:
+                   modes: tuple[BlockMode, ...], sb: StateBytes | None = None,
+                   world: int = 1) -> MemoryPrediction:
     sb = sb or state_bytes(profile.param_bytes)
     codes = np.array([[m.code for m in modes]], dtype=np.int8)
     act, where = activation_walk(profile, codes)
-    states = int(model_state_device_bytes(layout, n_persist, n_buffer, sb))
+    states = int(model_state_device_bytes(layout, n_persist, n_buffer, sb, world))
     swap = int(swap_host_bytes(profile, codes)[0])
-    host = int(model_state_host_bytes(layout, n_persist, sb)) + swap
+    host = int(model_state_host_bytes(layout, n_persist, sb, world)) + swap
     w = int(where[0])
     peak_at = f"{'forward' if w % 2 == 0 else 'backward'} of {profile.parts[w // 2].name}"
     return MemoryPrediction(

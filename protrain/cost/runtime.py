@@ -59,16 +59,43 @@ class TimePrediction:
     d2h_bytes: np.ndarray
 
 
-def chunk_transfer_times(layout: ChunkLayout, profile: ModelProfile, hw: HardwareProfile):
-    """Per-chunk upload time, gradient offload time and CPU Adam time (seconds)."""
+def chunk_transfer_times(layout: ChunkLayout, profile: ModelProfile, hw: HardwareProfile,
+                         world: int = 1):
+    """Per-chunk upload time, gradient offload time and CPU Adam time (seconds).
+
+    With ``world`` data-parallel ranks an offloaded chunk is sharded: an upload is the H2D
+    copy of this rank's 1/world shard followed by an all-gather of the rest; a gradient
+    offload is a reduce-scatter followed by the D2H copy of the shard; CPU Adam updates the
+    shard only."""
     used = np.asarray(layout.used, dtype=np.float64)
     nbytes = used * profile.param_bytes
-    return nbytes / hw.h2d_bandwidth, nbytes / hw.d2h_bandwidth, used / hw.cpu_adam_rate
+    up, down, adam = nbytes / world / hw.h2d_bandwidth, nbytes / world / hw.d2h_bandwidth, \
+        used / world / hw.cpu_adam_rate
+    if world > 1:
+        coll = nbytes * (world - 1) / world / _collective_bandwidth(hw)
+        up, down = up + coll, down + coll
+    return up, down, adam
+
+
+def persistent_allreduce_time(layout: ChunkLayout, n_persist, hw: HardwareProfile, world: int):
+    """All-reduce of the persistent chunks' fp32 gradients at the accumulation boundary
+    (ring: 2 (world - 1) / world of the bytes each way)."""
+    if world <= 1:
+        return np.zeros_like(np.asarray(n_persist, dtype=np.float64))
+    prefix = np.concatenate([[0], np.cumsum(layout.used)])
+    return prefix[np.asarray(n_persist)] * 4 * 2 * (world - 1) / world / _collective_bandwidth(hw)
+
+
+def _collective_bandwidth(hw: HardwareProfile) -> float:
+    if hw.collective_bandwidth <= 0:
+        raise ValueError(f"{hw.name}: planning for several data-parallel ranks needs the collective "
+                         f"bandwidth; probe the machine with the ranks launched, or use a named GPU")
+    return hw.collective_bandwidth
 
 
 def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist,
              n_buffer, block_modes, *, optimizer_step: bool = True,
-             cpu_overlap: bool = True) -> TimePrediction:
+             cpu_overlap: bool = True, world: int = 1) -> TimePrediction:
     """Simulate K plans at once: n_persist[K], n_buffer[K], block_modes[K, n_blocks] (codes).
 
     ``optimizer_step=False`` simulates a micro-step that only accumulates gradients (no Adam
@@ -81,7 +108,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     n_chunks = layout.n_chunks
     parts = profile.parts
     rows = np.arange(k_plans)
-    t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw)
+    t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
     saved = np.array([p.saved_bytes for p in parts], dtype=np.float64)
     bad = (nbuf < 1) & (npers < n_chunks)
     if bad.any():
@@ -119,7 +146,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                     end = np.maximum(h2d, wait) + t_up[j]
                     h2d = np.where(offl, end, h2d)
                     ready[:, j] = np.where(offl, end, 0.0)
-                    h2d_bytes += np.where(offl, layout.used[j] * profile.param_bytes, 0)
+                    h2d_bytes += np.where(offl, layout.used[j] * profile.param_bytes / world, 0)
                     uploaded += 1
                 comp = np.maximum(comp, ready[:, c])
             comp = comp + part.fwd_time * share
@@ -156,7 +183,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             end = np.maximum(h2d, np.where(need, grad_out[rows, src], 0.0)) + t_up[j]
             h2d = np.where(need, end, h2d)
             avail[:, j] = np.where(need, end, 0.0)
-            h2d_bytes += np.where(need, layout.used[j] * profile.param_bytes, 0)
+            h2d_bytes += np.where(need, layout.used[j] * profile.param_bytes / world, 0)
             next_chunk -= 1
         start = comp.copy()
         m = modes[:, p]
@@ -181,7 +208,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             d_end = np.maximum(d2h, comp) + t_down[c]
             d2h = np.where(offl, d_end, d2h)
             grad_out[:, c] = np.where(offl, d_end, comp)
-            d2h_bytes += np.where(offl, layout.used[c] * profile.param_bytes, 0)
+            d2h_bytes += np.where(offl, layout.used[c] * profile.param_bytes / world, 0)
             if optimizer_step and cpu_overlap:
                 c_end = np.maximum(cpu, d_end) + t_adam[c]
                 cpu = np.where(offl, c_end, cpu)
@@ -199,7 +226,9 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         cpu = np.where(offl, c_end, cpu)
         cpu_busy += np.where(offl, t_adam[c], 0.0)
     prefix = np.concatenate([[0], np.cumsum(layout.used)])
-    gpu_optim = prefix[npers] / hw.gpu_adam_rate if optimizer_step else np.zeros(k_plans)
+    # Device tail at the boundary: all-reduce of the persistent gradients, then device Adam.
+    gpu_optim = (prefix[npers] / hw.gpu_adam_rate + persistent_allreduce_time(layout, npers, hw, world)
+                 if optimizer_step else np.zeros(k_plans))
     device_end = bwd_end + gpu_optim
     iter_time = np.maximum(device_end, cpu)
     return TimePrediction(

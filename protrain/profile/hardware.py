@@ -35,6 +35,9 @@ class HardwareProfile(JsonValue):
     """Parameters per second updated by the device's fused Adam (fp32 master, m, v)."""
     cpu_adam_rate: float
     """Parameters per second updated by DeepSpeedCPUAdam on the host, all cores."""
+    collective_bandwidth: float = 0.0
+    """Per-rank bandwidth of all-gather / reduce-scatter between data-parallel ranks, bytes/s
+    (time = bytes * (world - 1) / world / bandwidth). 0 when unknown (one rank)."""
     peak_flops: float = 0.0
     """Dense bf16 tensor FLOP/s (published), used only by the analytic profile."""
     cpu_cores: int = 1

@@ -33,6 +33,7 @@ class Machine:
     bf16_flops: float         # dense tensor-core FLOP/s
     hbm_bandwidth: float      # bytes/s
     pcie_bandwidth: float     # bytes/s per direction (link rate)
+    collective_bandwidth: float = 0.0   # achievable all-gather bus bandwidth between GPUs
 
     def profile(self, *, host_memory: int = DEFAULT_HOST_MEMORY,
                 cpu_adam_rate: float = DEFAULT_CPU_ADAM_RATE, cpu_cores: int = 64) -> HardwareProfile:
@@ -42,18 +43,21 @@ class Machine:
             h2d_bandwidth=self.pcie_bandwidth * PCIE_EFFICIENCY,
             d2h_bandwidth=self.pcie_bandwidth * PCIE_EFFICIENCY,
             gpu_adam_rate=self.hbm_bandwidth * HBM_EFFICIENCY / ADAM_BYTES_PER_PARAM,
-            cpu_adam_rate=cpu_adam_rate, peak_flops=self.bf16_flops, cpu_cores=cpu_cores)
+            cpu_adam_rate=cpu_adam_rate, peak_flops=self.bf16_flops, cpu_cores=cpu_cores,
+            collective_bandwidth=self.collective_bandwidth)
 
 
 _GEN3, _GEN4, _GEN5 = 16e9, 32e9, 64e9
 MACHINES: dict[str, Machine] = {m.name: m for m in [
-    Machine("h100-80gb", int(79.2 * GiB), 989e12, 3.35e12, _GEN5),        # SXM5
-    Machine("h100-pcie-80gb", int(79.2 * GiB), 756e12, 2.0e12, _GEN5),
-    Machine("h200", int(139.8 * GiB), 989e12, 4.8e12, _GEN5),
-    Machine("a100-80gb", int(79.2 * GiB), 312e12, 2.04e12, _GEN4),
-    Machine("a100-40gb", int(39.4 * GiB), 312e12, 1.56e12, _GEN4),
-    Machine("l40s", int(44.4 * GiB), 362e12, 0.864e12, _GEN4),
-    Machine("rtx3090", int(23.7 * GiB), 71e12, 0.936e12, _GEN3),           # PCIe 3 as in the paper
+    # Collective bandwidth: NVLink at ~80% of the per-direction link rate (SXM parts);
+    # PCIe-only parts share the PCIe link.
+    Machine("h100-80gb", int(79.2 * GiB), 989e12, 3.35e12, _GEN5, 360e9),   # SXM5, NVLink 4
+    Machine("h100-pcie-80gb", int(79.2 * GiB), 756e12, 2.0e12, _GEN5, 0.8 * _GEN5),
+    Machine("h200", int(139.8 * GiB), 989e12, 4.8e12, _GEN5, 360e9),
+    Machine("a100-80gb", int(79.2 * GiB), 312e12, 2.04e12, _GEN4, 240e9),   # SXM4, NVLink 3
+    Machine("a100-40gb", int(39.4 * GiB), 312e12, 1.56e12, _GEN4, 240e9),
+    Machine("l40s", int(44.4 * GiB), 362e12, 0.864e12, _GEN4, 0.8 * _GEN4),
+    Machine("rtx3090", int(23.7 * GiB), 71e12, 0.936e12, _GEN3, 0.8 * _GEN3),  # PCIe 3, as in the paper
 ]}
 
 
