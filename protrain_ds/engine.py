@@ -19,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,6 +31,8 @@ from protrain.config import ConfigError
 from protrain.plan import Plan
 from protrain.profile.blocks import find_blocks
 from protrain.profile.model_profile import ModelProfile
+from protrain.profile.probe import probe_collective
+from protrain.runtime.collectives import DataParallel
 from protrain.runtime.runtime import ProTrainRuntime
 from protrain.search import InfeasibleError, check_budgets, search
 
@@ -76,10 +80,21 @@ class ProTrainEngine(DeepSpeedEngine):
         """Clipping happens in ProTrainOptimizer.step, where the gradients are (in chunks)."""
 
     def _broadcast_model(self):
-        if self.dist_backend is not None and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise ConfigError("protrain runs on one rank for now (data parallel is the next "
-                              "milestone); launch a single process or disable protrain")
+        """Every rank starts from rank 0's weights (DeepSpeed does this too). Parameters may
+        sit on the host (a model too big for the device): NCCL needs them on the device, so
+        they travel through a device copy one at a time."""
+        dp = DataParallel()
+        if dp.world == 1:
+            return
+        nccl = torch.distributed.get_backend() == "nccl"
+        for p in self.module.parameters():
+            t = p.data
+            if nccl and t.device.type != "cuda":
+                tmp = t.to(self.device)
+                torch.distributed.broadcast(tmp, 0)
+                t.copy_(tmp)
+            else:
+                torch.distributed.broadcast(t, 0)
 
     # ---- training ----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -125,24 +140,43 @@ class ProTrainEngine(DeepSpeedEngine):
                     "the model's parameters are already partitioned by ZeRO-3 (zero.Init): "
                     "ProTrain places parameters itself. Set zero_optimization.stage to 0, 1 or 2 "
                     "(Hugging Face partitions at load time when it sees stage 3)")
-        planner = _planner_config(self)
+        dp = DataParallel()
+        planner = _planner_config(self, dp)
+        coll_bw = probe_collective(dp, self.device) if dp.world > 1 else 0.0
         t0 = time.perf_counter()
-        plan = self._load_plan(planner)
-        loaded = plan is not None
         profile_seconds = 0.0
-        if plan is None:
-            profile = self._profile(blocks, inputs, kwargs)
-            profile_seconds = time.perf_counter() - t0
-            hw = self._hardware()
+        plan, loaded, error, failure = None, False, None, None
+        if dp.rank == 0:
+            # One rank measures and decides; every rank runs the same plan.
             try:
-                plan = search(profile, hw, planner)
-            except InfeasibleError as e:
-                raise InfeasibleError(f"ProTrain: no plan fits: {e}", device_needed=e.device_needed,
-                                      host_needed=e.host_needed,
-                                      micro_batch_fit=e.micro_batch_fit) from None
-            self.protrain_profile = profile
-            if cfg.plan_file:
-                plan.save(cfg.plan_file)
+                plan = self._load_plan(planner)
+                loaded = plan is not None
+                if plan is None:
+                    profile = self._profile(blocks, inputs, kwargs)
+                    profile_seconds = time.perf_counter() - t0
+                    hw = self._hardware()
+                    if dp.world > 1:
+                        hw = replace(hw, collective_bandwidth=coll_bw,
+                                     host_memory=hw.host_memory // _ranks_per_node(dp))
+                    plan = search(profile, hw, planner)
+                    self.protrain_profile = profile
+                    if cfg.plan_file:
+                        plan.save(cfg.plan_file)
+            except (InfeasibleError, ConfigError) as e:
+                error = (type(e).__name__, str(e))
+                failure = e
+        shared = dp.broadcast_object((plan.to_dict() if plan is not None else None, loaded, error))
+        if shared[2] is not None:          # rank 0 could not plan: every rank stops, saying why
+            kind, msg = shared[2]
+            if kind == "InfeasibleError":
+                e = failure if dp.rank == 0 else None
+                raise InfeasibleError(f"ProTrain: no plan fits: {msg}",
+                                      device_needed=getattr(e, "device_needed", None),
+                                      host_needed=getattr(e, "host_needed", None),
+                                      micro_batch_fit=getattr(e, "micro_batch_fit", None)) from None
+            raise ConfigError(msg)
+        plan = plan if dp.rank == 0 else Plan.from_dict(shared[0])
+        loaded = shared[1]
         self.protrain_plan = plan
         if verbose:
             print(plan.explain(), flush=True)
@@ -159,7 +193,7 @@ class ProTrainEngine(DeepSpeedEngine):
         self.protrain_runtime = ProTrainRuntime(
             self.module, blocks, plan, plan.layout(), [r.name for r in plan.params], self.device,
             self.optimizer.runtime_setup(), swap_bytes=plan.block_saved_bytes,
-            is_boundary=self.is_gradient_accumulation_boundary, accounting=cfg.accounting)
+            is_boundary=self.is_gradient_accumulation_boundary, accounting=cfg.accounting, dp=dp)
         self.optimizer.runtime = self.protrain_runtime
 
     def _load_plan(self, planner) -> Plan | None:
@@ -220,12 +254,17 @@ class ProTrainEngine(DeepSpeedEngine):
         return probe_hardware(self.device, progress=self.protrain_config.verbosity >= 2)
 
 
-def _planner_config(engine) -> "PlannerConfig":  # noqa: F821
-    from dataclasses import replace
+def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821
     cfg = engine.protrain_config.planner
     clip = engine.gradient_clipping() or 0.0
     return replace(cfg, grad_accumulation_steps=engine.gradient_accumulation_steps(),
-                   cpu_optim_overlap=not (clip > 0 or engine.fp16_enabled()))
+                   cpu_optim_overlap=not (clip > 0 or engine.fp16_enabled()),
+                   data_parallel_size=dp.world)
+
+
+def _ranks_per_node(dp: DataParallel) -> int:
+    """Ranks sharing this host's memory (the launcher says; else every rank is local)."""
+    return max(1, min(dp.world, int(os.environ.get("LOCAL_WORLD_SIZE", dp.world))))
 
 
 def _loss_of(out) -> torch.Tensor:

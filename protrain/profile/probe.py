@@ -155,3 +155,21 @@ def _cpu_adam_rate(n: int) -> float:
         opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
     t = _best_time(opt.step, 3, lambda: None)
     return n / t
+
+
+def probe_collective(dp, device: torch.device, size_mib: int = 64) -> float:
+    """Per-rank all-gather bandwidth of the data-parallel group, bytes/s (every rank must call
+    it; time = bytes * (world - 1) / world / bandwidth, the cost model's convention)."""
+    if dp.world == 1:
+        return 0.0
+    import torch.distributed as dist
+    shard = size_mib * 2**20 // dp.world
+    buf = torch.zeros(shard * dp.world, dtype=torch.uint8, device=device)
+    sync = _sync(device)
+
+    def once():
+        dp.all_gather_(buf, shard)
+    dist.barrier(group=dp.group)
+    t = _best_time(once, 3, sync)
+    t = dp.broadcast_object(t)          # every rank plans with rank 0's figure
+    return buf.numel() * (dp.world - 1) / dp.world / t

@@ -17,6 +17,11 @@ Chunk states and their legal transitions (checked on every move):
                                   \\-> GRADS -> HOST  (gradients offloaded)
     CACHED -> HOST (its buffer was taken by another chunk)
 
+With several data-parallel ranks an offloaded chunk's host states are sharded: rank r keeps
+its 1/world shard, an upload is the shard's copy followed by an all-gather, a gradient
+offload is a reduce-scatter followed by the shard's copy (collectives.py). While not resident
+the parameters of a sharded chunk have no values on this rank: their ``.data`` is empty.
+
 No tensor is allocated in the steady-state loop: every buffer and host region is allocated
 once, here.
 """
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .collectives import DataParallel
 from .streams import Streams
 
 
@@ -59,6 +65,8 @@ class Slot:
     numel: int
     group: int
     """Index of the optimizer param group the parameter belongs to."""
+    shape: torch.Size = torch.Size()
+    """The parameter's shape (its ``.data`` may be an empty placeholder while sharded)."""
     has_grad: bool = False
     """A gradient arrived for it in this optimizer step (parameters without one are skipped by
     Adam, as torch and DeepSpeed optimizers skip ``grad is None``)."""
@@ -100,6 +108,11 @@ class Chunk:
     """Event after which the chunk's gradients are on the host."""
     grads_pending: bool = False
     """Gradients of this micro-step still to be folded into the host states."""
+    shard_lo: int = 0
+    """This rank's part of the chunk (offloaded chunks): elements [shard_lo, shard_hi)."""
+    shard_hi: int = 0
+    shard_size: int = 0
+    """Elements of one shard (the host tensors' length; the buffer holds world of them)."""
 
     def move(self, new: ChunkState) -> None:
         if new not in _LEGAL[self.state]:
@@ -137,11 +150,12 @@ class ChunkManager:
     def __init__(self, *, named_params: list[tuple[str, nn.Parameter]], param_chunk: list[int],
                  chunk_parts: list[tuple[int, int]], n_persist: int, n_buffer: int,
                  chunk_capacity: int, group_of: dict[nn.Parameter, int], device: torch.device,
-                 streams: Streams, grad_accumulation: bool):
+                 streams: Streams, grad_accumulation: bool, dp: DataParallel | None = None):
         if not named_params:
             raise ValueError("no parameters to place in chunks")
         self.device = device
         self.streams = streams
+        self.dp = dp or DataParallel(None)
         self.dtype = named_params[0][1].dtype
         self.half = self.dtype in (torch.float16, torch.bfloat16)
         self.n_persist = n_persist
@@ -153,13 +167,15 @@ class ChunkManager:
                                 f"chunks hold one training dtype (cast the model, or keep the odd "
                                 f"parameter frozen with requires_grad=False)")
             off = slots[c][-1].stop if slots[c] else 0
-            slots[c].append(Slot(p, name, off, p.numel(), group_of[p]))
+            slots[c].append(Slot(p, name, off, p.numel(), group_of[p], shape=p.shape))
         self.chunks = [Chunk(i, s[-1].stop, i < n_persist, s, *chunk_parts[i])
                        for i, s in enumerate(slots)]
         self.slot_of: dict[nn.Parameter, tuple[Chunk, Slot]] = {
             s.param: (c, s) for c in self.chunks for s in c.slots}
-        self.pool = BufferPool(n_buffer if n_persist < n_chunks else 0, chunk_capacity,
-                               self.dtype, device)
+        world = self.dp.world
+        self.pool = BufferPool(n_buffer if n_persist < n_chunks else 0,
+                               -(-chunk_capacity // world) * world, self.dtype, device)
+        self._empty = torch.empty(0, dtype=self.dtype)
         self._materialize(grad_accumulation)
 
     # ---- allocation ----------------------------------------------------------------------
@@ -176,19 +192,25 @@ class ChunkManager:
                 c.exp_avg_sq = torch.zeros(c.numel, dtype=torch.float32, device=self.device)
                 c.state = ChunkState.RESIDENT
             else:
-                flat = torch.cat([s.param.data.detach().reshape(-1).to("cpu") for s in c.slots])
+                c.shard_lo, c.shard_hi, c.shard_size = self.dp.shard(c.numel)
+                flat = torch.zeros(c.shard_size, dtype=self.dtype)
+                for sl in c.slots:    # this rank's part of each parameter
+                    a, b = max(sl.offset, c.shard_lo), min(sl.stop, c.shard_hi)
+                    if a < b:
+                        flat[a - c.shard_lo:b - c.shard_lo].copy_(
+                            sl.param.data.detach().reshape(-1)[a - sl.offset:b - sl.offset])
                 if self.half:
-                    c.shadow = self.streams.pinned(c.numel, self.dtype)
+                    c.shadow = self.streams.pinned(c.shard_size, self.dtype)
                     c.shadow.copy_(flat)
                     c.master = flat.float()
                 else:
-                    c.master = self.streams.pinned(c.numel, torch.float32)
+                    c.master = self.streams.pinned(c.shard_size, torch.float32)
                     c.master.copy_(flat)
                 if grad_accumulation or not self.half:
-                    c.grad_acc = self.streams.pinned(c.numel, torch.float32)
+                    c.grad_acc = self.streams.pinned(c.shard_size, torch.float32)
                     c.grad_acc.zero_()
-                c.exp_avg = torch.zeros(c.numel, dtype=torch.float32)
-                c.exp_avg_sq = torch.zeros(c.numel, dtype=torch.float32)
+                c.exp_avg = torch.zeros(c.shard_size, dtype=torch.float32)
+                c.exp_avg_sq = torch.zeros(c.shard_size, dtype=torch.float32)
                 del flat
             self._point_params(c)
 
@@ -201,10 +223,14 @@ class ChunkManager:
             base = c.data
         elif c.state in (ChunkState.RESIDENT, ChunkState.UPLOADING, ChunkState.CACHED):
             base = self.pool.tensors[c.buffer]
+        elif self.dp.world > 1:
+            for s in c.slots:          # sharded and not resident: no full values on this rank
+                s.param.data = self._empty
+            return
         else:
             base = self.host_params(c)
         for s in c.slots:
-            s.param.data = base[s.offset:s.stop].view(s.param.shape)
+            s.param.data = base[s.offset:s.stop].view(s.shape)
 
     # ---- residency -----------------------------------------------------------------------
     def offloaded(self) -> list[Chunk]:
@@ -236,8 +262,13 @@ class ChunkManager:
         self.pool.owner[b] = c
         c.buffer = b
         c.move(ChunkState.UPLOADING)
-        c.ready = self.streams.copy(self.pool.tensors[b][:c.numel], self.host_params(c), "upload",
-                                    after=self.pool.free_after[b])
+        buf = self.pool.tensors[b]
+        mine = buf[self.dp.rank * c.shard_size:(self.dp.rank + 1) * c.shard_size]
+        c.ready = self.streams.copy(mine, self.host_params(c), "upload", after=self.pool.free_after[b])
+        if self.dp.world > 1:
+            with self.streams.side("upload"):
+                self.dp.all_gather_(buf, c.shard_size)
+                c.ready = self.streams.record_on("upload")
         self._point_params(c)
 
     def access(self, c: Chunk) -> None:
@@ -261,14 +292,26 @@ class ChunkManager:
 
     def offload_grads(self, c: Chunk, target: torch.Tensor) -> None:
         """The chunk's backward is done: its buffer holds its gradients (parameters without a
-        gradient are zeroed first); copy them to ``target`` on the offload queue and free the
-        buffer once the copy is done."""
+        gradient are zeroed first); with several ranks they are summed and averaged into this
+        rank's shard (reduce-scatter); the shard is copied to ``target`` on the offload queue
+        and the buffer is free once the copy is done."""
         buf = self.pool.tensors[c.buffer]
         for s in c.slots:
             if not s.has_grad:
                 buf[s.offset:s.stop].zero_()
         c.move(ChunkState.GRADS)
-        done = self.streams.copy(target, buf[:c.numel], "offload", after=self.streams.compute_event())
+        after = self.streams.compute_event()
+        if self.dp.world > 1:
+            buf[c.numel:self.dp.world * c.shard_size].zero_()
+            with self.streams.side("offload"):
+                if after is not None:
+                    self.streams.offload.wait_event(after)
+                mine = self.dp.reduce_scatter_(buf, c.shard_size)
+                mine.div_(self.dp.world)          # DeepSpeed averages gradients over ranks
+                after = self.streams.record_on("offload")
+        else:
+            mine = buf[:c.numel]
+        done = self.streams.copy(target, mine, "offload", after=after)
         c.grads_on_host = done
         self.pool.owner[c.buffer] = None
         self.pool.release(c.buffer, done)
@@ -296,11 +339,21 @@ class ChunkManager:
         return total
 
     def close(self) -> None:
-        """Leave every parameter as a standalone tensor on the device it would be on without
-        ProTrain (persistent ones on the device, offloaded ones on the host), holding its
-        current value."""
+        """Leave every parameter as a standalone tensor holding its current value (persistent
+        ones on the device, offloaded ones on the host). With several ranks the shards are
+        gathered first: every rank must call it."""
+        world = self.dp.world
         for c in self.chunks:
+            if c.persistent or world == 1:
+                for s in c.slots:
+                    s.param.data = s.param.data.clone()
+                continue
+            dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+            full = torch.empty(world * c.shard_size, dtype=self.dtype, device=dev)
+            full[self.dp.rank * c.shard_size:(self.dp.rank + 1) * c.shard_size].copy_(self.host_params(c))
+            self.dp.all_gather_(full, c.shard_size)
+            full = full.cpu()
             for s in c.slots:
-                s.param.data = s.param.data.clone()
+                s.param.data = full[s.offset:s.stop].clone().view(s.shape)
         self.pool.tensors = []
         self.streams.release_pinned()

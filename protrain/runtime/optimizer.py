@@ -97,7 +97,7 @@ class ChunkOptimizer:
         self._staging: list[torch.Tensor] = []
         self._staging_free: list[int] = []
         if self.gas > 1 and self.m.offloaded():
-            cap = max(c.numel for c in self.m.offloaded())
+            cap = max(c.shard_size for c in self.m.offloaded())
             self._staging = [streams.pinned(cap, self.m.dtype) for _ in range(2)]
             self._staging_free = [0, 1]
             self._staging_lock = threading.Condition()
@@ -119,6 +119,11 @@ class ChunkOptimizer:
                 c.grad[s.offset:s.stop].add_(g.reshape(-1))
             elif c.buffer is not None and c.state.value == "resident":
                 self.m.pool.tensors[c.buffer][s.offset:s.stop].copy_(g.reshape(-1))
+            elif self.m.dp.world > 1:
+                raise RuntimeError(
+                    f"gradient of {s.name} arrived after its chunk was reduce-scattered: the model "
+                    f"uses it outside the part it was profiled in, which data-parallel sharding "
+                    f"cannot repair; re-profile (delete the plan file) or report the model")
             else:
                 # The chunk's backward was declared done before this gradient arrived (a
                 # parameter used outside its part). Correct, but slow: add it on the host.
@@ -146,7 +151,7 @@ class ChunkOptimizer:
             self.m.offload_grads(c, self._landing(c))
         else:
             slot = self._take_staging()
-            self.m.offload_grads(c, self._staging[slot][:c.numel])
+            self.m.offload_grads(c, self._staging[slot][:c.shard_size])
             self.worker.submit(lambda c=c, slot=slot: self._accumulate(c, slot))
         if boundary and self.overlap:
             self.worker.submit(lambda c=c: self._host_update(c, coef=None))
@@ -159,7 +164,7 @@ class ChunkOptimizer:
 
     def _accumulate(self, c: Chunk, slot: int) -> None:
         self.streams.host_wait(c.grads_on_host)
-        c.grad_acc.add_(self._staging[slot][:c.numel])
+        c.grad_acc.add_(self._staging[slot][:c.shard_size])
         with self._staging_lock:
             self._staging_free.append(slot)
             self._staging_lock.notify()
@@ -174,7 +179,12 @@ class ChunkOptimizer:
         self.global_grad_norm = None
         inv_scale = 1.0 / self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
         coef = None
+        dp = self.m.dp
         with self._pause():
+            if dp.world > 1:
+                for c in self.m.chunks:
+                    if c.persistent:    # replicated: average the gradients over ranks
+                        dp.all_reduce_(c.grad).div_(dp.world)
             if self.loss_scaler is not None:
                 self.overflow = self._has_overflow()
                 self.loss_scaler.update_scale(self.overflow)
@@ -221,20 +231,25 @@ class ChunkOptimizer:
         self._reset()
 
     def _segments(self, c: Chunk):
-        """Contiguous runs of parameters with a gradient, one param group and one step count."""
+        """Contiguous runs of parameters (their part in this rank's shard) with a gradient, one
+        param group and one step count, in the coordinates of the chunk's local tensors."""
+        lo, hi = (0, c.numel) if c.persistent else (c.shard_lo, c.shard_hi)
         run = None
         for s in c.slots:
-            if not s.has_grad:
+            a, b = max(s.offset, lo) - lo, min(s.stop, hi) - lo
+            if a >= b:
+                continue
+            if not (s.has_grad or self.m.dp.world > 1):
                 if run:
                     yield run
                 run = None
                 continue
-            if run and run[2] == s.group and run[3] == s.step and run[1] == s.offset:
-                run[1] = s.stop
+            if run and run[2] == s.group and run[3] == s.step and run[1] == a:
+                run[1] = b
             else:
                 if run:
                     yield run
-                run = [s.offset, s.stop, s.group, s.step]
+                run = [a, b, s.group, s.step]
         if run:
             yield run
 
@@ -249,7 +264,7 @@ class ChunkOptimizer:
             kernel.update(c.master[lo:hi], g, c.exp_avg[lo:hi], c.exp_avg_sq[lo:hi], step + 1,
                           self.hyper(self.param_groups[group]))
         for s in c.slots:
-            if s.has_grad:
+            if s.has_grad or self.m.dp.world > 1:
                 s.step += 1
 
     def _host_update(self, c: Chunk, coef) -> None:
@@ -271,10 +286,23 @@ class ChunkOptimizer:
         if not s.has_grad:
             return None
         src = c.grad if c.persistent else self._landing(c)
-        return src[s.offset:s.stop].view(p.shape)
+        return src[s.offset:s.stop].view(s.shape)
 
     def _global_norm(self, inv_scale: float) -> torch.Tensor:
-        """DeepSpeed's clip_grad_norm_ arithmetic (deepspeed/runtime/utils.py), for world 1."""
+        """DeepSpeed's clip_grad_norm_ arithmetic (deepspeed/runtime/utils.py) for one rank;
+        with several, the sum of squares over every shard and, once, over the replicated
+        chunks, all-reduced."""
+        dp = self.m.dp
+        if dp.world > 1:
+            sq = torch.zeros(1, dtype=torch.float64)
+            for c in self.m.chunks:
+                if c.persistent:
+                    if dp.rank == 0:
+                        sq += c.grad.double().pow(2).sum().cpu()
+                else:
+                    sq += self._landing(c)[:c.shard_hi - c.shard_lo].double().pow(2).sum()
+            total = dp.all_reduce_(sq.to(self.m.device)).sqrt().float().cpu()
+            return total * inv_scale if inv_scale != 1.0 else total
         norms = []
         for p in self.params_in_order:
             g = self._grad_view(p)
@@ -288,6 +316,12 @@ class ChunkOptimizer:
         return total * inv_scale if inv_scale != 1.0 else total
 
     def _has_overflow(self) -> bool:
+        dp = self.m.dp
+        if dp.world > 1:
+            bad = any(not bool(torch.isfinite(c.grad if c.persistent else self._landing(c)).all())
+                      for c in self.m.chunks)
+            flag = dp.all_reduce_(torch.tensor([float(bad)], device=self.m.device), dist_max())
+            return bool(flag.item() > 0)
         for p in self.params_in_order:
             g = self._grad_view(p)
             if g is not None and not bool(torch.isfinite(g).all()):
@@ -299,6 +333,11 @@ class ChunkOptimizer:
         for c in self.m.offloaded():
             if c.shadow is not None and c.grad_acc is None:
                 c.shadow.copy_(c.master)
+
+
+def dist_max():
+    import torch.distributed as dist
+    return dist.ReduceOp.MAX
 
 
 class _nullcontext:

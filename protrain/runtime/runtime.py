@@ -34,6 +34,7 @@ from .activations import ActivationRuntime
 from .adam import AdamHyper, CPUAdamKernel, TorchAdamKernel
 from .boundaries import part_boundaries
 from .chunks import ChunkManager, ChunkState
+from .collectives import DataParallel
 from .optimizer import ChunkOptimizer
 from .streams import Streams
 
@@ -59,7 +60,8 @@ class ProTrainRuntime:
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], plan: Plan,
                  layout: ChunkLayout, param_names: Sequence[str], device: torch.device,
                  setup: OptimizerSetup, *, swap_bytes: Sequence[int],
-                 is_boundary: Callable[[], bool] = lambda: True, accounting: bool = False):
+                 is_boundary: Callable[[], bool] = lambda: True, accounting: bool = False,
+                 dp: DataParallel | None = None):
         self.model = model
         self.blocks = list(blocks)
         self.plan = plan
@@ -85,7 +87,7 @@ class ProTrainRuntime:
             chunk_parts=list(zip(layout.chunk_first_part, layout.chunk_last_part)),
             n_persist=plan.knobs.n_persist, n_buffer=plan.knobs.n_buffer,
             chunk_capacity=layout.chunk_numel, group_of=group_of, device=device,
-            streams=self.streams, grad_accumulation=setup.grad_accumulation_steps > 1)
+            streams=self.streams, grad_accumulation=setup.grad_accumulation_steps > 1, dp=dp)
         host_kernel = TorchAdamKernel(fused=False) if setup.torch_adam else CPUAdamKernel(setup.adamw)
         if device.type == "cuda":
             device_kernel = TorchAdamKernel(fused=True)

@@ -45,6 +45,14 @@ class Streams:
             done.record(stream)
         return done
 
+    def record_on(self, queue: str):
+        """An event at the current end of a side queue (None on CPU)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.upload if queue == "upload" else self.offload)
+        return ev
+
     def wait(self, event) -> None:
         """Make the compute stream wait for ``event`` (no host blocking)."""
         if event is not None:

@@ -1,0 +1,64 @@
+"""Data-parallel collectives on chunks: all-gather of parameter shards, reduce-scatter of
+gradients, all-reduce of replicated (persistent) gradients and of scalars.
+
+ZeRO-3 style: an offloaded chunk of n elements is split into ``world`` shards of
+ceil(n / world) elements (the buffer is padded to a multiple of the world size); rank r keeps
+shard r of the chunk's host states. On CUDA (NCCL) the gather and the scatter run in place in
+the chunk buffer on the copy streams; gloo (CPU tests) gets a copy of the input.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch renamed the tensor collectives (all_gather_into_tensor -> all_gather_single); use
+# whichever this torch has.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class DataParallel:
+    """The data-parallel group a runtime shards over (world 1: every method is a no-op)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        if dist.is_available() and dist.is_initialized():
+            self.world = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+        else:
+            self.world, self.rank = 1, 0
+
+    def shard(self, numel: int) -> tuple[int, int, int]:
+        """(start, stop, shard size) of this rank's part of ``numel`` elements; the part may be
+        shorter than the shard size (or empty) at the end of the chunk."""
+        size = -(-numel // self.world)
+        lo = min(self.rank * size, numel)
+        return lo, min(lo + size, numel), size
+
+    def all_gather_(self, buf: torch.Tensor, size: int) -> None:
+        """buf[:world * size] <- every rank's buf[rank * size:(rank + 1) * size]."""
+        if self.world == 1:
+            return
+        mine = buf[self.rank * size:(self.rank + 1) * size]
+        _all_gather(buf[:self.world * size], mine if buf.is_cuda else mine.clone(), group=self.group)
+
+    def reduce_scatter_(self, buf: torch.Tensor, size: int) -> torch.Tensor:
+        """Sum buf[:world * size] over ranks into this rank's shard; returns the shard."""
+        mine = buf[self.rank * size:(self.rank + 1) * size]
+        if self.world == 1:
+            return mine
+        full = buf[:self.world * size]
+        _reduce_scatter(mine, full if buf.is_cuda else full.clone(), group=self.group)
+        return mine
+
+    def all_reduce_(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def broadcast_object(self, obj, src: int = 0):
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]

@@ -1,0 +1,55 @@
+"""One rank of a data-parallel test run (spawned with torch.multiprocessing, gloo on CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    sys.path.insert(0, os.path.dirname(__file__))
+    import torch
+    import deepspeed
+    from protrain.models import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(**spec["model"])
+    global_batch = spec["global_batch"]
+    mb = global_batch // world
+    ds = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+          "steps_per_print": 10**6, **spec.get("extra", {})}
+    if spec.get("protrain") is not None:
+        ds["protrain"] = {"enabled": True, "device_memory": "1GiB", "progress": False,
+                          "verbosity": 0, **spec["protrain"]}
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    losses = []
+    for i in range(spec["steps"]):
+        x, y = synthetic_batch(cfg, global_batch, seed=i)
+        x, y = x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    result = {"losses": losses}
+    rt = getattr(engine, "protrain_runtime", None)
+    if rt is not None:
+        result["host_bytes"] = rt.chunks.host_bytes()
+        result["plan"] = list(engine.protrain_plan.knobs.as_tuple())
+        result["offloaded"] = len(rt.chunks.offloaded())
+    engine.destroy()                      # gathers sharded parameters back on every rank
+    if rank == 0:
+        torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
+                   os.path.join(out_dir, "weights.pt"))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def launch(world: int, spec: dict, out_dir: str, port: int) -> list[dict]:
+    import torch.multiprocessing as mp
+    mp.start_processes(run_rank, args=(world, port, spec, out_dir), nprocs=world,
+                       start_method="spawn", join=True)
+    return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]

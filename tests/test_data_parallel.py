@@ -1,0 +1,40 @@
+"""Two ranks (gloo on CPU) train like one rank on the same global batch, and shard the host
+states of offloaded chunks."""
+import os
+
+import pytest
+import torch
+
+from dpworker import launch
+
+MODEL = dict(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=64, tie_embeddings=False)
+PLANS = {
+    "no offloaded chunks": dict(chunk_size="230KiB", n_persist=5, n_swap=0, n_checkpoint=0),
+    "offloaded chunks, swap and checkpoint": dict(chunk_size="230KiB", n_persist=1, n_buffer=2,
+                                                  n_swap=1, n_checkpoint=1),
+}
+
+
+def _port(i: int) -> int:
+    return 29800 + (os.getpid() % 100) * 2 + i
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_two_ranks_match_one_rank_on_the_same_global_batch(plan, tmp_path):
+    spec = dict(model=MODEL, global_batch=4, steps=20, protrain=PLANS[plan])
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = launch(1, spec, str(tmp_path / "one"), _port(0))[0]
+    two = launch(2, spec, str(tmp_path / "two"), _port(1))
+    assert two[0]["plan"] == two[1]["plan"]              # rank 0 planned, every rank runs it
+    for step, loss in enumerate(one["losses"]):
+        mean = (two[0]["losses"][step] + two[1]["losses"][step]) / 2
+        assert mean == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    w1 = torch.load(tmp_path / "one" / "weights.pt")
+    w2 = torch.load(tmp_path / "two" / "weights.pt")
+    for name, w in w1.items():
+        assert torch.allclose(w2[name], w, atol=1e-4, rtol=1e-4), name
+    if one["offloaded"]:
+        # each rank keeps half of the offloaded chunks' host states (up to shard padding)
+        for r in two:
+            assert r["host_bytes"] == pytest.approx(one["host_bytes"] / 2, rel=0.01)
