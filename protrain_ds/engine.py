@@ -190,11 +190,33 @@ class ProTrainEngine(DeepSpeedEngine):
             k = plan.knobs
             print(f"ProTrain: plan {k.as_tuple()} predicted {plan.prediction.iter_time:.3f} s/iter, "
                   f"peak {plan.prediction.peak_device_bytes / 2**30:.2f} GiB", flush=True)
+        self._protrain_build_runtime(plan, dp)
+
+    def _protrain_build_runtime(self, plan: Plan, dp: DataParallel | None = None) -> None:
+        """Put the model's parameters into the plan's chunks and hook up the runtime."""
+        _, blocks = find_blocks(self.module)
+        self.protrain_plan = plan
         self.protrain_runtime = ProTrainRuntime(
             self.module, blocks, plan, plan.layout(), [r.name for r in plan.params], self.device,
             self.optimizer.runtime_setup(), swap_bytes=plan.block_saved_bytes,
-            is_boundary=self.is_gradient_accumulation_boundary, accounting=cfg.accounting, dp=dp)
+            is_boundary=self.is_gradient_accumulation_boundary,
+            accounting=self.protrain_config.accounting, dp=dp or DataParallel())
         self.optimizer.runtime = self.protrain_runtime
+
+    # ---- checkpoints (DeepSpeed's signatures; see checkpoint.py) ---------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006
+                        exclude_frozen_parameters=False):
+        from .checkpoint import save
+        return save(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        if custom_load_fn is not None:
+            raise ConfigError("load_checkpoint(custom_load_fn=...) is not supported with protrain")
+        from .checkpoint import load
+        return load(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                    load_lr_scheduler_states=load_lr_scheduler_states,
+                    load_module_only=load_module_only)
 
     def _load_plan(self, planner) -> Plan | None:
         path = self.protrain_config.plan_file

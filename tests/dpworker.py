@@ -26,15 +26,21 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
     torch.manual_seed(0)
     model = GPT(cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    if spec.get("load"):
+        path, client = engine.load_checkpoint(spec["load"])
+        assert path is not None and client == {"note": "resume me"}, (path, client)
+    start = spec.get("start", 0)
     losses = []
-    for i in range(spec["steps"]):
+    for i in range(start, start + spec["steps"]):
         x, y = synthetic_batch(cfg, global_batch, seed=i)
         x, y = x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb]
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    result = {"losses": losses}
+    if spec.get("save"):
+        engine.save_checkpoint(spec["save"], client_state={"note": "resume me"})
+    result = {"losses": losses, "global_steps": engine.global_steps, "lr": engine.get_lr()}
     rt = getattr(engine, "protrain_runtime", None)
     if rt is not None:
         result["host_bytes"] = rt.chunks.host_bytes()

@@ -319,6 +319,21 @@ class ChunkManager:
         c.move(ChunkState.HOST)
         self._point_params(c)
 
+    def evict_all(self) -> None:
+        """Drop every buffered copy (their host states are about to change)."""
+        for c in self.offloaded():
+            if c.state == ChunkState.UPLOADING:
+                self.access(c)
+            if c.state == ChunkState.RESIDENT:
+                self.release(c)
+            if c.state == ChunkState.CACHED:
+                self.pool.owner[c.buffer] = None
+                c.buffer = None
+                c.move(ChunkState.HOST)
+                self._point_params(c)
+            elif c.state == ChunkState.GRADS:
+                raise RuntimeError(f"chunk {c.index} still has gradients in flight; finish the step first")
+
     # ---- accounting ------------------------------------------------------------------------
     def device_bytes(self) -> int:
         """Device bytes the chunks hold (persistent states and buffers)."""

@@ -1,0 +1,101 @@
+"""Optimizer-level state of a runtime, per parameter: export it (checkpoints, re-planning)
+and import it into another runtime, whatever its chunk layout or world size.
+
+A *piece* is what one rank holds of one parameter: an element range [lo, hi) of the flattened
+parameter with its fp32 master values, Adam m and v, and the parameter's step count. A
+persistent chunk's parameters are replicated, so only rank 0 exports them; an offloaded
+chunk's parameters are exported shard by shard. Together the pieces of all ranks cover every
+parameter exactly once, which is what lets a checkpoint taken on N ranks load on M.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .chunks import Chunk, ChunkManager
+
+
+@dataclass
+class Piece:
+    name: str
+    lo: int
+    hi: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: int
+
+
+def _local_range(m: ChunkManager, c: Chunk) -> tuple[int, int]:
+    """Chunk elements this rank's tensors of ``c`` hold."""
+    return (0, c.numel) if c.persistent else (c.shard_lo, c.shard_hi)
+
+
+def export_pieces(m: ChunkManager) -> list[Piece]:
+    pieces = []
+    for c in m.chunks:
+        if c.persistent and m.dp.rank != 0:
+            continue
+        lo, hi = _local_range(m, c)
+        for s in c.slots:
+            a, b = max(s.offset, lo), min(s.stop, hi)
+            if a >= b:
+                continue
+            sl = slice(a - lo, b - lo)
+            pieces.append(Piece(s.name, a - s.offset, b - s.offset,
+                                c.master[sl].detach().float().cpu().clone(),
+                                c.exp_avg[sl].detach().cpu().clone(),
+                                c.exp_avg_sq[sl].detach().cpu().clone(), s.step))
+    return pieces
+
+
+def import_pieces(m: ChunkManager, fetch: Callable[[str, int, int], tuple], *,
+                  optimizer_states: bool = True) -> None:
+    """Fill every chunk from ``fetch(name, lo, hi) -> (master, exp_avg, exp_avg_sq, step)``
+    (fp32 CPU tensors of hi - lo elements). Without ``optimizer_states`` only the weights are
+    taken and Adam starts afresh."""
+    m.evict_all()
+    for c in m.chunks:
+        lo, hi = _local_range(m, c)
+        for s in c.slots:
+            a, b = max(s.offset, lo), min(s.stop, hi)
+            if a >= b:
+                continue
+            master, ea, eas, step = fetch(s.name, a - s.offset, b - s.offset)
+            sl = slice(a - lo, b - lo)
+            c.master[sl].copy_(master)
+            if optimizer_states:
+                c.exp_avg[sl].copy_(ea)
+                c.exp_avg_sq[sl].copy_(eas)
+                s.step = int(step)
+            else:
+                c.exp_avg[sl].zero_()
+                c.exp_avg_sq[sl].zero_()
+                s.step = 0
+        # The training-dtype copies follow the masters.
+        if c.persistent:
+            if c.master is not c.data:
+                c.data.copy_(c.master)
+        elif c.shadow is not None:
+            c.shadow.copy_(c.master)
+
+
+def assemble(pieces_by_name: dict[str, list[Piece]], name: str, lo: int, hi: int) -> tuple:
+    """Cut [lo, hi) of a parameter out of the pieces that cover it (any sharding)."""
+    out = [torch.empty(hi - lo) for _ in range(3)]
+    covered = 0
+    step = None
+    for p in pieces_by_name.get(name, ()):
+        a, b = max(p.lo, lo), min(p.hi, hi)
+        if a >= b:
+            continue
+        for dst, src in zip(out, (p.master, p.exp_avg, p.exp_avg_sq)):
+            dst[a - lo:b - lo].copy_(src[a - p.lo:b - p.lo])
+        covered += b - a
+        step = p.step if step is None else max(step, p.step)
+    if covered != hi - lo:
+        raise KeyError(f"the checkpoint does not cover {name}[{lo}:{hi}] ({covered} of {hi - lo} "
+                       f"elements found); it was written for another model or is incomplete")
+    return out[0], out[1], out[2], step
