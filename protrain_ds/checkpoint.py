@@ -186,6 +186,7 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
     with_optimizer = load_optimizer_states and not load_module_only
     import_pieces(runtime.chunks, lambda n, lo, hi: assemble(pieces, n, lo, hi),
                   optimizer_states=with_optimizer)
+    runtime.resume_optimizer()
     runtime.optimizer._dirty = True
     runtime.optimizer.zero_grad()
     if meta.get("extra_state"):

@@ -50,6 +50,8 @@ class ProTrainEngine(DeepSpeedEngine):
         self.protrain_runtime: ProTrainRuntime | None = None
         self.protrain_plan: Plan | None = None
         self.protrain_profile: ModelProfile | None = None
+        self._protrain_margin = 0.0
+        self._protrain_redo = None
         super().__init__(*args, dont_change_device=True, **kwargs)
         # Gradients live in chunks, not in .grad: DeepSpeed's own all-reduce has nothing to do.
         self.enable_backward_allreduce = False
@@ -100,8 +102,90 @@ class ProTrainEngine(DeepSpeedEngine):
     def forward(self, *inputs, **kwargs):
         if self.protrain_runtime is None:
             self._protrain_setup(inputs, kwargs)
-        with self.protrain_runtime.forward_context():
-            return super().forward(*inputs, **kwargs)
+        # What redoing this micro-batch after an out-of-memory error needs.
+        self._protrain_redo = (inputs, kwargs, _rng_state())
+        try:
+            with self.protrain_runtime.forward_context():
+                return super().forward(*inputs, **kwargs)
+        except torch.OutOfMemoryError as e:
+            self._protrain_replan("forward", e)
+        _set_rng_state(self._protrain_redo[2])
+        return self.forward(*inputs, **kwargs)
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        try:
+            return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        except torch.OutOfMemoryError as e:
+            opt = self.protrain_runtime.optimizer
+            if opt._updated or (self.gradient_accumulation_steps() > 1 and opt._dirty_before_forward):
+                raise RuntimeError(
+                    "ProTrain: out of device memory in backward after part of this optimizer step "
+                    "was already applied or accumulated, so the step cannot be redone exactly. "
+                    "Resume from the last checkpoint with a larger protrain.memory_margin (or "
+                    "delete protrain.plan_file to re-plan)") from e
+            self._protrain_replan("backward", e)
+        del loss
+        inputs, kwargs, rng = self._protrain_redo
+        _set_rng_state(rng)
+        loss = self.forward(*inputs, **kwargs)
+        return super().backward(_loss_of(loss), retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+
+    def _protrain_replan(self, where: str, error: BaseException) -> None:
+        """An out-of-memory error in this micro-batch: plan again with a larger memory margin,
+        move every state into the new plan's chunks, and let the caller redo the micro-batch.
+        Gradients of the failed micro-batch are dropped; those accumulated before it are kept."""
+        from protrain.runtime.states import assemble, export_pieces, import_pieces
+        rt = self.protrain_runtime
+        dp = rt.chunks.dp
+        if dp.world > 1:
+            raise RuntimeError("ProTrain: out of device memory with several ranks: re-planning "
+                               "needs every rank; restart from the last checkpoint with a larger "
+                               "protrain.memory_margin") from error
+        planner = _planner_config(self, dp)
+        margin = max(planner.memory_margin, self._protrain_margin) + 0.1
+        if margin >= 1.0:
+            raise InfeasibleError(f"ProTrain: out of device memory again at a {margin - 0.1:.0%} "
+                                  f"margin; no plan is safe on this device. Lower the micro-batch "
+                                  f"or the sequence length, or use a device with more memory") from error
+        self._protrain_margin = margin
+        opt = self.optimizer
+        while opt._backward_active_depth > 0:       # DeepSpeed's backward never finished
+            opt.exit_backward()
+        rt.optimizer.worker.drain()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        keep_grads = self.gradient_accumulation_steps() > 1 and rt.optimizer._dirty_before_forward
+        if where == "backward" or not keep_grads:
+            rt.optimizer._dirty = True
+            rt.optimizer._reset()                     # this micro-batch's partial gradients
+        pieces = {}
+        for piece in export_pieces(rt.chunks, grads=keep_grads):
+            pieces.setdefault(piece.name, []).append(piece)
+        # Park every parameter on the host before the new chunks take the device.
+        rt.close(to_host=True)
+        self.protrain_runtime = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        profile = self.protrain_profile
+        if profile is None:
+            inputs, kwargs, rng = self._protrain_redo
+            profile = self._profile(find_blocks(self.module)[1], inputs, kwargs)
+            _set_rng_state(rng)
+            self.protrain_profile = profile
+        old = self.protrain_plan
+        plan = search(profile, self._hardware(), replace(planner, memory_margin=margin))
+        if self.global_rank == 0:
+            print(f"ProTrain: out of device memory in {where} ({str(error).splitlines()[0][:120]}); "
+                  f"re-planned with a {margin:.0%} margin: {old.knobs.as_tuple()} -> "
+                  f"{plan.knobs.as_tuple()}, predicted peak {plan.prediction.peak_device_bytes / 2**30:.2f} "
+                  f"GiB; redoing the micro-batch", flush=True)
+        if self.protrain_config.plan_file:
+            plan.save(self.protrain_config.plan_file)
+        self._protrain_build_runtime(plan, dp)
+        import_pieces(self.protrain_runtime.chunks, lambda n, lo, hi: assemble(pieces, n, lo, hi),
+                      grads=keep_grads)
+        self.protrain_runtime.resume_optimizer()
+        self.protrain_runtime.optimizer._dirty = keep_grads
 
     def train_batch(self, data_iter):
         """Run one optimizer step over ``gradient_accumulation_steps`` micro-batches drawn from
@@ -311,6 +395,17 @@ def _loss_of(out) -> torch.Tensor:
         return out.float().mean()
     raise TypeError(f"cannot find a loss in the model output ({type(out).__name__}); return the loss "
                     f"or a Hugging Face ModelOutput with .loss from forward")
+
+
+def _rng_state():
+    return (torch.random.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def _set_rng_state(state) -> None:
+    torch.random.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
 
 
 def _batch_shape(inputs, kwargs) -> tuple[int | None, int | None]:

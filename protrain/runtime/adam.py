@@ -40,6 +40,17 @@ class CPUAdamKernel:
         self._op.adam_update(self._id, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
                              h.bias_correction, master, grad, exp_avg, exp_avg_sq)
 
+    def prime(self, steps_done: int, h: AdamHyper) -> None:
+        """Put a fresh kernel in the state a long-running one has after ``steps_done`` steps.
+
+        The C++ kernel keeps beta^t and, when the step advances by one, updates it by one
+        multiplication (pow() only when it jumps). A kernel created after a restart would take
+        pow() where the uninterrupted run multiplied, and differ in the last bit; empty
+        updates at steps 1..steps_done rebuild the same product (microseconds each)."""
+        empty = torch.empty(0)
+        for step in range(1, steps_done + 1):
+            self.update(empty, empty, empty, empty, step, h)
+
 
 class TorchAdamKernel:
     """torch's Adam/AdamW: fused on CUDA, single-tensor elsewhere (what torch.optim picks for
@@ -58,3 +69,6 @@ class TorchAdamKernel:
         fn([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], foreach=False,
            fused=self.fused, amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr,
            weight_decay=h.weight_decay, eps=h.eps, maximize=False)
+
+    def prime(self, steps_done: int, h: AdamHyper) -> None:
+        """Stateless between calls: nothing to restore."""

@@ -353,15 +353,16 @@ class ChunkManager:
                 total += sum(t.numel() * t.element_size() for t in tensors.values())
         return total
 
-    def close(self) -> None:
+    def close(self, to_host: bool = False) -> None:
         """Leave every parameter as a standalone tensor holding its current value (persistent
-        ones on the device, offloaded ones on the host). With several ranks the shards are
-        gathered first: every rank must call it."""
+        ones on the device, offloaded ones on the host; all on the host with ``to_host``).
+        With several ranks the shards are gathered first: every rank must call it."""
         world = self.dp.world
+        self.evict_all()
         for c in self.chunks:
             if c.persistent or world == 1:
                 for s in c.slots:
-                    s.param.data = s.param.data.clone()
+                    s.param.data = s.param.data.to("cpu", copy=True) if to_host else s.param.data.clone()
                 continue
             dev = self.device if self.device.type == "cuda" else torch.device("cpu")
             full = torch.empty(world * c.shard_size, dtype=self.dtype, device=dev)

@@ -93,6 +93,9 @@ class ChunkOptimizer:
         self.worker = HostWorker(threaded=streams.cuda)
         self._pause = pause_accounting or (lambda: _nullcontext())
         self.overlap = clip <= 0 and loss_scaler is None
+        # The first optimizer step after a (re)plan updates nothing during backward: an out-of-
+        # memory error there can then be redone exactly (no chunk already stepped).
+        self.probation = True
         # Staging for accumulation: gradients land here, then are added on the host.
         self._staging: list[torch.Tensor] = []
         self._staging_free: list[int] = []
@@ -103,6 +106,7 @@ class ChunkOptimizer:
             self._staging_lock = threading.Condition()
         self._updated: set[int] = set()
         self._dirty = False   # gradients arrived since the last reset
+        self._dirty_before_forward = False   # ... before the current micro-batch
         self.overflow = False
         self.global_grad_norm: float | None = None
         self._warned_late = False
@@ -153,7 +157,7 @@ class ChunkOptimizer:
             slot = self._take_staging()
             self.m.offload_grads(c, self._staging[slot][:c.shard_size])
             self.worker.submit(lambda c=c, slot=slot: self._accumulate(c, slot))
-        if boundary and self.overlap:
+        if boundary and self.overlap and not self.probation and c.index not in self._updated:
             self.worker.submit(lambda c=c: self._host_update(c, coef=None))
 
     def _take_staging(self) -> int:
@@ -210,6 +214,7 @@ class ChunkOptimizer:
                     self._device_update(c, coef)
             self.worker.drain()
         self._reset()
+        self.probation = False
 
     def _reset(self) -> None:
         if not self._dirty:

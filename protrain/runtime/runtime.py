@@ -118,14 +118,16 @@ class ProTrainRuntime:
         self.iterations = 0
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, to_host: bool = False) -> None:
         """Undo everything: hooks, wrapped block forwards; parameters become standalone
-        tensors again with their current values."""
+        tensors again with their current values (on the host with ``to_host``)."""
         self.optimizer.worker.drain()
         self.optimizer.worker.close()
         self._hooks.close()
         self.activations.close()
-        self.chunks.close()
+        if self.accounting is not None:
+            self.accounting.end(0)
+        self.chunks.close(to_host)
 
     @contextmanager
     def forward_context(self):
@@ -149,6 +151,7 @@ class ProTrainRuntime:
     def _begin_forward(self) -> None:
         if self._in_backward:
             self.finish_backward()
+        self.optimizer._dirty_before_forward = self.optimizer._dirty
         if self.accounting is not None:
             self.accounting.end(self.chunks.device_bytes())
         for c in self.chunks.offloaded():      # a forward without backward (evaluation)
@@ -180,6 +183,14 @@ class ProTrainRuntime:
             self.accounting.end(self.chunks.device_bytes())
         self.optimizer.step()
         self.iterations += 1
+
+    def resume_optimizer(self) -> None:
+        """After states were imported (checkpoint, re-plan): bring the Adam kernels to where an
+        uninterrupted run would be, so training continues bit for bit."""
+        steps = max((s.step for c in self.chunks.chunks for s in c.slots), default=0)
+        hyper = self.setup.hyper(self.setup.param_groups[0])
+        for kernel in {id(k): k for k in (self.optimizer.host_kernel, self.optimizer.device_kernel)}.values():
+            kernel.prime(steps, hyper)
 
     # ---- boundaries -----------------------------------------------------------------------
     def _on_enter(self, phase: str, part: int, tensor) -> None:

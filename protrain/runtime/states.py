@@ -26,6 +26,8 @@ class Piece:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int
+    grad: torch.Tensor | None = None
+    """Gradients accumulated so far in this optimizer step (fp32), when exported with them."""
 
 
 def _local_range(m: ChunkManager, c: Chunk) -> tuple[int, int]:
@@ -33,7 +35,9 @@ def _local_range(m: ChunkManager, c: Chunk) -> tuple[int, int]:
     return (0, c.numel) if c.persistent else (c.shard_lo, c.shard_hi)
 
 
-def export_pieces(m: ChunkManager) -> list[Piece]:
+def export_pieces(m: ChunkManager, *, grads: bool = False) -> list[Piece]:
+    """This rank's pieces. With ``grads``, also the gradients accumulated in this optimizer
+    step (micro-batches before an accumulation boundary)."""
     pieces = []
     for c in m.chunks:
         if c.persistent and m.dp.rank != 0:
@@ -44,15 +48,18 @@ def export_pieces(m: ChunkManager) -> list[Piece]:
             if a >= b:
                 continue
             sl = slice(a - lo, b - lo)
+            acc = c.grad if c.persistent else c.grad_acc
             pieces.append(Piece(s.name, a - s.offset, b - s.offset,
                                 c.master[sl].detach().float().cpu().clone(),
                                 c.exp_avg[sl].detach().cpu().clone(),
-                                c.exp_avg_sq[sl].detach().cpu().clone(), s.step))
+                                c.exp_avg_sq[sl].detach().cpu().clone(), s.step,
+                                acc[sl].detach().float().cpu().clone()
+                                if grads and acc is not None else None))
     return pieces
 
 
 def import_pieces(m: ChunkManager, fetch: Callable[[str, int, int], tuple], *,
-                  optimizer_states: bool = True) -> None:
+                  optimizer_states: bool = True, grads: bool = False) -> None:
     """Fill every chunk from ``fetch(name, lo, hi) -> (master, exp_avg, exp_avg_sq, step)``
     (fp32 CPU tensors of hi - lo elements). Without ``optimizer_states`` only the weights are
     taken and Adam starts afresh."""
@@ -63,8 +70,12 @@ def import_pieces(m: ChunkManager, fetch: Callable[[str, int, int], tuple], *,
             a, b = max(s.offset, lo), min(s.stop, hi)
             if a >= b:
                 continue
-            master, ea, eas, step = fetch(s.name, a - s.offset, b - s.offset)
+            master, ea, eas, step, *rest = fetch(s.name, a - s.offset, b - s.offset)
             sl = slice(a - lo, b - lo)
+            acc = c.grad if c.persistent else c.grad_acc
+            if grads and rest and rest[0] is not None and acc is not None:
+                acc[sl].copy_(rest[0])
+                s.has_grad = True
             c.master[sl].copy_(master)
             if optimizer_states:
                 c.exp_avg[sl].copy_(ea)
@@ -83,19 +94,23 @@ def import_pieces(m: ChunkManager, fetch: Callable[[str, int, int], tuple], *,
 
 
 def assemble(pieces_by_name: dict[str, list[Piece]], name: str, lo: int, hi: int) -> tuple:
-    """Cut [lo, hi) of a parameter out of the pieces that cover it (any sharding)."""
-    out = [torch.empty(hi - lo) for _ in range(3)]
+    """Cut [lo, hi) of a parameter out of the pieces that cover it (any sharding):
+    (master, exp_avg, exp_avg_sq, step, grad or None)."""
+    out = [torch.empty(hi - lo) for _ in range(4)]
     covered = 0
     step = None
+    with_grad = True
     for p in pieces_by_name.get(name, ()):
         a, b = max(p.lo, lo), min(p.hi, hi)
         if a >= b:
             continue
-        for dst, src in zip(out, (p.master, p.exp_avg, p.exp_avg_sq)):
-            dst[a - lo:b - lo].copy_(src[a - p.lo:b - p.lo])
+        with_grad = with_grad and p.grad is not None
+        for dst, src in zip(out, (p.master, p.exp_avg, p.exp_avg_sq, p.grad)):
+            if src is not None:
+                dst[a - lo:b - lo].copy_(src[a - p.lo:b - p.lo])
         covered += b - a
         step = p.step if step is None else max(step, p.step)
     if covered != hi - lo:
         raise KeyError(f"the checkpoint does not cover {name}[{lo}:{hi}] ({covered} of {hi - lo} "
                        f"elements found); it was written for another model or is incomplete")
-    return out[0], out[1], out[2], step
+    return out[0], out[1], out[2], step, (out[3] if with_grad else None)

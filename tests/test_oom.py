@@ -1,0 +1,95 @@
+"""An out-of-memory error inside a step: re-plan with a margin, redo the micro-batch, same
+training; and the actionable stop when no plan is safe."""
+import pytest
+import torch
+
+from dstrain import UNTIED, base_config, train, with_protrain
+
+import deepspeed
+from protrain.models import GPT, synthetic_batch
+from protrain.search import InfeasibleError
+
+PLAN = dict(chunk_size="110KiB", n_persist=2, n_buffer=4, n_swap=1, n_checkpoint=2)
+
+
+class InjectOOM:
+    """Raise torch.OutOfMemoryError in the forward (block 2's pre-hook) or the backward (when
+    block 1's output gradient arrives) of the chosen micro-batches."""
+
+    def __init__(self, model, phase: str, at: set[int]):
+        self.phase, self.at, self.calls, self.fired = phase, at, 0, []
+        self.engine = None    # counts training micro-batches only (not the profiling passes)
+        block = model.transformer.h[2 if phase == "forward" else 1]
+        if phase == "forward":
+            block.register_forward_pre_hook(self._forward)
+        else:
+            block.register_forward_hook(self._arm)
+
+    def _training(self) -> bool:
+        return self.engine is not None and self.engine.protrain_runtime is not None
+
+    def _forward(self, module, args):
+        if not self._training():
+            return
+        self.calls += 1
+        if self.calls in self.at:
+            self.at.discard(self.calls)
+            self.fired.append(self.calls)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    def _arm(self, module, args, out):
+        if not self._training():
+            return
+        self.calls += 1
+        if self.calls in self.at and out.requires_grad:
+            n = self.calls
+            self.at.discard(n)
+
+            def boom(grad):
+                self.fired.append(n)
+                raise torch.OutOfMemoryError("CUDA out of memory (injected in backward)")
+            out.register_hook(boom)
+
+
+def run(cfg, steps, inject=None, pins=None):
+    torch.manual_seed(0)
+    model = GPT(UNTIED)
+    injector = InjectOOM(model, *inject) if inject else None
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=with_protrain(cfg, **(pins or PLAN)))
+    if injector is not None:
+        injector.engine = engine
+    losses = []
+    for i in range(steps * engine.gradient_accumulation_steps()):
+        x, y = synthetic_batch(UNTIED, 2, seed=i)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, engine, injector
+
+
+@pytest.mark.parametrize("phase, at", [("forward", {4}), ("backward", {1}), ("forward", {1, 7})])
+def test_out_of_memory_replans_and_training_is_unchanged(phase, at, capsys):
+    ref, ref_engine, _ = run(base_config(), 10)
+    losses, engine, injector = run(base_config(), 10, inject=(phase, set(at)))
+    assert injector.fired == sorted(at)
+    assert losses == ref                                   # nothing lost, nothing applied twice
+    assert engine.global_steps == ref_engine.global_steps == 10
+    out = capsys.readouterr().out
+    assert out.count("out of device memory in " + phase) == len(at)
+    assert engine.protrain_plan.memory_margin == pytest.approx(0.1 + 0.1 * len(at))
+    ref_engine.destroy()
+    engine.destroy()
+
+
+def test_out_of_memory_keeps_gradients_accumulated_before_it():
+    cfg = base_config(gradient_accumulation_steps=3)
+    ref, _, _ = run(cfg, 4)
+    losses, _, injector = run(cfg, 4, inject=("forward", {5}))   # 2nd micro-batch of step 2
+    assert injector.fired == [5] and losses == ref
+
+
+def test_repeated_out_of_memory_stops_with_the_actionable_error():
+    with pytest.raises(InfeasibleError, match="no plan is safe on this device.*micro-batch"):
+        run(base_config(), 3, inject=("forward", set(range(1, 50))))
