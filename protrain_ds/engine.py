@@ -202,10 +202,23 @@ class ProTrainEngine(DeepSpeedEngine):
         return torch.stack(losses).mean()
 
     def destroy(self):
+        """Give the parameters back as plain tensors with their trained values (with several
+        ranks, every rank must call it: the shards are gathered)."""
         if self.protrain_runtime is not None:
             self.protrain_runtime.close()
             self.protrain_runtime = None
         super().destroy()
+
+    def __del__(self):
+        # Garbage collection runs at different times on different ranks: no collectives here.
+        rt = getattr(self, "protrain_runtime", None)
+        if rt is not None:
+            try:
+                rt.close(gather=False)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+            self.protrain_runtime = None
+        super().__del__()
 
     # ---- planning at the first batch --------------------------------------------------------
     def _protrain_setup(self, inputs, kwargs) -> None:

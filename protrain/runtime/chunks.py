@@ -353,11 +353,16 @@ class ChunkManager:
                 total += sum(t.numel() * t.element_size() for t in tensors.values())
         return total
 
-    def close(self, to_host: bool = False) -> None:
+    def close(self, to_host: bool = False, gather: bool = True) -> None:
         """Leave every parameter as a standalone tensor holding its current value (persistent
         ones on the device, offloaded ones on the host; all on the host with ``to_host``).
-        With several ranks the shards are gathered first: every rank must call it."""
+        With several ranks the shards are gathered first: every rank must call it (or pass
+        ``gather=False``, at interpreter shutdown, to drop sharded values instead)."""
         world = self.dp.world
+        if world > 1 and not gather:
+            self.pool.tensors = []
+            self.streams.release_pinned()
+            return
         self.evict_all()
         for c in self.chunks:
             if c.persistent or world == 1:

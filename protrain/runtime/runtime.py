@@ -118,7 +118,7 @@ class ProTrainRuntime:
         self.iterations = 0
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def close(self, to_host: bool = False) -> None:
+    def close(self, to_host: bool = False, gather: bool = True) -> None:
         """Undo everything: hooks, wrapped block forwards; parameters become standalone
         tensors again with their current values (on the host with ``to_host``)."""
         self.optimizer.worker.drain()
@@ -127,7 +127,7 @@ class ProTrainRuntime:
         self.activations.close()
         if self.accounting is not None:
             self.accounting.end(0)
-        self.chunks.close(to_host)
+        self.chunks.close(to_host, gather)
 
     @contextmanager
     def forward_context(self):
