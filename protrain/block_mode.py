@@ -13,6 +13,9 @@ class BlockMode(str, enum.Enum):
     SWAP = "swap"
     """Copy saved tensors to pinned host memory in forward; prefetch them back one block ahead
     of the block's backward."""
+    SSD = "ssd"
+    """Write saved tensors to NVMe in forward (SSDTrain; GPUDirect Storage when available),
+    read them back one block ahead of the block's backward."""
 
     @property
     def code(self) -> int:
@@ -20,30 +23,53 @@ class BlockMode(str, enum.Enum):
 
     @property
     def letter(self) -> str:
-        return {"none": "N", "ckpt": "C", "swap": "S"}[self.value]
+        return {"none": "N", "ckpt": "C", "swap": "S", "ssd": "D"}[self.value]
 
 
-_CODES = {BlockMode.NONE: 0, BlockMode.CKPT: 1, BlockMode.SWAP: 2}
-NONE, CKPT, SWAP = 0, 1, 2  # integer codes used by the vectorized cost models
+_CODES = {BlockMode.NONE: 0, BlockMode.CKPT: 1, BlockMode.SWAP: 2, BlockMode.SSD: 3}
+NONE, CKPT, SWAP, SSD = 0, 1, 2, 3  # integer codes used by the vectorized cost models
 
 
-def layout_block_modes(n_blocks: int, n_swap: int, n_checkpoint: int) -> tuple[BlockMode, ...]:
-    """ProTrain's block layout: swap early (their copies hide behind the later blocks' compute
-    and are needed last in backward), checkpoint interleaved over the remaining blocks (so
-    recompute is spread out and swap prefetches overlap it), and keep the last blocks (their
-    activations are freed first in backward, so keeping them costs the least)."""
-    if n_swap < 0 or n_checkpoint < 0 or n_swap + n_checkpoint > n_blocks:
-        raise ValueError(f"n_swap={n_swap} + n_checkpoint={n_checkpoint} must be between 0 and the "
-                         f"number of blocks ({n_blocks})")
+def layout_block_modes(n_blocks: int, n_swap: int, n_checkpoint: int,
+                       n_ssd: int = 0) -> tuple[BlockMode, ...]:
+    """ProTrain's block layout, with SSDTrain's tier in front: offload early (the copies hide
+    behind the later blocks' compute and are needed last in backward) - first the SSD blocks
+    (the slowest path gets the most time), then the swapped ones -, checkpoint interleaved
+    over the remaining blocks (recompute spread out, prefetches overlap it), and keep the
+    last blocks (freed first in backward, so keeping them costs the least)."""
+    if min(n_swap, n_checkpoint, n_ssd) < 0 or n_swap + n_checkpoint + n_ssd > n_blocks:
+        raise ValueError(f"n_ssd={n_ssd} + n_swap={n_swap} + n_checkpoint={n_checkpoint} must be "
+                         f"between 0 and the number of blocks ({n_blocks})")
     modes = [BlockMode.NONE] * n_blocks
-    for i in range(n_swap):
+    for i in range(n_ssd):
+        modes[i] = BlockMode.SSD
+    for i in range(n_ssd, n_ssd + n_swap):
         modes[i] = BlockMode.SWAP
-    rest = n_blocks - n_swap
+    first = n_ssd + n_swap
+    rest = n_blocks - first
     for k in range(n_checkpoint):
-        modes[n_swap + (k * rest) // n_checkpoint] = BlockMode.CKPT
+        modes[first + (k * rest) // n_checkpoint] = BlockMode.CKPT
     return tuple(modes)
 
 
 def modes_string(modes) -> str:
-    """Compact form for logs: 'SSCNCN...'."""
+    """Compact form for logs: 'DSSCNCN...'."""
     return "".join(m.letter for m in modes)
+
+
+def layout_codes(n_blocks: int, n_swap, n_checkpoint, n_ssd) -> "np.ndarray":
+    """``layout_block_modes`` for many (n_swap, n_checkpoint, n_ssd) at once, as a
+    [K, n_blocks] int8 matrix of mode codes (the search builds tens of thousands)."""
+    import numpy as np
+    ns, nc, nd = (np.asarray(x, dtype=np.int64)[:, None] for x in (n_swap, n_checkpoint, n_ssd))
+    j = np.arange(n_blocks, dtype=np.int64)[None, :]
+    codes = np.where(j < nd, SSD, np.where(j < nd + ns, SWAP, NONE)).astype(np.int8)
+    first = nd + ns
+    rest = np.maximum(n_blocks - first, 1)
+    jr = j - first                                   # index among the non-offloaded blocks
+    # checkpoints sit at first + floor(k * rest / nc), k < nc: count those at or before jr
+    def upto(x):
+        return np.minimum(nc, -((-(x + 1) * nc) // rest))
+    is_ckpt = (jr >= 0) & (upto(jr) - upto(jr - 1) > 0) & (nc > 0)
+    codes[is_ckpt] = CKPT
+    return codes

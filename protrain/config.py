@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from .units import MiB, parse_bytes
 
-KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
+KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "n_ssd")
 
 
 class ConfigError(ValueError):
@@ -34,6 +34,8 @@ class KnobPins:
     """Number of blocks whose saved activations go to host memory in forward."""
     n_checkpoint: int | None = None
     """Number of blocks recomputed in backward instead of keeping their activations."""
+    n_ssd: int | None = None
+    """Number of blocks whose saved activations go to NVMe (needs an SSD path)."""
 
     def pinned(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in KNOB_NAMES if getattr(self, k) is not None}

@@ -25,9 +25,12 @@ class Knobs:
     """Blocks whose saved activations are swapped to host memory (the first ones)."""
     n_checkpoint: int
     """Blocks recomputed in backward (interleaved over the non-swapped blocks)."""
+    n_ssd: int = 0
+    """Blocks whose saved activations go to NVMe (the very first ones)."""
 
-    def as_tuple(self) -> tuple[int, int, int, int, int]:
-        return (self.chunk_size, self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
+    def as_tuple(self) -> tuple[int, ...]:
+        return (self.chunk_size, self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint,
+                self.n_ssd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,8 @@ class Prediction:
     """Bytes copied host to device per iteration (chunk uploads, swap prefetch)."""
     d2h_bytes: int
     """Bytes copied device to host per iteration (gradients, swap-outs)."""
+    ssd_bytes: int = 0
+    """Bytes written to (and read back from) NVMe per iteration; also the disk space needed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +129,9 @@ class Plan(JsonValue):
     def __post_init__(self) -> None:
         k = self.knobs
         n = len(self.block_modes)
-        if self.block_modes != layout_block_modes(n, k.n_swap, k.n_checkpoint):
+        if self.block_modes != layout_block_modes(n, k.n_swap, k.n_checkpoint, k.n_ssd):
             raise ValueError("Plan.block_modes do not follow the layout rule for "
-                             f"n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint}")
+                             f"n_ssd={k.n_ssd}, n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint}")
 
 
     # ---- explanation ----------------------------------------------------------------------
@@ -152,6 +157,9 @@ class Plan(JsonValue):
             ("n_swap", f"{k.n_swap}{pin('n_swap')}", f"{k.n_swap}/{n_blocks} blocks swapped to host",
              "Megatron --cpu-offloading(-num-layers); no DeepSpeed equivalent"),
         ]
+        if k.n_ssd or "n_ssd" in self.pinned:
+            rows.append(("n_ssd", f"{k.n_ssd}{pin('n_ssd')}", f"{k.n_ssd}/{n_blocks} blocks to NVMe "
+                         f"({fmt_bytes(p.ssd_bytes)} per iteration)", "none (SSDTrain)"))
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
         w2 = max(len(r[2]) for r in rows)
@@ -159,7 +167,7 @@ class Plan(JsonValue):
                f"  machine: {self.machine}",
                f"  {'knob':<{w0}}  {'value':<{w1}}  {'meaning':<{w2}}  replaces"]
         out += [f"  {a:<{w0}}  {b:<{w1}}  {m:<{w2}}  {r}" for a, b, m, r in rows]
-        out.append(f"  block modes (N keep, C checkpoint, S swap): {modes_string(self.block_modes)}")
+        out.append(f"  block modes (N keep, C checkpoint, S swap, D NVMe): {modes_string(self.block_modes)}")
         budget = self.device_memory
         if p.grad_accumulation_steps > 1:
             out.append(f"  predicted optimizer step {fmt_seconds(p.step_time)} = "
@@ -178,11 +186,11 @@ class Plan(JsonValue):
                    f"(swapped activations {fmt_bytes(p.swap_host_bytes)}); per iteration H2D "
                    f"{fmt_bytes(p.h2d_bytes)}, D2H {fmt_bytes(p.d2h_bytes)}")
         if self.alternatives:
-            out.append("  runner-ups:  chunk      persist buffer ckpt swap  iteration   peak        host")
+            out.append("  runner-ups:  chunk      persist buffer ckpt swap  ssd  iteration   peak        host")
             for a in self.alternatives:
                 ak = a.knobs
                 out.append(f"               {fmt_bytes(ak.chunk_size):<10} {ak.n_persist:<7} "
-                           f"{ak.n_buffer:<6} {ak.n_checkpoint:<4} {ak.n_swap:<5} "
+                           f"{ak.n_buffer:<6} {ak.n_checkpoint:<4} {ak.n_swap:<5} {ak.n_ssd:<4} "
                            f"{fmt_seconds(a.iter_time):<11} {fmt_bytes(a.peak_device_bytes):<11} "
                            f"{fmt_bytes(a.host_bytes)}")
         out.append(f"  search: {self.candidates_total} feasible candidates, {self.candidates_evaluated} "

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .block_mode import layout_block_modes
-from .config import PlannerConfig
+from .block_mode import layout_block_modes, layout_codes
+from .config import KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
-from .cost.memory import activation_walk, buffer_numel, predict_memory, state_bytes, swap_host_bytes
+from .cost.memory import (activation_walk, buffer_numel, predict_memory, ssd_bytes, state_bytes,
+                          swap_host_bytes)
 from .cost.runtime import chunk_transfer_times, persistent_allreduce_time, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
 from .profile.hardware import HardwareProfile
@@ -46,36 +47,67 @@ def plan_key(iter_time: float, peak: int, knobs: tuple) -> tuple:
 
 @dataclass
 class _ActivationConfigs:
-    """Every (n_checkpoint, n_swap) the search may use, with what depends only on them."""
+    """Every (n_checkpoint, n_swap, n_ssd) the search may use, with what depends only on them."""
 
     n_ckpt: np.ndarray
     n_swap: np.ndarray
+    n_ssd: np.ndarray
     codes: np.ndarray          # [A, n_blocks] mode codes
     act_peak: np.ndarray       # [A] bytes
     swap_host: np.ndarray      # [A] bytes
+    ssd: np.ndarray            # [A] bytes written to NVMe per iteration
     recompute: np.ndarray      # [A] seconds of recompute in backward
 
 
-def _activation_configs(profile: ModelProfile, config: PlannerConfig) -> _ActivationConfigs:
+def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile) -> int:
+    """SSD blocks worth considering: the leading blocks whose writes the drive can absorb
+    within one iteration's compute (SSDTrain's adaptive amount, bounded more loosely). More
+    would make the drive the bottleneck; CKPT and SWAP remain for the memory beyond that."""
+    if hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0:
+        return 0
+    budget = sum(p.fwd_time + p.bwd_time for p in profile.parts)
+    total, n = 0.0, 0
+    for b in profile.blocks:
+        total += b.saved_bytes / hw.nvme_write_bandwidth
+        if total > budget:
+            break
+        n += 1
+    return n
+
+
+def _activation_configs(profile: ModelProfile, config: PlannerConfig,
+                        hw: HardwareProfile) -> _ActivationConfigs:
     n = profile.n_blocks
     pins = config.pins
+    if pins.n_ssd is not None:
+        if pins.n_ssd and hw.nvme_write_bandwidth <= 0:
+            raise InfeasibleError(f"pinned n_ssd={pins.n_ssd} needs an SSD path for activations "
+                                  f"(protrain.ssd_path); set one or pin n_ssd to 0")
+        ssds = [pins.n_ssd]
+    else:
+        ssds = range(min(n, max_ssd_blocks(profile, hw)) + 1)
     ckpts = [pins.n_checkpoint] if pins.n_checkpoint is not None else range(n + 1)
-    pairs = []
-    for nc in ckpts:
-        swaps = [pins.n_swap] if pins.n_swap is not None else range(n - nc + 1)
-        pairs += [(nc, ns) for ns in swaps if nc + ns <= n]
-    if not pairs:
+    triples = []
+    for nd in ssds:
+        for nc in ckpts:
+            swaps = [pins.n_swap] if pins.n_swap is not None else range(n - nc - nd + 1)
+            triples += [(nc, ns, nd) for ns in swaps if nc + ns + nd <= n]
+    if not triples:
         raise InfeasibleError(
-            f"pinned n_checkpoint={pins.n_checkpoint} and n_swap={pins.n_swap} add up to more than "
-            f"the model's {n} blocks; lower them or leave one on auto")
-    codes = np.array([[m.code for m in layout_block_modes(n, ns, nc)] for nc, ns in pairs],
-                     dtype=np.int8).reshape(len(pairs), n)
-    act_peak, _ = activation_walk(profile, codes)
+            f"pinned n_checkpoint={pins.n_checkpoint}, n_swap={pins.n_swap} and n_ssd={pins.n_ssd} "
+            f"add up to more than the model's {n} blocks; lower them or leave one on auto")
+    t = np.array(triples, dtype=np.int64).reshape(-1, 3)
+    codes = layout_codes(n, t[:, 1], t[:, 0], t[:, 2])
+    # SSD and SWAP free the device alike: walk each (n_checkpoint, n_offloaded) once.
+    pairs, back = np.unique(np.stack([t[:, 0], t[:, 1] + t[:, 2]], axis=1), axis=0, return_inverse=True)
+    pair_peak, _ = activation_walk(profile, layout_codes(n, pairs[:, 1], pairs[:, 0], np.zeros(len(pairs))))
+    act_peak = pair_peak[back.reshape(-1)]
     fwd = np.array([b.fwd_time for b in profile.blocks])
     return _ActivationConfigs(
-        n_ckpt=np.array([p[0] for p in pairs]), n_swap=np.array([p[1] for p in pairs]),
-        codes=codes, act_peak=act_peak, swap_host=swap_host_bytes(profile, codes),
-        recompute=(codes == 1).astype(np.float64) @ fwd if n else np.zeros(len(pairs)))
+        n_ckpt=np.array([t[0] for t in triples]), n_swap=np.array([t[1] for t in triples]),
+        n_ssd=np.array([t[2] for t in triples]), codes=codes, act_peak=act_peak,
+        swap_host=swap_host_bytes(profile, codes), ssd=ssd_bytes(profile, codes),
+        recompute=(codes == 1).astype(np.float64) @ fwd if n else np.zeros(len(triples)))
 
 
 @dataclass
@@ -129,10 +161,11 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
         nb = np.clip(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0, nch - np_idx)
     peak = acts.act_peak[a_idx] + persist[np_idx] + nb * buf
     host = host_state[np_idx] + acts.swap_host[a_idx]
+    disk_ok = acts.ssd[a_idx] <= hw.nvme_free_bytes / (1.0 + config.memory_margin)
     # Buffers beyond the offloaded chunks would hold nothing (a pinned n_buffer then caps
     # n_persist); at least the chunks one part spans are needed.
     dev_ok = (peak <= budget) & (nb >= nbmin) & (nb <= nch - np_idx)
-    host_ok = host <= hw.host_memory
+    host_ok = (host <= hw.host_memory) & disk_ok
     if dev_ok.any():
         need = host[dev_ok].min()
         stats["host_needed"] = min(stats.get("host_needed", need), need)
@@ -153,7 +186,11 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     gpu = prefix[np_idx] / hw.gpu_adam_rate + persistent_allreduce_time(layout, np_idx, hw, world)
     fwd_lb = np.maximum(fwd_compute, up_suffix[np_idx])
     reup = up_suffix[np_idx] - up_suffix[np.maximum(nch - nb, np_idx)]
-    bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / hw.h2d_bandwidth)
+    ssd_in = acts.ssd[a_idx] / hw.nvme_read_bandwidth if hw.nvme_read_bandwidth > 0 else 0.0
+    if hw.nvme_gds:
+        bwd_lb = np.maximum(np.maximum(bwd_compute, reup + swap_bytes / hw.h2d_bandwidth), ssd_in)
+    else:   # bounced through the host: on the upload queue with the chunk re-uploads
+        bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / hw.h2d_bandwidth + ssd_in)
     adam = adam_suffix[np_idx]
     if config.cpu_optim_overlap:
         cpu_lb = np.maximum(adam, down_suffix[np_idx])
@@ -191,7 +228,7 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     t0 = time.perf_counter()
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     budget = hw.device_memory / (1.0 + config.memory_margin)
-    acts = _activation_configs(profile, config)
+    acts = _activation_configs(profile, config, hw)
     if config.pins.chunk_size is not None:
         if config.pins.chunk_size < profile.largest_param * profile.param_bytes:
             raise InfeasibleError(
@@ -218,7 +255,9 @@ def search(profile: ModelProfile, hw: HardwareProfile,
         cand = np.flatnonzero(pending)
         if lbs[cand].min() > best:
             break
-        take = cand[np.argsort(lbs[cand], kind="stable")[:_BATCH]]
+        if len(cand) > _BATCH:
+            cand = cand[np.argpartition(lbs[cand], _BATCH - 1)[:_BATCH]]
+        take = cand[np.argsort(lbs[cand], kind="stable")]
         for gi in np.unique(owner[take]):
             sel = take[owner[take] == gi]
             times[sel] = _simulate_points(profile, hw, config, acts, grids[gi], local[sel])
@@ -252,23 +291,34 @@ def search(profile: ModelProfile, hw: HardwareProfile,
         g, j = grids[owner[i]], local[i]
         nb = refined.get(i, (int(g.n_buffer[j]),))[0]
         return Knobs(chunk_size=g.layout.chunk_bytes, n_persist=int(g.n_persist[j]), n_buffer=nb,
-                     n_swap=int(acts.n_swap[g.a[j]]), n_checkpoint=int(acts.n_ckpt[g.a[j]]))
+                     n_swap=int(acts.n_swap[g.a[j]]), n_checkpoint=int(acts.n_ckpt[g.a[j]]),
+                     n_ssd=int(acts.n_ssd[g.a[j]]))
 
     def peak_of(i: int) -> int:
         g, j = grids[owner[i]], local[i]
         return refined.get(i, (0, int(g.peak[j])))[1]
 
     done = np.flatnonzero(np.isfinite(times))
-    order = sorted(done, key=lambda i: plan_key(times[i], peak_of(i), knobs_of(i).as_tuple()))
+    # Order by (time, peak); only plans tied on both need their knobs compared.
+    peaks = np.array([peak_of(i) for i in done] if refined else
+                     [grids[owner[i]].peak[local[i]] for i in done])
+    order = list(done[np.lexsort((peaks, times[done]))])
+    n_head = min(len(order), max(64, 8 * (config.runner_ups + 1)))
+    key_of = {i: (times[i], pk) for i, pk in zip(done, peaks)}
+    while n_head < len(order) and key_of[order[n_head]] == key_of[order[n_head - 1]]:
+        n_head += 1                       # keep every plan tied with the last one kept
+    head = order[:n_head]
+    order = sorted(head, key=lambda i: plan_key(times[i], peak_of(i), knobs_of(i).as_tuple())) + \
+        order[len(head):]
     chosen = knobs_of(order[0])
-    alternatives, seen = [], {(chosen.chunk_size, chosen.n_checkpoint, chosen.n_swap)}
+    alternatives, seen = [], {(chosen.chunk_size, chosen.n_checkpoint, chosen.n_swap, chosen.n_ssd)}
     for i in order[1:]:
         if len(alternatives) >= config.runner_ups:
             break
         k = knobs_of(i)
-        if (k.chunk_size, k.n_checkpoint, k.n_swap) in seen:
+        if (k.chunk_size, k.n_checkpoint, k.n_swap, k.n_ssd) in seen:
             continue
-        seen.add((k.chunk_size, k.n_checkpoint, k.n_swap))
+        seen.add((k.chunk_size, k.n_checkpoint, k.n_swap, k.n_ssd))
         g, j = grids[owner[i]], local[i]
         alternatives.append(Alternative(knobs=k, iter_time=float(times[i]),
                                         peak_device_bytes=peak_of(i), host_bytes=int(g.host[j])))
@@ -310,7 +360,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     config = config or PlannerConfig()
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     layout = build_layout(profile, knobs.chunk_size // profile.param_bytes)
-    modes = layout_block_modes(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint)
+    modes = layout_block_modes(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint, knobs.n_ssd)
     if not layout.min_persist <= knobs.n_persist <= layout.n_chunks:
         raise InfeasibleError(f"n_persist={knobs.n_persist} must be between {layout.min_persist} "
                               f"and the {layout.n_chunks} chunks of this layout")
@@ -334,6 +384,9 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
                            optimizer_step=False, world=world).iter_time[0]) if gas > 1 else float(t.iter_time[0])
     if check_fit:
         need = mem.peak_device_bytes * (1 + config.memory_margin)
+        if mem.ssd_bytes and mem.ssd_bytes * (1 + config.memory_margin) > hw.nvme_free_bytes:
+            raise InfeasibleError(f"plan {knobs} writes {fmt_bytes(mem.ssd_bytes)} of activations "
+                                  f"to NVMe but the SSD path has {fmt_bytes(hw.nvme_free_bytes)} free")
         if need > hw.device_memory or mem.host_bytes > hw.host_memory:
             raise InfeasibleError(
                 f"plan {knobs} needs {fmt_bytes(need)} device (with margin) and "
@@ -349,7 +402,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         cpu_optim_exposed=f(t.cpu_optim_exposed), peak_device_bytes=mem.peak_device_bytes,
         model_state_bytes=mem.model_state_bytes, activation_peak_bytes=mem.activation_peak_bytes,
         peak_at=mem.peak_at, host_bytes=mem.host_bytes, swap_host_bytes=mem.swap_host_bytes,
-        h2d_bytes=int(t.h2d_bytes[0]), d2h_bytes=int(t.d2h_bytes[0]))
+        h2d_bytes=int(t.h2d_bytes[0]), d2h_bytes=int(t.d2h_bytes[0]), ssd_bytes=mem.ssd_bytes)
     return Plan(
         knobs=knobs, block_modes=modes,
         chunks=ChunkSummary(n_chunks=layout.n_chunks, chunk_numel=layout.chunk_numel,
@@ -397,7 +450,7 @@ def _infeasible(profile, hw, config, budget, stats, acts, caps) -> InfeasibleErr
             free = search(profile, hw, replace(config, pins=KnobPins()))
         except InfeasibleError:
             free = None
-        if len(pins) == 5:
+        if len(pins) == len(KNOB_NAMES):
             # Every knob fixed: say which constraint that one plan breaks.
             from .plan import Knobs
             try:

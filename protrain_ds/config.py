@@ -26,6 +26,9 @@ _OWN_KEYS = {
     "verbosity": "0 quiet, 1 the plan table at start-up (default), 2 debug details",
     "progress": "show a progress bar while profiling (default true)",
     "accounting": "count device-resident bytes in the runtime (slow; for tests and debugging)",
+    "ssd_path": "directory on an NVMe drive for activations the plan puts on SSD (enables the tier)",
+    "ssd_verify": "checksum every activation read back from the SSD (slower; for debugging)",
+    "ssd_min_bytes": "tensors smaller than this stay on the device instead of going to SSD",
 }
 _PLANNER_KEYS = {f.name for f in dataclasses.fields(PlannerConfig)} | set(KNOB_NAMES)
 _DERIVED = {"grad_accumulation_steps": "gradient_accumulation_steps",
@@ -57,6 +60,14 @@ class ProTrainDSConfig:
     """Progress bar while profiling."""
     accounting: bool = False
     """Count the runtime's device-resident bytes (CPU tests and debugging; slows training)."""
+    ssd_path: str | None = None
+    """Directory on an NVMe drive: enables the SSD activation tier (SSDTrain). A per-run
+    subdirectory is created there and removed at exit, on errors and on SIGTERM."""
+    ssd_verify: bool = False
+    """Checksum every activation read back from the SSD; a mismatch stops training."""
+    ssd_min_bytes: int = 2**20
+    """Saved tensors (storages) smaller than this stay on the device: their I/O would cost
+    more than the memory saved."""
 
     @classmethod
     def from_ds_config(cls, ds_config: dict | None) -> "ProTrainDSConfig":
@@ -78,7 +89,7 @@ class ProTrainDSConfig:
         if not isinstance(enabled, bool):
             raise ConfigError(f"{SECTION}.enabled = {enabled!r}: must be true or false")
         kwargs: dict[str, Any] = {"enabled": enabled}
-        for key in ("plan_file", "profile_cache_dir"):
+        for key in ("plan_file", "profile_cache_dir", "ssd_path"):
             v = data.pop(key, None)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ConfigError(f"{SECTION}.{key} = {v!r}: must be a path string")
@@ -87,7 +98,11 @@ class ProTrainDSConfig:
         if isinstance(v, bool) or v not in (0, 1, 2):
             raise ConfigError(f"{SECTION}.verbosity = {v!r}: must be 0, 1 or 2")
         kwargs["verbosity"] = v
-        for key in ("progress", "accounting"):
+        if "ssd_min_bytes" in data:
+            from protrain.config import _size
+            kwargs["ssd_min_bytes"] = _size(data.pop("ssd_min_bytes"), f"{SECTION}.ssd_min_bytes",
+                                            positive=False)
+        for key in ("progress", "accounting", "ssd_verify"):
             v = data.pop(key, cls.__dataclass_fields__[key].default)
             if not isinstance(v, bool):
                 raise ConfigError(f"{SECTION}.{key} = {v!r}: must be true or false")

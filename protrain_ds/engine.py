@@ -58,6 +58,8 @@ class ProTrainEngine(DeepSpeedEngine):
         if not isinstance(self.optimizer, ProTrainOptimizer):
             raise ConfigError("ProTrain needs an optimizer to train: add an \"optimizer\" section "
                               "(Adam or AdamW) to the DeepSpeed config or pass one to initialize")
+        if protrain_config.ssd_path:
+            _check_ssd_path(protrain_config.ssd_path)
         params = [p for p in self.module.parameters() if p.requires_grad]
         if params:
             try:
@@ -252,6 +254,15 @@ class ProTrainEngine(DeepSpeedEngine):
                     profile = self._profile(blocks, inputs, kwargs)
                     profile_seconds = time.perf_counter() - t0
                     hw = self._hardware()
+                    if cfg.ssd_path:
+                        from protrain.profile.probe import probe_storage
+                        ssd = probe_storage(cfg.ssd_path, self.device)
+                        if verbose:
+                            print(f"ProTrain: SSD tier at {cfg.ssd_path} via {ssd['backend']}: write "
+                                  f"{ssd['nvme_write_bandwidth'] / 1e9:.2f} GB/s, read "
+                                  f"{ssd['nvme_read_bandwidth'] / 1e9:.2f} GB/s, "
+                                  f"{ssd['nvme_free_bytes'] / 2**30:.1f} GiB free", flush=True)
+                        hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
                     if dp.world > 1:
                         hw = replace(hw, collective_bandwidth=coll_bw,
                                      host_memory=hw.host_memory // _ranks_per_node(dp))
@@ -297,8 +308,14 @@ class ProTrainEngine(DeepSpeedEngine):
             self.module, blocks, plan, plan.layout(), [r.name for r in plan.params], self.device,
             self.optimizer.runtime_setup(), swap_bytes=plan.block_saved_bytes,
             is_boundary=self.is_gradient_accumulation_boundary,
-            accounting=self.protrain_config.accounting, dp=dp or DataParallel())
+            accounting=self.protrain_config.accounting, dp=dp or DataParallel(),
+            ssd_root=self.protrain_config.ssd_path, ssd_verify=self.protrain_config.ssd_verify,
+            ssd_min_bytes=self.protrain_config.ssd_min_bytes)
         self.optimizer.runtime = self.protrain_runtime
+        backend = self.protrain_runtime.activations.storage_backend
+        if backend and self.global_rank == 0 and self.protrain_config.verbosity >= 1:
+            print(f"ProTrain: {plan.knobs.n_ssd} block(s) on NVMe via {backend} in "
+                  f"{self.protrain_runtime.activations.rundir.path}", flush=True)
 
     # ---- checkpoints (DeepSpeed's signatures; see checkpoint.py) ---------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006
@@ -408,6 +425,16 @@ def _loss_of(out) -> torch.Tensor:
         return out.float().mean()
     raise TypeError(f"cannot find a loss in the model output ({type(out).__name__}); return the loss "
                     f"or a Hugging Face ModelOutput with .loss from forward")
+
+
+def _check_ssd_path(path: str) -> None:
+    """Refuse an unusable SSD path at initialize (the space needed is checked once the plan is
+    known)."""
+    from protrain.runtime.storage import RunDirectory, StorageConfigError
+    try:
+        RunDirectory(path, 0).close()
+    except StorageConfigError as e:
+        raise ConfigError(f"protrain.ssd_path: {e}") from None
 
 
 def _rng_state():

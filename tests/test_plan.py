@@ -53,6 +53,8 @@ def test_evaluate_replays_saved_knobs(plan):
 def test_block_layout_rule():
     # swap first, checkpoint interleaved over the rest, last block kept
     assert modes_string(layout_block_modes(8, 2, 3)) == "SSCNCNCN"
+    # SSD blocks first, then swapped, then checkpoints over the rest (the last one kept)
+    assert modes_string(layout_block_modes(8, 2, 3, 2)) == "DDSSCCCN"
     assert modes_string(layout_block_modes(4, 0, 4)) == "CCCC"
     assert layout_block_modes(3, 0, 0) == (BlockMode.NONE,) * 3
     with pytest.raises(ValueError):
@@ -64,3 +66,14 @@ def test_plan_rejects_modes_that_do_not_match_the_knobs(plan):
     with pytest.raises(ValueError, match="layout rule"):
         replace(p, block_modes=tuple(reversed(p.block_modes)) if p.knobs.n_swap else
                 (BlockMode.SWAP,) + p.block_modes[1:])
+
+
+def test_vectorized_layout_equals_the_rule():
+    import numpy as np
+    from protrain.block_mode import layout_codes
+    for n in range(1, 11):
+        trip = [(ns, nc, nd) for nd in range(n + 1) for nc in range(n + 1) for ns in range(n + 1)
+                if ns + nc + nd <= n]
+        got = layout_codes(n, [t[0] for t in trip], [t[1] for t in trip], [t[2] for t in trip])
+        want = np.array([[m.code for m in layout_block_modes(n, *t)] for t in trip], dtype=np.int8)
+        assert np.array_equal(got, want), n

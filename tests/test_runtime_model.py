@@ -137,3 +137,27 @@ def test_two_ranks_shard_uploads_offloads_and_cpu_adam():
     assert float(t.iter_time[0]) == 91
     assert float(t.cpu_optim_time[0]) == 4
     assert float(t.h2d_bytes[0]) == 3 * 200     # only this rank's shards cross PCIe
+
+
+@pytest.mark.parametrize("gds", [True, False])
+def test_ssd_block_writes_and_reads_on_the_nvme_queues(gds):
+    from protrain.block_mode import SSD
+    # block0's 800 saved bytes at 40 B/s: written 11-31 after its forward; the post part (two
+    # parts later) waits for that write (one block in flight): 31-32. Read back when block1's
+    # backward starts (34) until 54; block0's backward waits: 54-74; pre 74-76; Adam 76-79.
+    layout = build_layout(chain_profile(saved=800), 100)
+    hw = slow_link(nvme_write_bandwidth=40.0, nvme_read_bandwidth=40.0, nvme_gds=gds)
+    t = simulate(chain_profile(saved=800), layout, hw, 3, 0, np.array([[SSD, NONE]]))
+    assert float(t.fwd_time[0]) == 32 and float(t.iter_time[0]) == 79
+    # GDS bypasses the host: nothing on the PCIe queues; compatibility mode bounces through it.
+    assert float(t.h2d_bytes[0]) == (0 if gds else 800) and float(t.d2h_bytes[0]) == (0 if gds else 800)
+
+
+def test_ssd_shares_the_upload_queue_in_compatibility_mode():
+    from protrain.block_mode import SSD
+    fast = chain_profile(saved=800, fwd=1.0, bwd=2.0)
+    layout = build_layout(fast, 100)
+    times = {gds: float(simulate(fast, layout, slow_link(nvme_write_bandwidth=80.0,
+                                                         nvme_read_bandwidth=80.0, nvme_gds=gds),
+                                 1, 1, np.array([[SSD, NONE]])).iter_time[0]) for gds in (True, False)}
+    assert times[True] < times[False]

@@ -13,7 +13,7 @@ from protrain.cost.memory import buffer_numel, predict_memory, state_bytes
 from protrain.cost.runtime import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
 from protrain.profile.machines import machine
-from protrain.search import InfeasibleError, plan_key, search
+from protrain.search import InfeasibleError, max_ssd_blocks, plan_key, search
 from protrain.units import GiB, MiB
 
 SMALL = ModelShape("small", "gpt2", n_layers=4, hidden=256, heads=4, vocab=2048, seq_len=256,
@@ -37,22 +37,24 @@ def brute_force(profile, hw, config):
     best = None
     caps = ([pins.chunk_size // profile.param_bytes] if pins.chunk_size else
             chunk_capacities(profile, config.chunk_sizes))
+    n_ssd_max = min(n, max_ssd_blocks(profile, hw))
     for cap in caps:
         layout = build_layout(profile, cap)
         nch = layout.n_chunks
         rows = []
         for np_ in range(layout.min_persist, nch + 1):
             nbs = [0] if np_ == nch else range(layout.min_buffers(np_), nch - np_ + 1)
-            for nb, nc in itertools.product(nbs, range(n + 1)):
-                for ns in range(n - nc + 1):
-                    knobs = dict(n_persist=np_, n_buffer=nb, n_checkpoint=nc, n_swap=ns)
+            for nb, nc, nd in itertools.product(nbs, range(n + 1), range(n_ssd_max + 1)):
+                for ns in range(n - nc - nd + 1):
+                    knobs = dict(n_persist=np_, n_buffer=nb, n_checkpoint=nc, n_swap=ns, n_ssd=nd)
                     if any(getattr(pins, k) is not None and getattr(pins, k) != v
                            for k, v in knobs.items()):
                         continue
-                    modes = layout_block_modes(n, ns, nc)
+                    modes = layout_block_modes(n, ns, nc, nd)
                     mem = predict_memory(profile, layout, np_, nb, modes, sb, world)
-                    if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory:
-                        rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes))
+                    if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory and \
+                            mem.ssd_bytes <= hw.nvme_free_bytes / (1 + config.memory_margin):
+                        rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes, nd))
         if not rows:
             continue
         args = (profile, layout, hw, [r[0] for r in rows], [r[1] for r in rows],
@@ -61,7 +63,7 @@ def brute_force(profile, hw, config):
         if gas > 1:
             t = t + (gas - 1) * simulate(*args, optimizer_step=False, world=world).iter_time
         for r, ti in zip(rows, t):
-            key = plan_key(ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3]))
+            key = plan_key(ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3], r[6]))
             if best is None or key < best:
                 best = key
     return best
@@ -77,11 +79,19 @@ CASES = [
 ]
 
 
+SSD = {"none": {}, "gds": dict(nvme_write_bandwidth=3e9, nvme_read_bandwidth=5e9, nvme_gds=True,
+                                 nvme_free_bytes=10 * GiB),
+       "compat": dict(nvme_write_bandwidth=2e9, nvme_read_bandwidth=3e9, nvme_gds=False,
+                      nvme_free_bytes=10 * MiB)}
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("gas, overlap, world", [(1, True, 1), (3, False, 1), (1, True, 4)])
-def test_search_equals_brute_force(case, gas, overlap, world):
+@pytest.mark.parametrize("gas, overlap, world, ssd", [(1, True, 1, "none"), (3, False, 1, "none"),
+                                                      (1, True, 4, "none"), (1, True, 1, "gds"),
+                                                      (2, False, 2, "compat")])
+def test_search_equals_brute_force(case, gas, overlap, world, ssd):
     shape, dev, host, sizes = CASES[case]
-    hw = small_hw(device_memory=dev, host_memory=host)
+    hw = small_hw(device_memory=dev, host_memory=host, **SSD[ssd])
     prof = analytic_profile(shape, hw)
     config = PlannerConfig(chunk_sizes=sizes, grad_accumulation_steps=gas, cpu_optim_overlap=overlap,
                            data_parallel_size=world)
@@ -166,3 +176,18 @@ def test_80_block_model_plans_in_under_a_second():
     plan = search(prof, hw)
     assert time.perf_counter() - t0 < 1.0
     assert plan.prediction.peak_device_bytes * 1.1 <= hw.device_memory
+
+
+def test_the_planner_uses_the_ssd_tier_when_memory_is_tight_and_the_drive_keeps_up():
+    hw = small_hw(device_memory=3 * GiB // 10, nvme_write_bandwidth=1e12, nvme_read_bandwidth=1e12,
+                  nvme_gds=True, nvme_free_bytes=10 * GiB, h2d_bandwidth=1e6, d2h_bandwidth=1e6)
+    prof = analytic_profile(replace(SMALL, micro_batch=16), hw)
+    plan = search(prof, hw, PlannerConfig(chunk_sizes=(1 * MiB,)))
+    assert plan.knobs.n_ssd > 0 and plan.prediction.ssd_bytes > 0
+    assert "n_ssd" in plan.explain() and "D" in plan.explain()
+    # no room on the drive: no SSD blocks
+    full = replace(hw, nvme_free_bytes=0)
+    assert search(prof, full, PlannerConfig(chunk_sizes=(1 * MiB,))).knobs.n_ssd == 0
+    with pytest.raises(InfeasibleError, match="needs an SSD path"):
+        search(prof, replace(hw, nvme_write_bandwidth=0.0),
+               PlannerConfig(chunk_sizes=(1 * MiB,), pins=KnobPins(n_ssd=1)))

@@ -4,7 +4,7 @@ Peak device memory = model states (constant all iteration: persistent chunks and
 buffers) + the highest point of an execution-order walk over activations. The walk starts from
 the keep-all profile and subtracts what the block modes free:
 
-    X_k = sum over blocks j < k of freed_j,  freed = {NONE: 0, CKPT: saved - in, SWAP: saved}
+    X_k = sum over blocks j < k of freed_j,  freed = {NONE: 0, CKPT: saved - in, SWAP/SSD: saved}
 
 - forward of part k:   fwd_peak_k - X_k  (+ saved_{k-1} while the previous block's swap-out
   is still in flight; the runtime allows one block in flight);
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_mode import CKPT, NONE, SWAP, BlockMode
+from ..block_mode import CKPT, NONE, SSD, SWAP, BlockMode
 from ..profile.model_profile import ModelProfile
 from .layout import ChunkLayout
 
@@ -106,13 +106,14 @@ def activation_walk(profile: ModelProfile, block_modes) -> tuple[np.ndarray, np.
     bs = np.array([p.bwd_start for p in parts], dtype=np.int64)
     bp = np.array([p.bwd_peak for p in parts], dtype=np.int64)
 
-    freed = np.where(m == CKPT, saved - inb, 0) + np.where(m == SWAP, saved, 0)
+    offl = (m == SWAP) | (m == SSD)       # host and NVMe offload leave the device alike
+    freed = np.where(m == CKPT, saved - inb, 0) + np.where(offl, saved, 0)
     # X_k: what earlier blocks' modes freed (exclusive prefix sum).
     x = np.cumsum(freed, axis=1) - freed
-    # One swapped block may be in flight: its swap-out during the next part's forward, its
+    # One offloaded block may be in flight: its write-out during the next part's forward, its
     # prefetch during the next (in backward order) part's backward.
     prev_swapped = np.zeros_like(freed)
-    prev_swapped[:, 1:] = np.where(m[:, :-1] == SWAP, saved[:-1], 0)
+    prev_swapped[:, 1:] = np.where(offl[:, :-1], saved[:-1], 0)
 
     fwd = fp - x + prev_swapped
     bwd_keep = bp - x
@@ -121,6 +122,13 @@ def activation_walk(profile: ModelProfile, block_modes) -> tuple[np.ndarray, np.
     walk = np.stack([fwd, bwd], axis=2).reshape(m.shape[0], -1)
     where = walk.argmax(axis=1)
     return np.maximum(walk.max(axis=1), 0), where
+
+
+def ssd_bytes(profile: ModelProfile, block_modes) -> np.ndarray:
+    """Bytes the SSD blocks write per iteration (and the disk space they need)."""
+    m = part_modes(profile, block_modes)
+    saved = np.array([p.saved_bytes for p in profile.parts], dtype=np.int64)
+    return np.where(m == SSD, saved, 0).sum(axis=1)
 
 
 def swap_host_bytes(profile: ModelProfile, block_modes) -> np.ndarray:
@@ -146,6 +154,8 @@ class MemoryPrediction:
     """Pinned host bytes: offloaded chunk states plus swapped activations."""
     swap_host_bytes: int
     """Of which swapped activations."""
+    ssd_bytes: int = 0
+    """Activations written to NVMe per iteration (disk space needed)."""
 
 
 def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n_buffer: int,
@@ -161,9 +171,10 @@ def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n
     peak_at = f"{'forward' if w % 2 == 0 else 'backward'} of {profile.parts[w // 2].name}"
     return MemoryPrediction(
         peak_device_bytes=states + int(act[0]), model_state_bytes=states,
-        activation_peak_bytes=int(act[0]), peak_at=peak_at, host_bytes=host, swap_host_bytes=swap)
+        activation_peak_bytes=int(act[0]), peak_at=peak_at, host_bytes=host, swap_host_bytes=swap,
+        ssd_bytes=int(ssd_bytes(profile, codes)[0]))
 
 
 __all__ = ["StateBytes", "state_bytes", "model_state_device_bytes",
-           "model_state_host_bytes", "activation_walk", "swap_host_bytes", "MemoryPrediction",
+           "model_state_host_bytes", "activation_walk", "swap_host_bytes", "ssd_bytes", "MemoryPrediction",
            "predict_memory", "NONE", "CKPT", "SWAP"]

@@ -25,6 +25,9 @@ backward, parts in reverse, chunks in reverse:
 - when the first part using a chunk has finished backward, the chunk's gradient is complete:
   non-persistent chunks go D2H, then to CPU Adam (one chunk at a time), overlapping backward;
 - persistent chunks are updated by the device's fused Adam after backward (T_gpu_optim).
+SSD blocks (SSDTrain) behave as swapped ones, with the NVMe bandwidth: with GPUDirect Storage
+their writes and reads have queues of their own; in compatibility mode they bounce through the
+host and occupy the D2H / H2D queues.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_mode import CKPT, SWAP
+from ..block_mode import CKPT, SSD, SWAP
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from .layout import ChunkLayout
@@ -132,6 +135,15 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     ready = np.zeros((k_plans, n_chunks))          # chunk resident (upload done) at
     released = np.full((k_plans, n_chunks), np.nan)  # buffer of chunk free at (forward)
     swap_out_end = np.zeros((k_plans, len(parts)))
+    if (modes == SSD).any() and (hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0):
+        raise ValueError("plans with SSD blocks need the NVMe bandwidths of the SSD path")
+    gds = hw.nvme_gds
+    ssd_w = zeros.copy()                      # the NVMe write queue (GDS)
+    ssd_r = zeros.copy()                      # the NVMe read queue (GDS)
+    w_time = (saved / min(hw.nvme_write_bandwidth, np.inf if gds else hw.d2h_bandwidth)
+              if hw.nvme_write_bandwidth > 0 else saved * 0)
+    r_time = (saved / min(hw.nvme_read_bandwidth, np.inf if gds else hw.h2d_bandwidth)
+              if hw.nvme_read_bandwidth > 0 else saved * 0)
     uploaded = 0
     for p, part in enumerate(parts):
         if p >= 2:
@@ -158,6 +170,16 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             d2h = np.where(sw, end, d2h)
             swap_out_end[:, p] = np.where(sw, end, 0.0)
             d2h_bytes += np.where(sw, saved[p], 0)
+            sd = modes[:, p] == SSD
+            if sd.any():
+                queue = ssd_w if gds else d2h
+                end = np.maximum(queue, comp) + w_time[p]
+                if gds:
+                    ssd_w = np.where(sd, end, ssd_w)
+                else:
+                    d2h = np.where(sd, end, d2h)
+                    d2h_bytes += np.where(sd, saved[p], 0)
+                swap_out_end[:, p] = np.where(sd, end, swap_out_end[:, p])
     fwd_end = comp.copy()
 
     # ---------------- backward ----------------
@@ -187,7 +209,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             next_chunk -= 1
         start = comp.copy()
         m = modes[:, p]
-        comp = np.where(m == SWAP, np.maximum(comp, swap_in_end[:, p]), comp)
+        comp = np.where((m == SWAP) | (m == SSD), np.maximum(comp, swap_in_end[:, p]), comp)
         if chunks:
             all_ready = avail[:, list(chunks)].max(axis=1)
             comp = np.where(m == CKPT, np.maximum(comp, all_ready) + part.fwd_time, comp)
@@ -202,6 +224,16 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             h2d = np.where(sw, end, h2d)
             swap_in_end[:, p - 1] = np.where(sw, end, 0.0)
             h2d_bytes += np.where(sw, saved[p - 1], 0)
+            sd = modes[:, p - 1] == SSD
+            if sd.any():
+                queue = ssd_r if gds else h2d
+                end = np.maximum(queue, start) + r_time[p - 1]
+                if gds:
+                    ssd_r = np.where(sd, end, ssd_r)
+                else:
+                    h2d = np.where(sd, end, h2d)
+                    h2d_bytes += np.where(sd, saved[p - 1], 0)
+                swap_in_end[:, p - 1] = np.where(sd, end, swap_in_end[:, p - 1])
         # Chunks whose gradient is now complete: offload and step on the CPU.
         for c in sorted(first_of[p], reverse=True):
             offl = c >= npers

@@ -38,6 +38,15 @@ class HardwareProfile(JsonValue):
     collective_bandwidth: float = 0.0
     """Per-rank bandwidth of all-gather / reduce-scatter between data-parallel ranks, bytes/s
     (time = bytes * (world - 1) / world / bandwidth). 0 when unknown (one rank)."""
+    nvme_write_bandwidth: float = 0.0
+    """Write bandwidth of the SSD path for activations, bytes/s (0: no SSD tier)."""
+    nvme_read_bandwidth: float = 0.0
+    """Read bandwidth of the SSD path, bytes/s."""
+    nvme_gds: bool = False
+    """GPUDirect Storage: NVMe traffic bypasses host memory and does not share PCIe queues
+    with chunk traffic (compatibility mode and POSIX bounce through the host and do)."""
+    nvme_free_bytes: int = 0
+    """Free space on the SSD path."""
     peak_flops: float = 0.0
     """Dense bf16 tensor FLOP/s (published), used only by the analytic profile."""
     cpu_cores: int = 1

@@ -173,3 +173,38 @@ def probe_collective(dp, device: torch.device, size_mib: int = 64) -> float:
     t = _best_time(once, 3, sync)
     t = dp.broadcast_object(t)          # every rank plans with rank 0's figure
     return buf.numel() * (dp.world - 1) / dp.world / t
+
+
+def probe_storage(root, device: torch.device, size_mib: int = 256) -> dict:
+    """NVMe figures of an SSD path with the backend the runtime will use: write and read
+    bandwidth (bytes/s, best of 2), whether it is GPUDirect Storage, the free bytes."""
+    import shutil
+    from pathlib import Path
+
+    from ..runtime.storage import BlockFile, RunDirectory, choose_store
+    nbytes = size_mib * 2**20
+    run = RunDirectory(root, 2 * nbytes)
+    store = choose_store(device, run.path)
+    try:
+        f = BlockFile(Path(run.path) / "probe.bin", nbytes)
+        on_device = getattr(store, "name", "").startswith("kvikio")
+        raw = torch.randint(0, 255, (nbytes + 4096,), dtype=torch.uint8,
+                            device=device if on_device else "cpu")
+        skip = (-raw.data_ptr()) % 4096       # 4 KiB aligned: O_DIRECT, not the page cache
+        buf = raw[skip:skip + nbytes]
+        best_w = best_r = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            store.write(f, 0, buf).result()
+            os.fsync(f.fd)
+            best_w = min(best_w, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            store.read(f, 0, buf).result()
+            best_r = min(best_r, time.perf_counter() - t0)
+        f.close()
+        return {"nvme_write_bandwidth": nbytes / best_w, "nvme_read_bandwidth": nbytes / best_r,
+                "nvme_gds": bool(getattr(store, "gds", False)),
+                "nvme_free_bytes": shutil.disk_usage(root).free, "backend": store.name}
+    finally:
+        store.close()
+        run.close()

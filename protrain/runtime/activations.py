@@ -13,7 +13,10 @@
   backward time: an offloaded chunk may come back into a different buffer than the one it
   was in during forward.
 
-A later mode (SSD, activations to NVMe) plugs in as another Stash next to ``HostStash``.
+- SSD writes the same storages to a per-block file on NVMe (SSDTrain) through the storage
+  backend (kvikio GPUDirect Storage, its compatibility mode, or POSIX); storages under
+  ``ssd_min_bytes`` stay on the device. Forwarding: a tensor still in device memory when its
+  block's backward needs it is handed back as is, and its write skipped if not yet started.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..block_mode import BlockMode
 from ..profile.meter import storage_ptr
+from .storage import BlockFile, RunDirectory, StorageConfigError, choose_store
 from .streams import Streams
 
 log = logging.getLogger("protrain")
@@ -65,25 +69,29 @@ class SwapRef:
 class _Stored:
     storage: object                           # weak reference: an address is only an identity
     nbytes: int
-    host: torch.Tensor                        # uint8 slice of the block's arena
-    device_src: torch.Tensor | None = None    # the device storage, held until the copy is done
-    out_done: object = None
+    device_src: torch.Tensor | None = None    # the device storage, held until the write is done
+    out_done: object = None                   # event (host) or future (NVMe) of the write
     device_back: torch.Tensor | None = None   # the prefetched device copy
-    in_done: object = None
+    in_done: object = None                    # event or future of the read
     packs: int = 0                            # saved tensors that view this storage
     unpacks: int = 0                          # ... handed back in this backward
+    host: torch.Tensor | None = None          # HostStash: the slice of the arena
+    offset: int = 0                           # SSDStash: where in the block's file
 
 
 @dataclass
 class HostStash:
-    """Pinned host arena of one swapped block, reused every iteration (bump allocation)."""
+    """SWAP: pinned host arena of one block, reused every iteration (bump allocation); copies
+    on the offload / upload streams."""
 
     arena: torch.Tensor
+    streams: Streams
     used: int = 0
     stored: dict[int, _Stored] = field(default_factory=dict)
     overflowed: bool = False
+    min_bytes: int = 0
 
-    def alloc(self, nbytes: int, streams: Streams) -> torch.Tensor:
+    def _alloc(self, nbytes: int) -> torch.Tensor:
         start = (self.used + 511) // 512 * 512   # 512-byte alignment for fast copies
         if start + nbytes > self.arena.numel():
             if not self.overflowed:
@@ -91,36 +99,120 @@ class HostStash:
                             "beyond the arena); allocating extra pinned memory (slow). Re-plan if "
                             "shapes changed.", start + nbytes - self.arena.numel())
                 self.overflowed = True
-            return streams.pinned(nbytes, torch.uint8)
+            return self.streams.pinned(nbytes, torch.uint8)
         self.used = start + nbytes
         return self.arena[start:start + nbytes]
+
+    def begin_write(self, e: _Stored, src: torch.Tensor) -> None:
+        e.host = self._alloc(src.numel())
+        e.out_done = self.streams.copy(e.host, src, "offload", after=self.streams.compute_event())
+
+    def finish_write(self, e: _Stored) -> None:
+        self.streams.wait(e.out_done)     # later kernels reuse that memory after the copy
+
+    def begin_read(self, e: _Stored, dst: torch.Tensor, after) -> None:
+        e.in_done = self.streams.copy(dst, e.host, "upload", after=[after, e.out_done])
+
+    def finish_read(self, e: _Stored) -> None:
+        self.streams.wait(e.in_done)
+
+    def cancel_write(self, e: _Stored) -> bool:
+        return False
+
+    def reset(self) -> None:
+        self.stored.clear()
+        self.used = 0
+
+
+@dataclass
+class SSDStash:
+    """SSD (SSDTrain): one preallocated file per block on the NVMe path; writes and reads are
+    futures of the storage backend (kvikio GDS / compat, or POSIX)."""
+
+    file: BlockFile
+    store: object
+    streams: Streams
+    min_bytes: int = 0
+    """Smaller storages stay on the device (the I/O would cost more than the memory)."""
+    stored: dict[int, _Stored] = field(default_factory=dict)
+
+    def begin_write(self, e: _Stored, src: torch.Tensor) -> None:
+        e.offset = self.file.alloc(src.numel())
+        e.out_done = self.store.write(self.file, e.offset, src, after=self.streams.compute_event())
+
+    def finish_write(self, e: _Stored) -> None:
+        if not e.out_done.cancelled():
+            e.out_done.result()               # raises StorageIOError naming file and offset
+
+    def begin_read(self, e: _Stored, dst: torch.Tensor, after) -> None:
+        # On the load pool: after the write (checksum checked in verify mode) and after the
+        # compute stream reached this point (dst may reuse memory it just freed).
+        e.in_done = self.store.read(self.file, e.offset, dst, e.out_done, after)
+
+    def finish_read(self, e: _Stored) -> None:
+        if e.in_done is not None:
+            e.in_done.result()                # raises StorageIOError naming file and offset
+
+    def cancel_write(self, e: _Stored) -> bool:
+        return e.out_done is not None and e.out_done.cancel()
+
+    def reset(self) -> None:
+        self.stored.clear()
+        self.file.reset()
 
 
 class ActivationRuntime:
     def __init__(self, blocks: Sequence[nn.Module], modes: Sequence[BlockMode], streams: Streams,
-                 device: torch.device, swap_bytes: Sequence[int], param_lookup):
-        """``swap_bytes[i]``: bytes block i saved when profiled (sizes its arena);
+                 device: torch.device, swap_bytes: Sequence[int], param_lookup, *,
+                 ssd_root=None, ssd_verify: bool = False, ssd_min_bytes: int = 2**20, ssd_store=None):
+        """``swap_bytes[i]``: bytes block i saved when profiled (sizes its arena or file);
         ``param_lookup(t)`` returns (param, delta) if ``t`` views a parameter in a chunk
-        buffer, else None."""
+        buffer, True for a persistent chunk, else None. SSD blocks need ``ssd_root``: a per-run
+        directory is made under it and removed by ``close`` / at exit / on SIGTERM."""
         self.blocks = list(blocks)
         self.modes = list(modes)
         self.streams = streams
         self.device = device
         self.param_lookup = param_lookup
         self.current_block: int | None = None
-        self.stashes: dict[int, HostStash] = {}
+        self.stashes: dict[int, HostStash | SSDStash] = {}
+        self.rundir = self.store = None
+        caps = {i: int(swap_bytes[i] * 1.25) + 2**16 for i in range(len(self.modes))}
+        ssd_blocks = [i for i, m in enumerate(self.modes) if m == BlockMode.SSD]
+        if ssd_blocks:
+            if ssd_root is None:
+                raise StorageConfigError("the plan puts blocks on NVMe but no ssd_path is configured")
+            self.rundir = RunDirectory(ssd_root, sum(caps[i] for i in ssd_blocks))
+            self.store = ssd_store or choose_store(device, self.rundir.path, verify=ssd_verify)
+            for i in ssd_blocks:
+                self.stashes[i] = SSDStash(BlockFile(self.rundir.path / f"block{i:04d}.act", caps[i]),
+                                           self.store, streams, min_bytes=ssd_min_bytes)
         for i, m in enumerate(self.modes):
             if m == BlockMode.SWAP:
-                cap = int(swap_bytes[i] * 1.25) + 2**16
-                self.stashes[i] = HostStash(streams.pinned(cap, torch.uint8))
+                self.stashes[i] = HostStash(streams.pinned(caps[i], torch.uint8), streams)
         self._ckpt = checkpointed_blocks(self.blocks, self.modes)
         self._ckpt.__enter__()
-        self.stats = {"swapped_bytes": 0, "swap_dedup_hits": 0, "prefetched_bytes": 0}
+        self.stats = {"swapped_bytes": 0, "swap_dedup_hits": 0, "prefetched_bytes": 0,
+                      "ssd_written_bytes": 0, "ssd_read_bytes": 0, "forwarded": 0,
+                      "writes_skipped": 0, "kept_small": 0}
+
+    @property
+    def storage_backend(self) -> str | None:
+        return self.store.name if self.store is not None else None
 
     def close(self) -> None:
         if self._ckpt is not None:
             self._ckpt.__exit__(None, None, None)
             self._ckpt = None
+        for stash in self.stashes.values():
+            if isinstance(stash, SSDStash):
+                stash.file.close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        if self.rundir is not None:
+            self.rundir.close()
+            self.rundir = None
 
     # ---- saved-tensor hooks ----------------------------------------------------------------
     def hooks(self):
@@ -140,6 +232,9 @@ class ActivationRuntime:
             return t
         stash = self.stashes[b]
         st = t.untyped_storage()
+        if st.nbytes() < stash.min_bytes:
+            self.stats["kept_small"] += 1
+            return t
         key = storage_ptr(t)
         entry = stash.stored.get(key)
         if entry is not None and entry.storage() is not st:
@@ -150,11 +245,10 @@ class ActivationRuntime:
             entry = None
         if entry is None:
             src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
-            host = stash.alloc(src.numel(), self.streams)
-            entry = _Stored(storage=weakref.ref(st), nbytes=src.numel(), host=host, device_src=src)
-            entry.out_done = self.streams.copy(host, src, "offload", after=self.streams.compute_event())
+            entry = _Stored(storage=weakref.ref(st), nbytes=src.numel(), device_src=src)
+            stash.begin_write(entry, src)
             stash.stored[key] = entry
-            self.stats["swapped_bytes"] += entry.nbytes
+            self.stats["ssd_written_bytes" if isinstance(stash, SSDStash) else "swapped_bytes"] += entry.nbytes
         else:
             self.stats["swap_dedup_hits"] += 1
         entry.packs += 1
@@ -164,10 +258,11 @@ class ActivationRuntime:
         if isinstance(obj, ParamRef):
             return obj.materialize()
         if isinstance(obj, SwapRef):
-            entry = self.stashes[obj.block].stored[obj.key]
+            stash = self.stashes[obj.block]
+            entry = stash.stored[obj.key]
             if entry.device_back is None:
-                self._fetch(entry)
-            self.streams.wait(entry.in_done)
+                self._fetch(stash, entry)
+            stash.finish_read(entry)
             out = torch.empty(0, dtype=obj.dtype, device=self.device).set_(
                 entry.device_back.untyped_storage(), obj.offset, obj.size, obj.stride)
             entry.unpacks += 1
@@ -180,8 +275,8 @@ class ActivationRuntime:
 
     # ---- schedule ----------------------------------------------------------------------------
     def enter_forward_block(self, i: int | None) -> None:
-        """Forward moves into block ``i`` (None: out of the blocks). A swapped block's device
-        copies are dropped once their copy is done, one block later."""
+        """Forward moves into block ``i`` (None: out of the blocks). An offloaded block's device
+        copies are dropped once their write is done, one block later."""
         self.current_block = i
         if i is not None:
             self._finish_swap_out(i - 2)
@@ -195,31 +290,40 @@ class ActivationRuntime:
             return
         for entry in stash.stored.values():
             if entry.device_src is not None:
-                self.streams.wait(entry.out_done)   # later kernels reuse that memory after the copy
+                stash.finish_write(entry)
                 entry.device_src = None
 
     def prefetch(self, b: int) -> None:
-        """Bring block ``b``'s swapped tensors back (upload queue)."""
+        """Bring block ``b``'s offloaded tensors back (upload queue / NVMe reads)."""
         stash = self.stashes.get(b)
         if stash is None:
             return
         after = self.streams.compute_event()
         for entry in stash.stored.values():
             if entry.device_back is None and entry.unpacks == 0:
-                self._fetch(entry, after)
+                self._fetch(stash, entry, after)
 
-    def _fetch(self, entry: _Stored, after=None) -> None:
+    def _fetch(self, stash, entry: _Stored, after=None) -> None:
+        alive = entry.storage()
+        if alive is not None:
+            # Forwarding: the tensor is still in device memory (still in flight, or kept by
+            # someone else): hand it back as is, and skip its write if it has not started.
+            entry.device_back = torch.empty(0, dtype=torch.uint8, device=self.device).set_(alive)
+            entry.in_done = None
+            self.stats["forwarded"] += 1
+            if stash.cancel_write(entry):
+                self.stats["writes_skipped"] += 1
+            return
         entry.device_back = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
-        entry.in_done = self.streams.copy(entry.device_back, entry.host, "upload",
-                                          after=[after or self.streams.compute_event(), entry.out_done])
-        self.stats["prefetched_bytes"] += entry.nbytes
+        stash.begin_read(entry, entry.device_back, after or self.streams.compute_event())
+        key = "ssd_read_bytes" if isinstance(stash, SSDStash) else "prefetched_bytes"
+        self.stats[key] += entry.nbytes
 
     def leave_backward_block(self, b: int) -> None:
         """Block ``b``'s backward is done: forget its stash for the next iteration."""
         stash = self.stashes.get(b)
         if stash is not None:
-            stash.stored.clear()
-            stash.used = 0
+            stash.reset()
 
     def reset(self) -> None:
         for b in self.stashes:

@@ -61,7 +61,8 @@ class ProTrainRuntime:
                  layout: ChunkLayout, param_names: Sequence[str], device: torch.device,
                  setup: OptimizerSetup, *, swap_bytes: Sequence[int],
                  is_boundary: Callable[[], bool] = lambda: True, accounting: bool = False,
-                 dp: DataParallel | None = None):
+                 dp: DataParallel | None = None, ssd_root=None, ssd_verify: bool = False,
+                 ssd_min_bytes: int = 2**20):
         self.model = model
         self.blocks = list(blocks)
         self.plan = plan
@@ -105,8 +106,10 @@ class ProTrainRuntime:
         self._persistent_ptrs = {c.data.data_ptr() for c in self.chunks.chunks if c.persistent}
         self._slot_offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
         self.activations = ActivationRuntime(self.blocks, plan.block_modes, self.streams, device,
-                                             swap_bytes, self._param_lookup)
-        self._needs_saved_hooks = bool(self.chunks.offloaded()) or BlockMode.SWAP in plan.block_modes
+                                             swap_bytes, self._param_lookup, ssd_root=ssd_root,
+                                             ssd_verify=ssd_verify, ssd_min_bytes=ssd_min_bytes)
+        self._needs_saved_hooks = bool(self.chunks.offloaded()) or any(
+            m in (BlockMode.SWAP, BlockMode.SSD) for m in plan.block_modes)
         self._hooks = ExitStack()
         self._hooks.enter_context(part_boundaries(self.blocks, self._on_enter))
         for _, p in params:
@@ -145,7 +148,7 @@ class ProTrainRuntime:
         """Backward is about to start (called by the framework): bring the last block's
         swapped activations back while the head's backward runs."""
         last = len(self.blocks) - 1
-        if last >= 0 and self.plan.block_modes[last] == BlockMode.SWAP:
+        if last >= 0 and self.plan.block_modes[last] in (BlockMode.SWAP, BlockMode.SSD):
             self.activations.prefetch(last)
 
     def _begin_forward(self) -> None:

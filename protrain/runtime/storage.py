@@ -1,0 +1,340 @@
+"""Activation storage on NVMe: one interface, three backends, chosen automatically.
+
+- ``kvikio`` with GPUDirect Storage: device memory <-> NVMe, no bounce through the host;
+- ``kvikio`` in compatibility mode: the same calls, kvikio bounces through pinned host memory
+  (GDS driver missing) - the copies then share PCIe with chunk traffic;
+- ``posix``: a thread pool doing pread/pwrite (O_DIRECT when buffer, size and offset are
+  aligned), for machines where kvikio cannot run (no libcuda: CPU machines, CI). Device
+  tensors are staged through host memory.
+
+Writes and reads are asynchronous (futures) on separate store and load pools; a write starts
+only after the event of the stream that produced the data. Every error names the file and the
+offset: a failed write or read stops training, it never yields a wrong gradient.
+
+Files live in a per-run directory (``RunDirectory``) removed at normal exit, on exceptions
+(``close``) and on SIGTERM; the root is checked before training (exists, writable, enough
+free space for what the plan needs).
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import logging
+import os
+import shutil
+import signal
+import socket
+import threading
+import uuid
+import zlib
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("protrain")
+
+ALIGN = 4096
+"""Offsets in the files are aligned to this (O_DIRECT and GDS like 4 KiB)."""
+
+
+class StorageIOError(RuntimeError):
+    """An activation write or read failed; the message names the file and the offset."""
+
+
+class StorageConfigError(ValueError):
+    """The SSD path cannot be used; the message says why and how much space is needed."""
+
+
+# ---- the per-run directory ----------------------------------------------------------------
+class RunDirectory:
+    """``<root>/protrain-<host>-<pid>-<id>``: created now, removed by ``close()``, at
+    interpreter exit and on SIGTERM (the previous SIGTERM handler still runs afterwards)."""
+
+    _live: set["RunDirectory"] = set()
+    _handler_installed = False
+    _previous_handler = None
+
+    def __init__(self, root: str | os.PathLike, needed_bytes: int):
+        root = Path(root)
+        if not root.exists():
+            raise StorageConfigError(f"ssd_path {root} does not exist; create it or point ssd_path "
+                                     f"at a directory on the NVMe drive")
+        if not root.is_dir():
+            raise StorageConfigError(f"ssd_path {root} is not a directory")
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise StorageConfigError(f"ssd_path {root} is not writable by this process; fix its "
+                                     f"permissions or choose another directory")
+        free = shutil.disk_usage(root).free
+        if free < needed_bytes:
+            raise StorageConfigError(
+                f"ssd_path {root} has {free / 2**30:.2f} GiB free but the plan's swapped-to-SSD "
+                f"activations need {needed_bytes / 2**30:.2f} GiB; free space, use a larger drive, "
+                f"or pin n_ssd lower")
+        self.path = root / f"protrain-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.path.mkdir()
+        RunDirectory._live.add(self)
+        RunDirectory._install_handlers()
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        RunDirectory._live.discard(self)
+
+    @classmethod
+    def _cleanup_all(cls) -> None:
+        for d in list(cls._live):
+            d.close()
+
+    @classmethod
+    def _install_handlers(cls) -> None:
+        if cls._handler_installed:
+            return
+        cls._handler_installed = True
+        atexit.register(cls._cleanup_all)
+        if threading.current_thread() is threading.main_thread():
+            cls._previous_handler = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, cls._on_sigterm)
+
+    @classmethod
+    def _on_sigterm(cls, signum, frame) -> None:
+        cls._cleanup_all()
+        prev = cls._previous_handler
+        if callable(prev):
+            prev(signum, frame)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+# ---- one file per swapped block ------------------------------------------------------------
+class BlockFile:
+    """A preallocated file holding one block's saved tensors for one iteration (bump
+    allocation from offset 0 each iteration)."""
+
+    def __init__(self, path: Path, capacity: int):
+        self.path = path
+        self.capacity = (capacity + ALIGN - 1) // ALIGN * ALIGN
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(self.fd, 0, self.capacity)
+        except (AttributeError, OSError):
+            os.ftruncate(self.fd, self.capacity)
+        try:
+            self.fd_direct = os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
+        except OSError:   # tmpfs and some file systems refuse O_DIRECT
+            self.fd_direct = None
+        self.used = 0
+
+    def alloc(self, nbytes: int) -> int:
+        off = self.used
+        self.used = off + (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        if self.used > self.capacity:   # the block saved more than profiled: grow the file
+            self.capacity = self.used
+            os.ftruncate(self.fd, self.capacity)
+        return off
+
+    def reset(self) -> None:
+        self.used = 0
+
+    def close(self) -> None:
+        for fd in (self.fd, self.fd_direct):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+# ---- backends ------------------------------------------------------------------------------
+class PosixStore:
+    """pread/pwrite from thread pools. Device tensors go through host memory."""
+
+    name = "posix"
+    shares_pcie = True
+
+    def __init__(self, threads: int = 4, verify: bool = False):
+        self.store_pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="protrain-ssd-store")
+        self.load_pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="protrain-ssd-load")
+        self.verify = verify
+
+    def write(self, f: BlockFile, offset: int, src: torch.Tensor, after=None) -> cf.Future:
+        """Write the uint8 tensor ``src`` at ``offset``; returns a future of its CRC32 (or None)."""
+        return self.store_pool.submit(self._write, f, offset, src, after)
+
+    def read(self, f: BlockFile, offset: int, dst: torch.Tensor, written: cf.Future | None = None,
+             after=None) -> cf.Future:
+        """Read into the uint8 tensor ``dst`` once the write ``written`` is done (its CRC32 is
+        checked in verify mode) and the producer event ``after`` has happened."""
+        return self.load_pool.submit(self._read_after, f, offset, dst, written, after)
+
+    def _read_after(self, f, offset, dst, written, after):
+        if after is not None:
+            after.synchronize()
+        crc = written.result() if written is not None and not written.cancelled() else None
+        return self._read(f, offset, dst, crc)
+
+    def _write(self, f, offset, src, after):
+        if after is not None:
+            after.synchronize()
+        host = src if src.device.type == "cpu" else src.to("cpu")
+        data = memoryview(host.numpy()).cast("B")
+        try:
+            _pwrite_all(f, data, offset, host.data_ptr())
+        except OSError as e:
+            raise StorageIOError(f"writing {len(data)} bytes to {f.path} at offset {offset} failed: {e}") from e
+        return zlib.crc32(data) if self.verify else None
+
+    def _read(self, f, offset, dst, crc):
+        host = dst if dst.device.type == "cpu" else torch.empty(dst.numel(), dtype=torch.uint8)
+        buf = memoryview(host.numpy()).cast("B")
+        try:
+            _pread_all(f, buf, offset, host.data_ptr())
+        except OSError as e:
+            raise StorageIOError(f"reading {len(buf)} bytes from {f.path} at offset {offset} failed: {e}") from e
+        if crc is not None and zlib.crc32(buf) != crc:
+            raise StorageIOError(f"{f.path} at offset {offset}: the {len(buf)} bytes read back fail "
+                                 f"their checksum (the data on the drive changed)")
+        if host is not dst:
+            dst.copy_(host)
+        return None
+
+    def close(self) -> None:
+        self.store_pool.shutdown(wait=True)
+        self.load_pool.shutdown(wait=True)
+
+
+def _direct_ok(f: BlockFile, addr: int, nbytes: int, offset: int) -> bool:
+    return (f.fd_direct is not None and nbytes > 0 and addr % ALIGN == 0 and nbytes % ALIGN == 0
+            and offset % ALIGN == 0)
+
+
+def _pwrite_all(f: BlockFile, data: memoryview, offset: int, addr: int) -> None:
+    fd = f.fd_direct if _direct_ok(f, addr, len(data), offset) else f.fd
+    done = 0
+    while done < len(data):
+        try:
+            n = os.pwrite(fd, data[done:], offset + done)
+        except OSError:
+            if fd == f.fd:
+                raise
+            fd = f.fd    # O_DIRECT refused (alignment rules of this file system): buffered
+            continue
+        if n == 0:
+            raise OSError("no progress (disk full?)")
+        done += n
+
+
+def _pread_all(f: BlockFile, buf: memoryview, offset: int, addr: int) -> None:
+    fd = f.fd_direct if _direct_ok(f, addr, len(buf), offset) else f.fd
+    done = 0
+    while done < len(buf):
+        try:
+            n = os.preadv(fd, [buf[done:]], offset + done)
+        except OSError:
+            if fd == f.fd:
+                raise
+            fd = f.fd
+            continue
+        if n == 0:
+            raise OSError(f"unexpected end of file at offset {offset + done}")
+        done += n
+
+
+class KvikioStore:
+    """kvikio CuFile reads/writes straight from/to device memory (GDS, or its compatibility
+    mode with a pinned bounce buffer when the GDS driver is absent)."""
+
+    name = "kvikio"
+
+    def __init__(self, threads: int = 4, verify: bool = False):
+        import kvikio
+        import kvikio.defaults
+        self.kvikio = kvikio
+        try:
+            kvikio.defaults.set({"num_threads": threads})
+        except Exception:  # noqa: BLE001 - older kvikio: keep its default
+            pass
+        self.gds = not _kvikio_compat(kvikio)
+        self.name = "kvikio (GPUDirect Storage)" if self.gds else "kvikio (compatibility mode)"
+        self.shares_pcie = not self.gds
+        self.store_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="protrain-ssd-store")
+        self.load_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="protrain-ssd-load")
+        self.verify = verify
+        self._files: dict[Path, object] = {}
+
+    def _cufile(self, f: BlockFile):
+        cu = self._files.get(f.path)
+        if cu is None:
+            cu = self._files[f.path] = self.kvikio.CuFile(f.path, "r+")
+        return cu
+
+    def write(self, f: BlockFile, offset: int, src: torch.Tensor, after=None) -> cf.Future:
+        return self.store_pool.submit(self._write, f, offset, src, after)
+
+    def read(self, f: BlockFile, offset: int, dst: torch.Tensor, written: cf.Future | None = None,
+             after=None) -> cf.Future:
+        return self.load_pool.submit(PosixStore._read_after, self, f, offset, dst, written, after)
+
+    def _write(self, f, offset, src, after):
+        if after is not None:
+            after.synchronize()   # kvikio only orders itself after the legacy default stream
+        try:
+            n = self._cufile(f).pwrite(src, src.numel(), offset).get()
+        except Exception as e:  # noqa: BLE001
+            raise StorageIOError(f"writing {src.numel()} bytes to {f.path} at offset {offset} "
+                                 f"failed: {e}") from e
+        if n != src.numel():
+            raise StorageIOError(f"short write to {f.path} at offset {offset}: {n} of {src.numel()} bytes")
+        return zlib.crc32(memoryview(src.cpu().numpy())) if self.verify else None
+
+    def _read(self, f, offset, dst, crc):
+        try:
+            n = self._cufile(f).pread(dst, dst.numel(), offset).get()
+        except Exception as e:  # noqa: BLE001
+            raise StorageIOError(f"reading {dst.numel()} bytes from {f.path} at offset {offset} "
+                                 f"failed: {e}") from e
+        if n != dst.numel():
+            raise StorageIOError(f"short read from {f.path} at offset {offset}: {n} of {dst.numel()} bytes")
+        if crc is not None and zlib.crc32(memoryview(dst.cpu().numpy())) != crc:
+            raise StorageIOError(f"{f.path} at offset {offset}: the bytes read back fail their checksum")
+        return None
+
+    def close(self) -> None:
+        self.store_pool.shutdown(wait=True)
+        self.load_pool.shutdown(wait=True)
+        for cu in self._files.values():
+            try:
+                cu.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _kvikio_compat(kvikio) -> bool:
+    """Whether kvikio will bounce through host memory (no GDS)."""
+    defaults = kvikio.defaults
+    for probe in ("is_compat_mode_preferred", "compat_mode"):
+        fn = getattr(defaults, probe, None)
+        if fn is not None:
+            try:
+                v = fn()
+                return bool(v) if not hasattr(v, "name") else v.name == "ON"
+            except Exception:  # noqa: BLE001
+                continue
+    return True
+
+
+def choose_store(device: torch.device, root: Path, *, verify: bool = False, threads: int = 4):
+    """kvikio on CUDA when it can actually do I/O on ``root`` (it needs libcuda), else POSIX.
+    The choice is reported at start-up by the caller (``store.name``)."""
+    if device.type == "cuda":
+        try:
+            store = KvikioStore(threads, verify)
+            probe = root / ".kvikio-probe"
+            f = BlockFile(probe, ALIGN)
+            buf = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
+            store.read(f, 0, buf, store.write(f, 0, buf)).result()
+            f.close()
+            probe.unlink(missing_ok=True)
+            return store
+        except Exception as e:  # noqa: BLE001 - no kvikio, no libcuda, no GDS file system
+            log.warning("protrain: kvikio cannot do I/O here (%s); using the POSIX backend", e)
+    return PosixStore(threads, verify)

@@ -1,0 +1,32 @@
+"""CUDA-only: kvikio (GPUDirect Storage or its compatibility mode) round trips device tensors."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.bool, torch.int64])
+def test_kvikio_round_trip_on_the_device(dtype, tmp_path):
+    pytest.importorskip("kvikio")
+    from protrain.runtime.storage import BlockFile, KvikioStore, RunDirectory
+    run = RunDirectory(tmp_path, 2**22)
+    store = KvikioStore(verify=True)
+    f = BlockFile(run.path / "b.act", 2**20)
+    src = (torch.randn(257, 129, device="cuda") * 4).to(dtype).t().contiguous()
+    flat = src.reshape(-1).view(torch.uint8)
+    off = f.alloc(flat.numel())
+    back = torch.empty_like(flat)
+    store.read(f, off, back, store.write(f, off, flat, after=None)).result()
+    assert torch.equal(back.view(dtype).view(src.shape), src)
+    print(store.name)
+    store.close()
+    f.close()
+    run.close()
+
+
+def test_store_choice_on_cuda_is_kvikio_when_it_works(tmp_path):
+    pytest.importorskip("kvikio")
+    from protrain.runtime.storage import choose_store
+    store = choose_store(torch.device("cuda"), tmp_path)
+    assert store.name.startswith("kvikio")
+    store.close()

@@ -1,0 +1,176 @@
+"""SSD activation tier: storage round trips, SSD blocks in training, forwarding, dedup,
+cleanup (normal exit, exception, SIGTERM), refusals and I/O errors naming file and offset."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstrain import UNTIED, base_config, train, with_protrain
+
+from protrain.block_mode import BlockMode
+from protrain.config import ConfigError
+from protrain.runtime.storage import (BlockFile, PosixStore, RunDirectory, StorageConfigError,
+                                      StorageIOError)
+
+SSD_PLAN = dict(chunk_size="110KiB", n_persist=2, n_buffer=4, n_ssd=2, n_swap=1, n_checkpoint=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.bool, torch.int64])
+def test_posix_round_trip_every_dtype_and_non_contiguous_inputs(dtype, tmp_path):
+    run = RunDirectory(tmp_path, 2**20)
+    f = BlockFile(run.path / "b.act", 2**16)
+    store = PosixStore(verify=True)
+    src = (torch.randn(37, 19) * 4).to(dtype).t()            # non-contiguous
+    flat = src.contiguous().reshape(-1).view(torch.uint8)
+    off = f.alloc(flat.numel())
+    back = torch.empty_like(flat)
+    store.read(f, off, back, store.write(f, off, flat)).result()
+    assert torch.equal(back.view(dtype).view(src.shape), src)
+    assert off % 4096 == 0 and f.alloc(1) % 4096 == 0
+    store.close()
+    f.close()
+    run.close()
+    assert not run.path.exists()
+
+
+def test_ssd_blocks_train_like_deepspeed_and_clean_up(tmp_path):
+    from test_ds_engine import deepspeed_run
+    ref_losses, ref_weights = deepspeed_run(UNTIED, "{}", 6)
+    cfg = with_protrain(base_config(), ssd_path=str(tmp_path), ssd_min_bytes=0, ssd_verify=True,
+                        **SSD_PLAN)
+    losses, weights, engine = train(cfg, UNTIED, 6)
+    assert engine.protrain_plan.block_modes[:3] == (BlockMode.SSD, BlockMode.SSD, BlockMode.SWAP)
+    assert losses == ref_losses                               # bit for bit, fp32
+    for name, w in ref_weights.items():
+        assert torch.equal(weights[name], w), name
+    acts = engine.protrain_runtime.activations
+    st = acts.stats
+    assert acts.storage_backend == "posix"
+    assert st["ssd_written_bytes"] > 0 and st["swap_dedup_hits"] > 0
+    # everything written came back, read from the drive or forwarded from memory
+    assert st["ssd_read_bytes"] > 0
+    rundir = acts.rundir.path
+    assert rundir.exists() and sorted(p.name for p in rundir.iterdir()) == ["block0000.act", "block0001.act"]
+    engine.destroy()
+    assert not rundir.exists() and list(tmp_path.iterdir()) == []
+
+
+class _BlockedStore(PosixStore):
+    """A store whose first write waits for a release, so later writes are still queued."""
+
+    def __init__(self):
+        super().__init__(threads=1)
+        self.gate = threading.Event()
+        self.store_pool.submit(self.gate.wait)
+
+
+def test_forwarding_returns_live_tensors_and_skips_their_pending_writes(tmp_path):
+    from protrain.runtime.activations import ActivationRuntime
+    from protrain.runtime.streams import Streams
+
+    class Exp(torch.nn.Module):
+        def forward(self, x):
+            return torch.exp(x)           # saves its output, which the caller keeps alive
+    blocks = [Exp(), Exp()]
+    store = _BlockedStore()
+    rt = ActivationRuntime(blocks, [BlockMode.SSD, BlockMode.SSD], Streams(torch.device("cpu")),
+                           torch.device("cpu"), [2**16, 2**16], lambda t: None, ssd_root=tmp_path,
+                           ssd_min_bytes=0, ssd_store=store)
+    x = torch.randn(1000, requires_grad=True)
+    with rt.hooks():
+        rt.enter_forward_block(0)
+        y0 = blocks[0](x)
+        rt.enter_forward_block(1)
+        y1 = blocks[1](y0)
+    rt.current_block = None           # writes of both blocks are still queued behind the gate
+    y1.sum().backward()               # unpack: y1 and y0 are alive -> forwarded
+    assert rt.stats["forwarded"] == 2 and rt.stats["writes_skipped"] == 2
+    assert rt.stats["ssd_read_bytes"] == 0
+    assert torch.allclose(x.grad, torch.exp(torch.exp(x.detach())) * torch.exp(x.detach()))
+    store.gate.set()
+    rt.close()
+
+
+def _script(tmp_path, body: str) -> Path:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from dstrain import UNTIED, base_config, train, with_protrain
+        cfg = with_protrain(base_config(), ssd_path={str(tmp_path / 'ssd')!r}, ssd_min_bytes=0,
+                            **{SSD_PLAN!r})
+        """) + textwrap.dedent(body))
+    (tmp_path / "ssd").mkdir()
+    return script
+
+
+@pytest.mark.parametrize("how", ["normal exit", "exception", "SIGTERM"])
+def test_run_directory_is_removed(how, tmp_path):
+    body = {"normal exit": "train(cfg, UNTIED, 2)\n",
+            "exception": "train(cfg, UNTIED, 2)\nraise RuntimeError('boom')\n",
+            "SIGTERM": "_, _, e = train(cfg, UNTIED, 2)\nprint('READY', flush=True)\ntime.sleep(120)\n"}[how]
+    script = _script(tmp_path, body)
+    env = {**os.environ, "MASTER_PORT": str(20000 + os.getpid() % 5000 + len(how))}  # not ours
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    if how == "SIGTERM":
+        for line in proc.stdout:
+            if "READY" in line:
+                break
+        assert list((tmp_path / "ssd").iterdir()), "the run directory should exist while training"
+        proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert (proc.returncode != 0) == (how != "normal exit"), out[-2000:]
+    assert list((tmp_path / "ssd").iterdir()) == [], how
+
+
+def test_unusable_paths_are_refused_before_training(tmp_path, monkeypatch):
+    missing = with_protrain(base_config(), ssd_path=str(tmp_path / "nope"), **SSD_PLAN)
+    with pytest.raises(ConfigError, match="does not exist"):
+        train(missing, UNTIED, 1)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        train(with_protrain(base_config(), ssd_path=str(a_file), **SSD_PLAN), UNTIED, 1)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: False if str(p) == str(tmp_path) else real_access(p, m))
+    with pytest.raises(ConfigError, match="not writable"):
+        train(with_protrain(base_config(), ssd_path=str(tmp_path), **SSD_PLAN), UNTIED, 1)
+    monkeypatch.undo()
+    import shutil
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    with pytest.raises((StorageConfigError, Exception), match=r"GiB free but .* need .* GiB"):
+        train(with_protrain(base_config(), ssd_path=str(tmp_path), ssd_min_bytes=0, **SSD_PLAN),
+              UNTIED, 1)
+
+
+def test_io_errors_stop_training_naming_file_and_offset(tmp_path, monkeypatch):
+    cfg = with_protrain(base_config(), ssd_path=str(tmp_path), ssd_min_bytes=0, **SSD_PLAN)
+    real = os.pwrite
+    # The drive fills up during training (the start-up probe's 256 MiB write still succeeds).
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, off: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+                        if 4096 < len(data) < 2**27 else real(fd, data, off))
+    with pytest.raises(StorageIOError, match=r"block0000\.act at offset \d+ failed: .*No space left"):
+        train(cfg, UNTIED, 1)
+
+
+def test_verify_mode_catches_data_changed_on_the_drive(tmp_path):
+    cfg = with_protrain(base_config(), ssd_path=str(tmp_path), ssd_min_bytes=0, ssd_verify=True,
+                        **SSD_PLAN)
+    _, _, engine = train(cfg, UNTIED, 1)
+    from protrain.models import synthetic_batch
+    x, y = synthetic_batch(UNTIED, 2, seed=7)
+    loss = engine(x, y)
+    f = engine.protrain_runtime.activations.stashes[0].file
+    os.pwrite(f.fd, b"\xff" * 4096, 0)                          # the drive "changes" the data
+    with pytest.raises(StorageIOError, match=r"block0000\.act at offset 0: .*checksum"):
+        engine.backward(loss)
