@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "for named GPUs, measured otherwise)")
     h.add_argument("--device-memory", type=_size, help="cap the device memory the plan may use")
     h.add_argument("--cpu-adam-rate", type=float, help="CPU Adam parameters/s (named GPUs assume 1e9)")
+    h.add_argument("--nvme", type=float, metavar="GB/s",
+                   help="enable the SSD activation tier with this NVMe read/write bandwidth")
+    h.add_argument("--nvme-free", type=_size, default=None, help="free space on the SSD (default 1TiB)")
+    h.add_argument("--gds", action="store_true", help="the SSD path supports GPUDirect Storage")
     s = p.add_argument_group("search")
     s.add_argument("--pin", type=_pin, action="append", default=[], metavar="KNOB=VALUE",
                    help=f"fix a knob ({', '.join(KNOB_NAMES)}); repeatable")
@@ -172,6 +176,9 @@ def _analytic(args):
         hw = machine(args.gpu).profile(host_memory=args.host_memory or DEFAULT_HOST_MEMORY)
     if args.cpu_adam_rate:
         hw = replace(hw, cpu_adam_rate=args.cpu_adam_rate)
+    if args.nvme:
+        hw = replace(hw, nvme_write_bandwidth=args.nvme * 1e9, nvme_read_bandwidth=args.nvme * 1e9,
+                     nvme_gds=args.gds, nvme_free_bytes=args.nvme_free or 2**40)
     if not hw.peak_flops:
         hw = replace(hw, peak_flops=machine(args.gpu).bf16_flops)
     return analytic_profile(shape, hw), hw
