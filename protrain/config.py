@@ -70,6 +70,10 @@ class PlannerConfig:
     data_parallel_size: int = 1
     """Data-parallel ranks (set by the adapter from the launch). Offloaded chunks are sharded:
     each rank keeps 1/world of their host states and gathers the rest over the network."""
+    model_states_fixed: int | None = None
+    """Device bytes of model states a framework keeps itself (Megatron's parameters, gradients
+    and optimizer): the search then chooses only the block activation modes, with no chunks.
+    Set by the Megatron adapter."""
     cpu_optim_overlap: bool = True
     """Whether CPU Adam may update a chunk as soon as its gradient is on the host, overlapping
     the rest of backward (set by the adapter). Gradient clipping and fp16 loss scaling need

@@ -129,9 +129,12 @@ class Plan(JsonValue):
     def __post_init__(self) -> None:
         k = self.knobs
         n = len(self.block_modes)
-        if self.block_modes != layout_block_modes(n, k.n_swap, k.n_checkpoint, k.n_ssd):
-            raise ValueError("Plan.block_modes do not follow the layout rule for "
-                             f"n_ssd={k.n_ssd}, n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint}")
+        # Usually ProTrain's layout rule; a framework adapter may re-arrange the same counts
+        # (Megatron's native recompute checkpoints the first blocks).
+        counts = lambda ms: sorted(m.code for m in ms)  # noqa: E731
+        if counts(self.block_modes) != counts(layout_block_modes(n, k.n_swap, k.n_checkpoint, k.n_ssd)):
+            raise ValueError(f"Plan.block_modes {modes_string(self.block_modes)} do not hold "
+                             f"n_ssd={k.n_ssd}, n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint} blocks")
 
 
     # ---- explanation ----------------------------------------------------------------------

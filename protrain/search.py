@@ -11,11 +11,11 @@ its time. Among equally fast plans the one with the lower peak wins.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .block_mode import layout_block_modes, layout_codes
+from .block_mode import BlockMode, layout_block_modes, layout_codes, modes_string
 from .config import KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
 from .cost.memory import (activation_walk, buffer_numel, predict_memory, ssd_bytes, state_bytes,
@@ -135,11 +135,17 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     shard = np.concatenate([[0], np.cumsum([-(-u // world) for u in layout.used], dtype=np.int64)])
     persist = prefix * sb.persistent
     host_state = (shard[-1] - shard) * sb.host
+    if config.model_states_fixed is not None:
+        # Activations only: the framework keeps every model state on the device itself.
+        persist = np.full(nch + 1, config.model_states_fixed, dtype=np.int64)
+        host_state = np.zeros(nch + 1, dtype=np.int64)
     buf = buffer_numel(layout, world) * sb.buffer
     nbmin_table = layout.min_buffers_table()
 
     lo = layout.min_persist
-    if pins.n_persist is not None:
+    if config.model_states_fixed is not None:
+        nps = np.array([nch])
+    elif pins.n_persist is not None:
         if pins.n_persist > nch:
             raise InfeasibleError(f"pinned n_persist={pins.n_persist} exceeds the {nch} chunks of "
                                   f"{fmt_bytes(layout.chunk_bytes)}; use at most {nch}")
@@ -237,6 +243,8 @@ def search(profile: ModelProfile, hw: HardwareProfile,
         caps = (config.pins.chunk_size // profile.param_bytes,)
     else:
         caps = chunk_capacities(profile, config.chunk_sizes)
+    if config.model_states_fixed is not None:
+        caps = (profile.total_params,)      # one chunk, never moved: no chunk knobs to choose
     stats: dict = {}
     grids = [_grid(profile, hw, config, acts, cap, budget, stats) for cap in caps]
     total = sum(len(g.lower_bound) for g in grids)
@@ -354,13 +362,22 @@ def check_budgets(total_params: int, largest_param: int, param_bytes: int,
 
 def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
              config: PlannerConfig | None = None, *, alternatives=(), search_seconds=0.0,
-             evaluated=1, total=1, check_fit: bool = False) -> Plan:
+             evaluated=1, total=1, check_fit: bool = False,
+             block_modes: tuple[BlockMode, ...] | None = None) -> Plan:
     """The Plan (with predictions) for given knobs, e.g. a plan loaded from a file replayed on
-    a new profile. With ``check_fit`` raise InfeasibleError if it does not fit."""
+    a new profile. With ``check_fit`` raise InfeasibleError if it does not fit. ``block_modes``
+    replaces ProTrain's block layout for the same counts (a framework that can only checkpoint
+    the first blocks natively, as Megatron's ``--recompute-method block``)."""
     config = config or PlannerConfig()
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     layout = build_layout(profile, knobs.chunk_size // profile.param_bytes)
     modes = layout_block_modes(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint, knobs.n_ssd)
+    if block_modes is not None:
+        counts = lambda ms: sorted(m.code for m in ms)  # noqa: E731
+        if len(block_modes) != profile.n_blocks or counts(block_modes) != counts(modes):
+            raise ValueError(f"block_modes {modes_string(block_modes)} do not match the knobs {knobs} "
+                             f"for {profile.n_blocks} blocks")
+        modes = tuple(block_modes)
     if not layout.min_persist <= knobs.n_persist <= layout.n_chunks:
         raise InfeasibleError(f"n_persist={knobs.n_persist} must be between {layout.min_persist} "
                               f"and the {layout.n_chunks} chunks of this layout")
@@ -376,6 +393,9 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     world = config.data_parallel_size
     mem = predict_memory(profile, layout, knobs.n_persist, knobs.n_buffer, modes,
                          _state_bytes(profile, config), world)
+    if config.model_states_fixed is not None:
+        mem = replace(mem, model_state_bytes=config.model_states_fixed, host_bytes=mem.swap_host_bytes,
+                      peak_device_bytes=config.model_states_fixed + mem.activation_peak_bytes)
     codes = np.array([[m.code for m in modes]], dtype=np.int8)
     t = simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
                  cpu_overlap=config.cpu_optim_overlap, world=world)
@@ -431,6 +451,9 @@ def _leanest(profile, config, acts, caps, host_memory) -> tuple[float, float]:
         states = prefix[nps] * sb.persistent + \
             layout.min_buffers_table()[nps] * buffer_numel(layout, world) * sb.buffer
         host = (shard[-1] - shard[nps]) * sb.host
+        if config.model_states_fixed is not None:
+            states = np.full(len(nps), config.model_states_fixed, dtype=np.int64)
+            host = np.zeros(len(nps), dtype=np.int64)
         peak = states[None, :] + acts.act_peak[:, None]
         ok = host[None, :] + acts.swap_host[:, None] <= host_memory
         if ok.any():

@@ -164,7 +164,8 @@ class SSDStash:
 class ActivationRuntime:
     def __init__(self, blocks: Sequence[nn.Module], modes: Sequence[BlockMode], streams: Streams,
                  device: torch.device, swap_bytes: Sequence[int], param_lookup, *,
-                 ssd_root=None, ssd_verify: bool = False, ssd_min_bytes: int = 2**20, ssd_store=None):
+                 ssd_root=None, ssd_verify: bool = False, ssd_min_bytes: int = 2**20, ssd_store=None,
+                 checkpoint_context_fn=None):
         """``swap_bytes[i]``: bytes block i saved when profiled (sizes its arena or file);
         ``param_lookup(t)`` returns (param, delta) if ``t`` views a parameter in a chunk
         buffer, True for a persistent chunk, else None. SSD blocks need ``ssd_root``: a per-run
@@ -190,7 +191,7 @@ class ActivationRuntime:
         for i, m in enumerate(self.modes):
             if m == BlockMode.SWAP:
                 self.stashes[i] = HostStash(streams.pinned(caps[i], torch.uint8), streams)
-        self._ckpt = checkpointed_blocks(self.blocks, self.modes)
+        self._ckpt = checkpointed_blocks(self.blocks, self.modes, checkpoint_context_fn)
         self._ckpt.__enter__()
         self.stats = {"swapped_bytes": 0, "swap_dedup_hits": 0, "prefetched_bytes": 0,
                       "ssd_written_bytes": 0, "ssd_read_bytes": 0, "forwarded": 0,
@@ -273,7 +274,28 @@ class ActivationRuntime:
             return out
         return obj
 
-    # ---- schedule ----------------------------------------------------------------------------
+    # ---- schedule (parts as in ModelProfile: 0 pre, i + 1 block i, last post) -----------------
+    def forward_part(self, part: int) -> None:
+        """Forward enters ``part``; the post part counts as block N for the swap throttle."""
+        self.enter_forward_block(part - 1 if part >= 1 else None)
+
+    def backward_start(self) -> None:
+        """Backward is about to start: bring the last block's offloaded tensors back while the
+        head's backward runs."""
+        last = len(self.blocks) - 1
+        if last >= 0 and self.modes[last] in (BlockMode.SWAP, BlockMode.SSD):
+            self.prefetch(last)
+
+    def backward_done_with(self, part: int) -> None:
+        """Backward enters ``part``, so part + 1 is done: forget its stash."""
+        if 1 <= part + 1 <= len(self.blocks):
+            self.leave_backward_block(part)
+
+    def backward_prefetch(self, part: int) -> None:
+        """Backward enters ``part``: prefetch the block of ``part - 1`` (one block ahead)."""
+        if part >= 2:
+            self.prefetch(part - 2)
+
     def enter_forward_block(self, i: int | None) -> None:
         """Forward moves into block ``i`` (None: out of the blocks). An offloaded block's device
         copies are dropped once their write is done, one block later."""
@@ -331,20 +353,23 @@ class ActivationRuntime:
         self.current_block = None
 
 
-def _checkpointed(forward, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+def _checkpointed(forward, *args, _context_fn=None, **kwargs):
+    extra = {"context_fn": _context_fn} if _context_fn is not None else {}
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
 @contextmanager
-def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode]):
+def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode], context_fn=None):
     """Run the CKPT blocks of ``modes`` under checkpoint for the duration of the context (what
-    the runtime does), e.g. to measure a plan's activation memory without the runtime."""
+    the runtime does), e.g. to measure a plan's activation memory without the runtime.
+    ``context_fn`` is torch checkpoint's hook to restore framework RNG state on recompute
+    (Megatron's tensor-parallel RNG tracker)."""
     saved = {}
     try:
         for i, (b, m) in enumerate(zip(blocks, modes)):
             if m == BlockMode.CKPT:
                 saved[i] = b.forward
-                b.forward = functools.partial(_checkpointed, b.forward)
+                b.forward = functools.partial(_checkpointed, b.forward, _context_fn=context_fn)
         yield
     finally:
         for i, fwd in saved.items():

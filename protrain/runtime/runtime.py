@@ -94,7 +94,7 @@ class ProTrainRuntime:
             device_kernel = TorchAdamKernel(fused=True)
         else:
             device_kernel = host_kernel  # on CPU the "device" Adam is the host one: same bits
-        self.accounting = _Accounting(device) if accounting else None
+        self.accounting = DeviceAccounting(device) if accounting else None
         in_order = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = ChunkOptimizer(
             self.chunks, self.streams, param_groups=setup.param_groups, hyper=setup.hyper,
@@ -147,9 +147,7 @@ class ProTrainRuntime:
     def begin_backward(self) -> None:
         """Backward is about to start (called by the framework): bring the last block's
         swapped activations back while the head's backward runs."""
-        last = len(self.blocks) - 1
-        if last >= 0 and self.plan.block_modes[last] in (BlockMode.SWAP, BlockMode.SSD):
-            self.activations.prefetch(last)
+        self.activations.backward_start()
 
     def _begin_forward(self) -> None:
         if self._in_backward:
@@ -207,7 +205,7 @@ class ProTrainRuntime:
 
     def _enter_forward(self, part: int) -> None:
         # The post part counts as "block N" for the swap throttle (one block in flight).
-        self.activations.enter_forward_block(part - 1 if part >= 1 else None)
+        self.activations.forward_part(part)
         for c in self.chunks.offloaded():
             if c.last_part < part:
                 self.chunks.release(c)
@@ -234,15 +232,13 @@ class ProTrainRuntime:
         for c in self.chunks.offloaded():
             if c.first_part > part and c.state == ChunkState.RESIDENT:
                 self.optimizer.chunk_backward_done(c, boundary)
-        if part + 1 <= len(self.blocks):
-            self.activations.leave_backward_block(part)   # block `part` is part part + 1
+        self.activations.backward_done_with(part)
         for c in sorted(self._part_chunks[part], key=lambda c: -c.index):
             self.chunks.access(c)
         low = min((c.index for c in self._part_chunks[part] if not c.persistent),
                   default=self._next_down + 1)
         self._prefetch_backward(low - 1)
-        if part >= 2:
-            self.activations.prefetch(part - 2)            # the block of part - 1
+        self.activations.backward_prefetch(part)   # after the chunk uploads: one upload FIFO
 
     def _prefetch_backward(self, start: int) -> None:
         self._next_down = min(self._next_down, start)
@@ -281,7 +277,7 @@ class ProTrainRuntime:
         return self.accounting.peak
 
 
-class _Accounting:
+class DeviceAccounting:
     """The runtime's own count of device-resident bytes (for CPU tests, where there is no
     device allocator to ask): chunk states plus the storages operators allocate, with the
     runtime's host-side work (copies into host regions, CPU Adam) excluded."""
@@ -302,6 +298,15 @@ class _Accounting:
                                     lambda n, b, pk, a: top.__setitem__(0, max(top[0], pk)),
                                     {}, lambda i: None)
         self._recorder.__enter__()
+
+    def stop(self, state_bytes: int = 0) -> None:
+        """Stop counting and take the peak; safe from an autograd callback, whose thread state
+        is not the forward's (the dispatch mode itself is left by ``end`` on the main thread)."""
+        if self._recorder is None:
+            return
+        self.registry.paused = True
+        self.activation_peak = max(self.activation_peak, self._top[0])
+        self.peak = max(self.peak, state_bytes + self._top[0])
 
     def end(self, state_bytes: int) -> None:
         if self._recorder is None:

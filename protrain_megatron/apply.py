@@ -1,0 +1,293 @@
+"""plan_activations: one call from a built megatron-core model to an applied activation plan.
+
+Profile (one traced iteration of the real model on a sample batch, or a given profile) ->
+search (activation modes only: Megatron keeps its model states, a fixed part of the peak) ->
+prefer Megatron's native recompute when it is as good -> apply (``ActivationPolicy``).
+With torch.distributed initialised, rank 0 decides and every rank applies the same plan:
+tensor-parallel ranks must recompute the same layers, or their collectives would not match.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from protrain.block_mode import BlockMode, modes_string
+from protrain.config import KnobPins, PlannerConfig
+from protrain.plan import Plan
+from protrain.profile.hardware import HardwareProfile
+from protrain.profile.model_profile import ModelProfile
+from protrain.search import InfeasibleError, evaluate, search
+from protrain.units import fmt_bytes, fmt_seconds
+
+from .model import decoder_layers, model_device, parallel_sizes, unwrap
+from .policy import ActivationPolicy, native_recompute_layers
+from .state_bytes import MegatronStates
+
+log = logging.getLogger("protrain")
+
+Sample = Mapping[str, torch.Tensor] | Callable[[nn.Module], torch.Tensor]
+"""A batch for ``GPTModel.forward`` (input_ids, position_ids, attention_mask, labels), or a
+function that runs the model's forward on a batch and returns the scalar loss."""
+
+ACTIVATION_KNOBS = ("n_checkpoint", "n_swap", "n_ssd")
+
+
+@dataclass
+class AppliedPlan:
+    """A plan running on a model: what was chosen, how it was applied, what it predicts."""
+
+    plan: Plan
+    policy: ActivationPolicy
+    states: MegatronStates
+    profile: ModelProfile | None
+    profile_seconds: float = 0.0
+
+    def close(self) -> None:
+        self.policy.close()
+
+    def explain(self) -> str:
+        p = self.plan.prediction
+        table = self.policy.layer_table()
+        runs = []
+        for number, mode in table:          # "1-4 ckpt, 5-6 swap, 7-24 keep" by global number
+            if runs and runs[-1][2] == mode and runs[-1][1] == number - 1:
+                runs[-1][1] = number
+            else:
+                runs.append([number, number, mode])
+        word = {BlockMode.NONE: "keep", BlockMode.CKPT: "recompute", BlockMode.SWAP: "swap to host",
+                BlockMode.SSD: "NVMe"}
+        layers = ", ".join(f"{a}{'-' + str(b) if b != a else ''} {word[m]}" for a, b, m in runs)
+        k = self.plan.knobs
+        out = [f"ProTrain activation plan for {self.plan.model} ({len(table)} layers on this rank)",
+               f"  machine: {self.plan.machine}",
+               f"  layers (global numbers): {layers}",
+               f"  modes: {modes_string(self.plan.block_modes)} = {k.n_checkpoint} recomputed, "
+               f"{k.n_swap} swapped, {k.n_ssd} on NVMe",
+               f"  applied through {self.policy.how}",
+               f"  replaces --recompute-granularity/-method/-num-layers, --cpu-offloading(-num-layers)",
+               f"  predicted: iteration {fmt_seconds(p.iter_time)} (forward {fmt_seconds(p.fwd_time)}, "
+               f"backward {fmt_seconds(p.bwd_time)})",
+               f"  predicted peak device memory {fmt_bytes(p.peak_device_bytes)} = model states "
+               f"{fmt_bytes(p.model_state_bytes)} + activations {fmt_bytes(p.activation_peak_bytes)} "
+               f"(at {p.peak_at}); budget {fmt_bytes(self.plan.device_memory)} with "
+               f"{self.plan.memory_margin:.0%} margin",
+               f"  host memory for swapped activations {fmt_bytes(p.swap_host_bytes)}"
+               + (f"; NVMe {fmt_bytes(p.ssd_bytes)} per iteration" if p.ssd_bytes else ""),
+               f"  search {fmt_seconds(self.plan.search_seconds)} over {self.plan.candidates_total} "
+               f"candidates ({self.plan.profile_source} profile"
+               + (f", profiled in {self.profile_seconds:.2f} s)" if self.profile_seconds else ")")]
+        out += [f"  note: {n}" for n in self.plan.notes]
+        return "\n".join(out)
+
+
+def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | None = None, *,
+                     profile: ModelProfile | None = None, states: MegatronStates | None = None,
+                     device_memory: int | None = None, host_memory: int | None = None,
+                     memory_margin: float = 0.10, pins: KnobPins | Mapping[str, int] | None = None,
+                     ssd_path: str | None = None, ssd_verify: bool = False,
+                     hardware: HardwareProfile | None = None, in_flight_microbatches: int = 1,
+                     plan_file: str | None = None, prefer_native: bool = True,
+                     accounting: bool = False, verbose: bool = True, progress: bool = True) -> AppliedPlan:
+    """Plan and apply per-layer activation modes for a built megatron-core model.
+
+    ``sample`` is profiled once (forward + backward, weights untouched) unless a ``profile`` is
+    given. ``states`` are the model-state bytes Megatron keeps per rank (default: this rank's
+    parameters with Megatron's mixed-precision Adam, not distributed). ``device_memory``
+    defaults to the device's capacity; ``pins`` may fix n_checkpoint / n_swap / n_ssd.
+    ``in_flight_microbatches`` > 1 (pipeline parallelism) multiplies the activation memory and
+    rules out swap / NVMe. ``plan_file``: load the plan from there if it exists, else save it.
+    Raises ``InfeasibleError`` with what would fit when nothing does.
+    """
+    core = unwrap(model)
+    layers = decoder_layers(core)
+    device = model_device(core)
+    sizes = parallel_sizes()
+    pins = _pins(pins)
+    if in_flight_microbatches < 1:
+        raise ValueError(f"in_flight_microbatches must be >= 1, got {in_flight_microbatches}")
+    notes = []
+    if in_flight_microbatches > 1 or sizes["pp"] > 1:
+        if (pins.n_swap or 0) > 0 or (pins.n_ssd or 0) > 0:
+            raise ValueError(f"pins n_swap={pins.n_swap}, n_ssd={pins.n_ssd}: swap and NVMe need one "
+                             f"micro-batch in flight; pipeline parallelism keeps "
+                             f"{in_flight_microbatches}; pin them to 0")
+        pins = replace(pins, n_swap=0, n_ssd=0)
+        notes.append(f"pipeline parallel: {in_flight_microbatches} micro-batches in flight on this "
+                     f"stage; swap and NVMe off, activation memory counted per micro-batch in flight")
+    if ssd_path is None:
+        if (pins.n_ssd or 0) > 0:
+            raise ValueError(f"pin n_ssd={pins.n_ssd} needs an SSD path (ssd_path / --protrain-ssd-path)")
+        pins = replace(pins, n_ssd=0)
+    if states is None:
+        params = sum(p.numel() for p in core.parameters())
+        half = next(core.parameters()).element_size() == 2
+        states = MegatronStates(params=params, param_bytes=2 if half else 4,
+                                optimizer_bytes=12 if half else 8)
+    t0 = time.perf_counter()
+    plan = _load(plan_file, len(layers))
+    loaded = plan is not None
+    profile_seconds = 0.0
+    failure = None
+    if plan is None and _rank() == 0:
+        try:
+            if profile is None:
+                if sample is None:
+                    raise ValueError("plan_activations needs a sample batch (or a profile) to measure "
+                                     "the model")
+                profile = profile_megatron(core, sample, device=device, progress=progress and verbose)
+                profile_seconds = time.perf_counter() - t0
+            if profile.n_blocks != len(layers):
+                raise ValueError(f"the profile has {profile.n_blocks} blocks but the model runs "
+                                 f"{len(layers)} layers on this rank")
+            if in_flight_microbatches > 1:
+                profile = scale_in_flight(profile, in_flight_microbatches)
+            hw = hardware or _probe(device, verbose)
+            if ssd_path:
+                from protrain.profile.probe import probe_storage
+                ssd = probe_storage(ssd_path, device)
+                hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
+            config = PlannerConfig(device_memory=device_memory, host_memory=host_memory,
+                                   memory_margin=memory_margin, pins=pins,
+                                   model_states_fixed=states.total_bytes, cpu_optim_overlap=False)
+            plan = search(profile, hw, config)
+            if prefer_native:
+                plan = _prefer_native(plan, profile, hw, config)
+            if notes:
+                plan = replace(plan, notes=plan.notes + tuple(notes))
+            if plan_file:
+                plan.save(plan_file)
+        except (InfeasibleError, ValueError) as e:
+            failure = e
+    plan, error = _share(plan, failure)
+    if error is not None:
+        if failure is not None:
+            raise failure
+        raise InfeasibleError(f"protrain (rank 0): {error}")
+    policy = ActivationPolicy(model, plan, ssd_path=ssd_path, ssd_verify=ssd_verify,
+                              accounting=accounting, native=prefer_native,
+                              pipeline_parallel=max(sizes["pp"], in_flight_microbatches))
+    applied = AppliedPlan(plan, policy, states, profile, profile_seconds)
+    if verbose and _rank() == 0:
+        print(applied.explain(), flush=True)
+        if loaded:
+            print(f"ProTrain: plan loaded from {plan_file} (no profiling or search)", flush=True)
+        if policy.storage_backend:
+            print(f"ProTrain: NVMe layers via {policy.storage_backend} in "
+                  f"{policy.activations.rundir.path}", flush=True)
+    return applied
+
+
+def profile_megatron(core: nn.Module, sample: Sample, *, device: torch.device,
+                     progress: bool = True) -> ModelProfile:
+    """One traced keep-all iteration of ``core`` on ``sample`` (Megatron's recompute is
+    switched off meanwhile: the profile must see every activation)."""
+    from protrain.profile.tracer import profile_model
+
+    from .policy import _configs
+    layers = decoder_layers(core)
+    configs = _configs(core)
+    saved = [(c.recompute_granularity, c.recompute_method, c.recompute_num_layers) for c in configs]
+    for c in configs:
+        c.recompute_granularity = c.recompute_method = c.recompute_num_layers = None
+    if callable(sample):
+        step = sample
+        micro_batch = seq = None
+    else:
+        batch = dict(sample)
+        ids = batch.get("input_ids")
+        micro_batch, seq = (int(ids.shape[0]), int(ids.shape[1])) if ids is not None and ids.dim() == 2 \
+            else (None, None)
+
+        def step(m):
+            out = m(**batch)
+            return out.float().mean() if isinstance(out, torch.Tensor) and out.numel() > 1 else out
+    try:
+        return profile_model(core, step, blocks=layers, device=device, name=type(core).__name__,
+                             micro_batch=micro_batch, seq_len=seq, progress=progress)
+    finally:
+        for c, (g, m, n) in zip(configs, saved):
+            c.recompute_granularity, c.recompute_method, c.recompute_num_layers = g, m, n
+
+
+def scale_in_flight(profile: ModelProfile, k: int) -> ModelProfile:
+    """A pipeline stage keeps up to ``k`` micro-batches' activations (1F1B): every activation
+    figure times ``k``. Conservative: one micro-batch's transients are counted k times."""
+    parts = tuple(replace(p, in_bytes=p.in_bytes * k, saved_bytes=p.saved_bytes * k,
+                          fwd_start=p.fwd_start * k, fwd_peak=p.fwd_peak * k,
+                          bwd_start=p.bwd_start * k, bwd_peak=p.bwd_peak * k) for p in profile.parts)
+    return replace(profile, parts=parts, ops=())
+
+
+def _prefer_native(plan: Plan, profile, hw, config) -> Plan:
+    """A plan of kept and recomputed layers runs through Megatron's own recompute if the same
+    counts, recomputing the first layers, fit and are as fast (they usually are: same FLOPs)."""
+    modes = plan.block_modes
+    if native_recompute_layers(modes) is not None or any(
+            m in (BlockMode.SWAP, BlockMode.SSD) for m in modes):
+        return plan
+    n = plan.knobs.n_checkpoint
+    prefix = tuple(BlockMode.CKPT if i < n else BlockMode.NONE for i in range(len(modes)))
+    try:
+        alt = evaluate(profile, hw, plan.knobs, config, check_fit=True, block_modes=prefix,
+                       search_seconds=plan.search_seconds, evaluated=plan.candidates_evaluated,
+                       total=plan.candidates_total)
+    except InfeasibleError:
+        return plan
+    if alt.prediction.iter_time <= plan.prediction.iter_time * 1.01:
+        return replace(alt, notes=alt.notes + (
+            "recomputed layers moved to the front so Megatron's native recompute runs them",))
+    return plan
+
+
+def _pins(pins) -> KnobPins:
+    if pins is None:
+        return KnobPins()
+    if isinstance(pins, KnobPins):
+        d = pins.pinned()
+    else:
+        d = dict(pins)
+    bad = [k for k in d if k not in ACTIVATION_KNOBS]
+    if bad:
+        raise ValueError(f"pin {bad[0]}: Megatron keeps its own model states, so only "
+                         f"{', '.join(ACTIVATION_KNOBS)} can be pinned")
+    for k, v in d.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"pin {k}={v!r}: must be a non-negative integer")
+    return KnobPins(**d)
+
+
+def _probe(device, verbose):
+    from protrain.profile.probe import probe_hardware
+    return probe_hardware(device, progress=verbose)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _share(plan: Plan | None, failure: BaseException | None):
+    """Rank 0's plan (or its error) on every rank."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return plan, (str(failure) if failure is not None else None)
+    obj = [(plan.to_dict() if plan is not None else None, str(failure) if failure is not None else None)]
+    dist.broadcast_object_list(obj, src=0)
+    d, err = obj[0]
+    return (plan if dist.get_rank() == 0 else (Plan.from_dict(d) if d is not None else None)), err
+
+
+def _load(plan_file: str | None, n_layers: int) -> Plan | None:
+    from pathlib import Path
+    if not plan_file or not Path(plan_file).exists():
+        return None
+    plan = Plan.load(plan_file)
+    if len(plan.block_modes) != n_layers:
+        raise ValueError(f"plan file {plan_file} is for {len(plan.block_modes)} layers, this rank runs "
+                         f"{n_layers}; delete it to re-plan")
+    return plan

@@ -1,0 +1,78 @@
+"""megatron-core GPTModel on CPU for tests (gloo, local layer spec, SDPA core attention,
+learned positions), as background.md describes."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_parallel() -> None:
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29617")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+class SDPA(torch.nn.Module):
+    """Core attention on [s, b, n, h] inputs (the stock DotProductAttention needs CUDA)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **kw):
+        super().__init__()
+        self.p = config.attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
+        s, b = query.shape[0], query.shape[1]
+        return o.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def cpu_rng_states(monkeypatch) -> None:
+    """Megatron's own recompute saves CUDA RNG states; on CPU only the CPU one exists."""
+    from megatron.core.tensor_parallel import random as mr
+    monkeypatch.setattr(mr, "_get_all_rng_states",
+                        lambda: (torch.get_rng_state(), None, mr.get_cuda_rng_tracker().get_states()))
+
+    def set_states(cpu, cuda, tracker):
+        torch.set_rng_state(cpu)
+        mr.get_cuda_rng_tracker().set_states(tracker)
+    monkeypatch.setattr(mr, "_set_all_rng_states", set_states)
+
+
+def gpt(num_layers=4, hidden=64, heads=4, vocab=128, seq=32, seed=0, dropout=0.1):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    init_parallel()
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads,
+                            use_cpu_initialization=True, add_bias_linear=False,
+                            hidden_dropout=dropout, attention_dropout=dropout)
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = SDPA
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
+                    max_sequence_length=seq, position_embedding_type="learned_absolute")
+
+
+def batch(b=2, seq=32, vocab=128, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, seq), generator=g)
+    pos = torch.arange(seq).unsqueeze(0).expand(b, -1)
+    labels = torch.randint(0, vocab, (b, seq), generator=g)
+    return {"input_ids": ids, "position_ids": pos, "attention_mask": None, "labels": labels}
+
+
+def loss_and_grads(model, sample, seed=5):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    loss = model(**sample).float().mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
