@@ -89,7 +89,7 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
                      profile: ModelProfile | None = None, states: MegatronStates | None = None,
                      device_memory: int | None = None, host_memory: int | None = None,
                      memory_margin: float = 0.10, pins: KnobPins | Mapping[str, int] | None = None,
-                     ssd_path: str | None = None, ssd_verify: bool = False,
+                     ssd_path: str | None = None, ssd_verify: bool = False, ssd_min_bytes: int = 2**20,
                      hardware: HardwareProfile | None = None, in_flight_microbatches: int = 1,
                      plan_file: str | None = None, prefer_native: bool = True,
                      accounting: bool = False, verbose: bool = True, progress: bool = True) -> AppliedPlan:
@@ -100,7 +100,9 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
     parameters with Megatron's mixed-precision Adam, not distributed). ``device_memory``
     defaults to the device's capacity; ``pins`` may fix n_checkpoint / n_swap / n_ssd.
     ``in_flight_microbatches`` > 1 (pipeline parallelism) multiplies the activation memory and
-    rules out swap / NVMe. ``plan_file``: load the plan from there if it exists, else save it.
+    rules out swap / NVMe. NVMe layers write their saved tensors under ``ssd_path`` (storages
+    under ``ssd_min_bytes`` stay on the device; ``ssd_verify`` checksums what is read back).
+    ``plan_file``: load the plan from there if it exists, else save it.
     Raises ``InfeasibleError`` with what would fit when nothing does.
     """
     core = unwrap(model)
@@ -169,7 +171,7 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
             raise failure
         raise InfeasibleError(f"protrain (rank 0): {error}")
     policy = ActivationPolicy(model, plan, ssd_path=ssd_path, ssd_verify=ssd_verify,
-                              accounting=accounting, native=prefer_native,
+                              ssd_min_bytes=ssd_min_bytes, accounting=accounting, native=prefer_native,
                               pipeline_parallel=max(sizes["pp"], in_flight_microbatches))
     applied = AppliedPlan(plan, policy, states, profile, profile_seconds)
     if verbose and _rank() == 0:

@@ -368,9 +368,12 @@ def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode],
     try:
         for i, (b, m) in enumerate(zip(blocks, modes)):
             if m == BlockMode.CKPT:
-                saved[i] = b.forward
+                saved[i] = b.__dict__.get("forward")    # None: the class's forward
                 b.forward = functools.partial(_checkpointed, b.forward, _context_fn=context_fn)
         yield
     finally:
         for i, fwd in saved.items():
-            blocks[i].forward = fwd
+            if fwd is None:
+                del blocks[i].forward
+            else:
+                blocks[i].forward = fwd

@@ -1,0 +1,251 @@
+"""protrain_megatron on a megatron-core GPTModel on CPU: every block mode and a mixed plan give
+the gradients of the run without a policy (dropout on, so recompute must replay the RNG), the
+recompute FLOPs are exactly the plan's, SWAP / SSD move saved tensors off the device, and the
+planner's predicted activation peak is what the runtime counts."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+pytest.importorskip("megatron.core")
+
+from megatron_cpu import batch, cpu_rng_states, gpt, loss_and_grads  # noqa: E402
+
+from protrain.block_mode import BlockMode  # noqa: E402
+from protrain.profile.hardware import HardwareProfile  # noqa: E402
+from protrain.search import InfeasibleError  # noqa: E402
+from protrain_megatron import ActivationPolicy, MegatronStates, plan_activations  # noqa: E402
+
+GiB = 2**30
+HW = HardwareProfile(name="cpu-test", source="measured", device_type="cpu", device_memory=GiB,
+                     host_memory=GiB, h2d_bandwidth=1e9, d2h_bandwidth=1e9, gpu_adam_rate=1e9,
+                     cpu_adam_rate=1e8, nvme_write_bandwidth=1e9, nvme_read_bandwidth=1e9,
+                     nvme_free_bytes=GiB)
+SEQ = 64
+
+
+@pytest.fixture(autouse=True)
+def _cpu_rng(monkeypatch):
+    cpu_rng_states(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return gpt(num_layers=4, hidden=128, seq=SEQ)
+
+
+@pytest.fixture(scope="module")
+def sample():
+    return batch(seq=SEQ)
+
+
+@pytest.fixture(scope="module")
+def reference(model, sample):
+    return loss_and_grads(model, sample)
+
+
+def _plan(model, sample, **kw):
+    kw.setdefault("hardware", HW)
+    kw.setdefault("ssd_min_bytes", 0)        # this model's tensors are all small
+    return plan_activations(model, sample, progress=False, verbose=False, **kw)
+
+
+CASES = {
+    "keep": ({"n_checkpoint": 0, "n_swap": 0}, True, "NNNN"),
+    "ckpt-native": ({"n_checkpoint": 4, "n_swap": 0}, True, "CCCC"),
+    "ckpt-hooks": ({"n_checkpoint": 4, "n_swap": 0}, False, "CCCC"),
+    "ckpt-2-native": ({"n_checkpoint": 2, "n_swap": 0}, True, "CCNN"),
+    "ckpt-2-hooks": ({"n_checkpoint": 2, "n_swap": 0}, False, "CNCN"),
+    "swap": ({"n_checkpoint": 0, "n_swap": 4}, True, "SSSS"),
+    "ssd": ({"n_checkpoint": 0, "n_swap": 0, "n_ssd": 4}, True, "DDDD"),
+    "mixed": ({"n_checkpoint": 1, "n_swap": 1, "n_ssd": 1}, True, "DSCN"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_equal_the_run_without_a_policy(case, model, sample, reference, tmp_path):
+    pins, native, layout = CASES[case]
+    ssd = str(tmp_path) if pins.get("n_ssd") else None
+    applied = _plan(model, sample, pins=pins, prefer_native=native, ssd_path=ssd)
+    try:
+        assert "".join(m.letter for m in applied.plan.block_modes) == layout
+        assert applied.policy.native == (native and case != "swap" and case != "ssd" and case != "mixed")
+        for _ in range(2):      # twice: the stashes are reused across iterations
+            loss, grads = loss_and_grads(model, sample)
+            assert torch.equal(loss, reference[0])
+            assert grads.keys() == reference[1].keys()
+            for name, g in grads.items():
+                assert torch.equal(g, reference[1][name]), name
+        stats = applied.policy.activations.stats if applied.policy.activations else {}
+        if "S" in layout:
+            assert stats["swapped_bytes"] > 0 and stats["prefetched_bytes"] == stats["swapped_bytes"]
+        if "D" in layout:
+            assert stats["ssd_written_bytes"] > 0
+            assert stats["ssd_read_bytes"] + stats["writes_skipped"] > 0
+    finally:
+        applied.close()
+    # close() restores the model exactly: Megatron's config and the layers' forwards.
+    assert model.config.recompute_granularity is None and model.config.recompute_num_layers is None
+    assert all("forward" not in layer.__dict__ for layer in model.decoder.layers)
+    assert "forward" not in model.__dict__
+    assert not list(tmp_path.iterdir())          # the per-run NVMe directory is gone
+
+
+def test_native_plan_sets_megatrons_recompute_config(model, sample):
+    applied = _plan(model, sample, pins={"n_checkpoint": 3, "n_swap": 0})
+    try:
+        c = model.config
+        assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == ("full", "block", 3)
+        assert "recompute_num_layers=3" in applied.explain()
+        assert "1-3 recompute, 4 keep" in applied.explain()
+    finally:
+        applied.close()
+    assert model.config.recompute_granularity is None
+
+
+def _backward_flops(model, sample):
+    torch.manual_seed(5)
+    model.zero_grad(set_to_none=True)
+    loss = model(**sample).float().mean()
+    with FlopCounterMode(display=False) as fc:
+        loss.backward()
+    return fc.get_total_flops()
+
+
+def _layer_forward_flops(model, sample):
+    with FlopCounterMode(display=False) as fc:
+        with torch.no_grad():
+            model(**sample)
+    counts = fc.get_flop_counts()
+    per_layer = [sum(v.values()) for k, v in counts.items()
+                 if k.rsplit(".", 1)[0].endswith("decoder.layers") and k.rsplit(".", 1)[1].isdigit()]
+    assert len(per_layer) == 4 and len(set(per_layer)) == 1, per_layer
+    return per_layer[0]
+
+
+@pytest.mark.parametrize("pins,native", [({"n_checkpoint": 0, "n_swap": 4}, True),
+                                         ({"n_checkpoint": 1, "n_swap": 0}, False),
+                                         ({"n_checkpoint": 2, "n_swap": 0}, True),
+                                         ({"n_checkpoint": 4, "n_swap": 0}, False),
+                                         ({"n_checkpoint": 1, "n_swap": 2}, True)])
+def test_flop_counter_shows_exactly_the_planned_recompute(pins, native, model, sample):
+    base = _backward_flops(model, sample)
+    layer = _layer_forward_flops(model, sample)
+    assert layer > 0
+    applied = _plan(model, sample, pins=pins, prefer_native=native)
+    try:
+        got = _backward_flops(model, sample)
+    finally:
+        applied.close()
+    # Recompute replays each checkpointed layer's forward once in backward; nothing else.
+    assert got - base == pins["n_checkpoint"] * layer
+
+
+@pytest.mark.parametrize("pins", [{"n_checkpoint": 0, "n_swap": 0}, {"n_checkpoint": 0, "n_swap": 4},
+                                  {"n_checkpoint": 4, "n_swap": 0}, {"n_checkpoint": 1, "n_swap": 2},
+                                  {"n_checkpoint": 0, "n_swap": 0, "n_ssd": 2}])
+def test_runtime_accounting_matches_the_predicted_activation_peak(pins, model, sample, tmp_path):
+    applied = _plan(model, sample, pins=pins, prefer_native=False, accounting=True,
+                    ssd_path=str(tmp_path) if pins.get("n_ssd") else None)
+    try:
+        loss_and_grads(model, sample)
+        model.zero_grad(set_to_none=False)   # gradients preallocated (Megatron's grad buffer)
+        applied.policy.reset_peak()
+        torch.manual_seed(5)
+        model(**sample).float().mean().backward()
+        measured = applied.policy.activation_peak()
+    finally:
+        applied.close()
+    predicted = applied.plan.prediction.activation_peak_bytes
+    assert abs(measured - predicted) <= 0.02 * predicted, (measured, predicted)
+
+
+def test_swap_moves_saved_tensors_off_the_device(model, sample):
+    peaks = {}
+    for name, pins in (("keep", {"n_checkpoint": 0, "n_swap": 0}), ("swap", {"n_checkpoint": 0, "n_swap": 4})):
+        applied = _plan(model, sample, pins=pins, prefer_native=False, accounting=True)
+        try:
+            loss_and_grads(model, sample)
+            model.zero_grad(set_to_none=False)
+            applied.policy.reset_peak()
+            before = applied.policy.activations.stats["swapped_bytes"]
+            torch.manual_seed(5)
+            model(**sample).float().mean().backward()
+            peaks[name] = applied.policy.activation_peak()
+            swapped = applied.policy.activations.stats["swapped_bytes"] - before
+            saved = sum(b.saved_bytes for b in applied.profile.blocks)
+        finally:
+            applied.close()
+    # Every distinct storage the layers saved went to host memory, and the device peak fell by
+    # two layers' worth: with one layer prefetched ahead, two are back on the device at a time.
+    assert swapped == saved
+    assert peaks["swap"] <= peaks["keep"] - 1.95 * saved / 4
+
+
+def test_search_picks_modes_that_fit_the_budget(model, sample):
+    keep = _plan(model, sample, pins={"n_checkpoint": 0, "n_swap": 0})
+    p0 = keep.plan.prediction
+    keep.close()
+    states = MegatronStates(params=10**6, param_bytes=4, optimizer_bytes=8)   # 16 MB
+    budget = int((states.total_bytes + 0.6 * p0.activation_peak_bytes) * 1.1)
+    applied = _plan(model, sample, states=states, device_memory=budget)
+    try:
+        p = applied.plan.prediction
+        assert p.model_state_bytes == states.total_bytes
+        assert p.peak_device_bytes * 1.1 <= budget
+        assert applied.plan.knobs.n_checkpoint + applied.plan.knobs.n_swap > 0
+    finally:
+        applied.close()
+    with pytest.raises(InfeasibleError):
+        _plan(model, sample, states=states, device_memory=states.total_bytes)
+
+
+def test_plan_file_round_trip(model, sample, tmp_path):
+    path = tmp_path / "plan.json"
+    first = _plan(model, sample, pins={"n_checkpoint": 1, "n_swap": 1}, plan_file=str(path))
+    first.close()
+    assert path.exists()
+    again = plan_activations(model, None, hardware=HW, plan_file=str(path), verbose=False)
+    try:
+        assert again.plan.block_modes == first.plan.block_modes and again.profile is None
+    finally:
+        again.close()
+
+
+def test_bad_input_is_refused_with_the_fix(model, sample):
+    with pytest.raises(ValueError, match="only n_checkpoint, n_swap, n_ssd can be pinned"):
+        _plan(model, sample, pins={"n_persist": 1})
+    with pytest.raises(ValueError, match="needs an SSD path"):
+        _plan(model, sample, pins={"n_ssd": 1})
+    with pytest.raises(ValueError, match="pin them to 0"):
+        _plan(model, sample, pins={"n_swap": 1}, in_flight_microbatches=2)
+    with pytest.raises(ValueError, match="needs a sample batch"):
+        plan_activations(model, None, hardware=HW, verbose=False)
+    swap = _plan(model, sample, pins={"n_checkpoint": 0, "n_swap": 1})
+    swap.close()
+    with pytest.raises(ValueError, match="pipeline parallelism keeps several"):
+        ActivationPolicy(model, swap.plan, pipeline_parallel=2)
+
+
+def test_pipeline_stage_plans_for_micro_batches_in_flight(model, sample):
+    one = _plan(model, sample, pins={"n_checkpoint": 0, "n_swap": 0})
+    one.close()
+    four = _plan(model, sample, pins={"n_checkpoint": 0}, in_flight_microbatches=4)
+    four.close()
+    assert four.plan.knobs.n_swap == 0 and four.plan.knobs.n_ssd == 0
+    assert four.plan.prediction.activation_peak_bytes == 4 * one.plan.prediction.activation_peak_bytes
+    assert any("in flight" in n for n in four.plan.notes)
+
+
+def test_states_from_megatron_arguments():
+    from types import SimpleNamespace as NS
+    bf16 = NS(bf16=True, fp16=False, accumulate_allreduce_grads_in_fp32=True,
+              use_distributed_optimizer=True, data_parallel_size=8)
+    s = MegatronStates.from_args(bf16, 10**9)
+    assert (s.param_bytes, s.grad_bytes, s.optimizer_bytes, s.optimizer_shards) == (2, 4, 12, 8)
+    assert s.total_bytes == 10**9 * 6 + 10**9 * 12 // 8
+    fp32 = MegatronStates.from_args(NS(bf16=False, fp16=False), 100)
+    assert fp32.total_bytes == 100 * (4 + 4 + 8)
+    with pytest.raises(ValueError, match="optimizer_shards"):
+        MegatronStates(params=1, optimizer_shards=0)
