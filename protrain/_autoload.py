@@ -3,7 +3,8 @@
 It must cost nothing and never fail: it only registers a post-import hook, so that when
 ``deepspeed`` is imported (by a user script, Hugging Face, accelerate) its ``initialize`` is
 wrapped by ``protrain_ds.initialize``. Without ``"protrain": {"enabled": true}`` in the config
-the wrapper calls DeepSpeed's own initialize untouched.
+the wrapper calls DeepSpeed's own initialize untouched. Likewise Megatron-LM's argument parser
+and ``get_model`` are wrapped when ``--protrain-auto-memory`` is on the command line.
 """
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import importlib.abc
 import importlib.util
 import sys
 
-_HOOKS = {"deepspeed": ("protrain_ds.initialize", "install")}
+_HOOKS = {
+    "deepspeed": ("protrain_ds.initialize", "install"),
+    # Megatron-LM (source tree, not on PyPI): only when --protrain-auto-memory is on the
+    # command line; the hook functions check it and otherwise change nothing.
+    "megatron.training.arguments": ("protrain_megatron.autoload", "install_arguments"),
+    "megatron.training.training": ("protrain_megatron.autoload", "install_training"),
+}
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):

@@ -219,9 +219,16 @@ def profile_megatron(core: nn.Module, sample: Sample, *, device: torch.device,
 def scale_in_flight(profile: ModelProfile, k: int) -> ModelProfile:
     """A pipeline stage keeps up to ``k`` micro-batches' activations (1F1B): every activation
     figure times ``k``. Conservative: one micro-batch's transients are counted k times."""
-    parts = tuple(replace(p, in_bytes=p.in_bytes * k, saved_bytes=p.saved_bytes * k,
-                          fwd_start=p.fwd_start * k, fwd_peak=p.fwd_peak * k,
-                          bwd_start=p.bwd_start * k, bwd_peak=p.bwd_peak * k) for p in profile.parts)
+    return scale_profile(profile, memory=k)
+
+
+def scale_profile(profile: ModelProfile, *, memory: float = 1.0, time: float = 1.0) -> ModelProfile:
+    """Every activation figure times ``memory``, every compute time times ``time``."""
+    m = lambda x: int(round(x * memory))  # noqa: E731
+    parts = tuple(replace(p, in_bytes=m(p.in_bytes), saved_bytes=m(p.saved_bytes),
+                          fwd_start=m(p.fwd_start), fwd_peak=m(p.fwd_peak), bwd_start=m(p.bwd_start),
+                          bwd_peak=m(p.bwd_peak), fwd_time=p.fwd_time * time, bwd_time=p.bwd_time * time)
+                  for p in profile.parts)
     return replace(profile, parts=parts, ops=())
 
 

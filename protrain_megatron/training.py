@@ -1,0 +1,163 @@
+"""Megatron-LM wiring: ``--protrain-auto-memory`` in an unchanged ``pretrain_gpt.py`` launch.
+
+The start-up hook (``protrain/_autoload.py``, active only when the flag is on the command
+line) calls ``install_arguments`` when ``megatron.training.arguments`` is imported and
+``install_training`` when ``megatron.training.training`` is:
+
+- ``parse_args`` looks ``add_megatron_arguments`` up by module global at call time, so wrapping
+  it adds the ProTrain group to Megatron's strict parser;
+- ``setup_model_and_optimizer`` calls ``get_model`` by module global: the wrapper resets the
+  flags the plan replaces (reporting the ones the user set), lets Megatron build the model,
+  then profiles it on a synthetic micro-batch of the configured shape (an analytic profile of
+  the stage under pipeline parallelism), plans per-rank and applies the plan before training.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from .apply import AppliedPlan, plan_activations, scale_profile
+from .arguments import FLAG, MegatronOptions, add_protrain_arguments, take_over_flags
+from .model import decoder_layers, parallel_sizes, unwrap
+from .state_bytes import MegatronStates
+
+APPLIED: list[AppliedPlan] = []
+"""The plans applied in this process (one per get_model call that built a training model)."""
+
+ANALYTIC_PEAK_FLOPS = 400e12
+"""Device FLOP/s assumed by the analytic stage profile when the probe has no published peak
+(only the ratio of recompute to swap time depends on it)."""
+
+REPLICATED_SHARE = 10 / 34
+"""Share of a layer's activations replicated on every tensor-parallel rank without sequence
+parallelism (Korthikanti et al. 2022: 10 of the 34 sbh terms)."""
+
+
+def install_arguments(module) -> None:
+    original = module.add_megatron_arguments
+    if getattr(original, "_protrain", False):
+        return
+
+    @functools.wraps(original)
+    def add_megatron_arguments(parser):
+        return add_protrain_arguments(original(parser))
+    add_megatron_arguments._protrain = True
+    module.add_megatron_arguments = add_megatron_arguments
+
+
+def install_training(module) -> None:
+    original = module.get_model
+    if getattr(original, "_protrain", False):
+        return
+    module.get_model = wrap_get_model(original, _megatron_args)
+
+
+def _megatron_args():
+    from megatron.training.global_vars import get_args
+    return get_args()
+
+
+def wrap_get_model(original, get_args):
+    @functools.wraps(original)
+    def get_model(model_provider_func, *args, **kwargs):
+        margs = get_args()
+        if not hasattr(margs, "protrain_auto_memory"):
+            if FLAG in sys.argv:
+                raise SystemExit(f"protrain: {FLAG} is on the command line but the parsed arguments "
+                                 f"have no ProTrain group (--yaml-cfg replaces them); drop --yaml-cfg, "
+                                 f"or call protrain_megatron.plan_activations from your script")
+            return original(model_provider_func, *args, **kwargs)
+        wrap_with_ddp = kwargs.get("wrap_with_ddp", args[1] if len(args) > 1 else True)
+        if not margs.protrain_auto_memory or not wrap_with_ddp:
+            return original(model_provider_func, *args, **kwargs)   # inference copies: untouched
+        opts = MegatronOptions.from_args(margs)
+        overridden = take_over_flags(margs)
+        model = original(model_provider_func, *args, **kwargs)
+        APPLIED.append(apply_to_megatron_lm(model, margs, opts, overridden))
+        return model
+    get_model._protrain = True
+    return get_model
+
+
+def apply_to_megatron_lm(model, args, opts: MegatronOptions, overridden=(), *,
+                         hardware=None) -> AppliedPlan:
+    """Profile, plan and apply for a model Megatron-LM just built (every rank calls this).
+    ``hardware``: a HardwareProfile instead of probing this machine."""
+    rank0 = _rank() == 0
+    if rank0 and overridden:
+        print(f"ProTrain: the plan replaces {', '.join(overridden)} (set by the command line)", flush=True)
+    sizes = parallel_sizes()
+    core = unwrap(model)
+    states = MegatronStates.from_args(args, sum(p.numel() for p in core.parameters()))
+    in_flight, profile, sample = 1, None, None
+    if sizes["pp"] > 1:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        in_flight = max(1, min(sizes["pp"] - sizes["pp_rank"], get_num_microbatches()))
+        profile = stage_profile(args, len(decoder_layers(core)), sizes)
+    ddp = model[0] if isinstance(model, (list, tuple)) else model
+    if profile is None:
+        sample = synthetic_step(ddp, args)
+    # Profiling runs backward: keep Megatron's gradient reduction out of it, and its buffers clean.
+    with (ddp.no_sync() if hasattr(ddp, "no_sync") else nullcontext()):
+        applied = plan_activations(
+            model, sample, profile=profile, states=states, device_memory=opts.device_memory,
+            host_memory=opts.host_memory, memory_margin=opts.memory_margin, pins=dict(opts.pins),
+            ssd_path=opts.ssd_path, plan_file=opts.plan_file, in_flight_microbatches=in_flight,
+            hardware=hardware, verbose=rank0)
+    if hasattr(ddp, "zero_grad_buffer"):
+        ddp.zero_grad_buffer()
+    return applied
+
+
+def synthetic_step(ddp, args):
+    """A micro-batch of the configured shape (random tokens) through the model as Megatron-LM
+    runs it (Float16Module included), returning the mean token loss."""
+    net = ddp.module if hasattr(ddp, "no_sync") and hasattr(ddp, "module") else ddp
+    device = next(net.parameters()).device
+    b = args.micro_batch_size
+    s = args.seq_length // max(1, getattr(args, "context_parallel_size", 1) or 1)
+    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, vocab, (b, s), generator=g).to(device)
+    labels = torch.roll(tokens, -1, dims=1)
+    position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
+    mask = None
+    if getattr(args, "create_attention_mask_in_dataloader", False):
+        mask = torch.tril(torch.ones(s, s, device=device)).view(1, 1, s, s) < 0.5
+
+    def step(_core):
+        return net(tokens, position_ids, mask, labels=labels).float().mean()
+    return step
+
+
+def stage_profile(args, n_layers: int, sizes: dict):
+    """Analytic profile of this pipeline stage's layers, per tensor-parallel rank (an
+    estimate: a stage cannot run alone to be measured)."""
+    from dataclasses import replace
+
+    from protrain.profile.analytic import ModelShape, analytic_profile
+    from protrain.profile.probe import probe_hardware
+    half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+    shape = ModelShape(
+        name=f"megatron-stage{sizes['pp_rank']}", family="llama" if getattr(args, "swiglu", False) else "gpt2",
+        n_layers=n_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
+        vocab=getattr(args, "padded_vocab_size", None) or args.vocab_size,
+        seq_len=args.seq_length // max(1, sizes["cp"]), micro_batch=args.micro_batch_size,
+        kv_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
+        ffn_hidden=getattr(args, "ffn_hidden_size", None),
+        tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+        max_positions=getattr(args, "max_position_embeddings", None), dtype_bytes=2 if half else 4)
+    hw = probe_hardware(progress=False)
+    if hw.peak_flops <= 0:
+        hw = replace(hw, peak_flops=ANALYTIC_PEAK_FLOPS)
+    tp = sizes["tp"]
+    share = 1 / tp if getattr(args, "sequence_parallel", False) else REPLICATED_SHARE + (1 - REPLICATED_SHARE) / tp
+    return scale_profile(analytic_profile(shape, hw), memory=share, time=1 / tp)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
