@@ -92,7 +92,8 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
                      ssd_path: str | None = None, ssd_verify: bool = False, ssd_min_bytes: int = 2**20,
                      hardware: HardwareProfile | None = None, in_flight_microbatches: int = 1,
                      plan_file: str | None = None, prefer_native: bool = True,
-                     accounting: bool = False, verbose: bool = True, progress: bool = True) -> AppliedPlan:
+                     accounting: bool = False, verbose: bool = True, progress: bool = True,
+                     fallback_profile: Callable[[], ModelProfile] | None = None) -> AppliedPlan:
     """Plan and apply per-layer activation modes for a built megatron-core model.
 
     ``sample`` is profiled once (forward + backward, weights untouched) unless a ``profile`` is
@@ -103,7 +104,9 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
     rules out swap / NVMe. NVMe layers write their saved tensors under ``ssd_path`` (storages
     under ``ssd_min_bytes`` stay on the device; ``ssd_verify`` checksums what is read back).
     ``plan_file``: load the plan from there if it exists, else save it.
-    Raises ``InfeasibleError`` with what would fit when nothing does.
+    ``fallback_profile()`` gives the profile to plan from if profiling runs out of device memory
+    (Megatron-LM passes its analytic profile). Raises ``InfeasibleError`` with what would fit
+    when nothing does.
     """
     core = unwrap(model)
     layers = decoder_layers(core)
@@ -135,14 +138,24 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
     loaded = plan is not None
     profile_seconds = 0.0
     failure = None
+    if plan is None and profile is None:
+        # Every rank profiles (tensor-parallel ranks run the forward together); rank 0 decides.
+        if sample is None:
+            raise ValueError("plan_activations needs a sample batch (or a profile) to measure the model")
+        try:
+            profile = profile_megatron(core, sample, device=device, progress=progress and verbose)
+        except torch.OutOfMemoryError as e:
+            if fallback_profile is None:
+                raise
+            if verbose:
+                print(f"ProTrain: profiling ran out of device memory ({str(e).splitlines()[0]}); "
+                      f"planning from the analytic profile instead", flush=True)
+            _empty_cache(device)
+            profile = fallback_profile()
+            notes.append("profiled analytically: the keep-all profiling iteration did not fit")
+        profile_seconds = time.perf_counter() - t0
     if plan is None and _rank() == 0:
         try:
-            if profile is None:
-                if sample is None:
-                    raise ValueError("plan_activations needs a sample batch (or a profile) to measure "
-                                     "the model")
-                profile = profile_megatron(core, sample, device=device, progress=progress and verbose)
-                profile_seconds = time.perf_counter() - t0
             if profile.n_blocks != len(layers):
                 raise ValueError(f"the profile has {profile.n_blocks} blocks but the model runs "
                                  f"{len(layers)} layers on this rank")
@@ -268,6 +281,11 @@ def _pins(pins) -> KnobPins:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"pin {k}={v!r}: must be a non-negative integer")
     return KnobPins(**d)
+
+
+def _empty_cache(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _probe(device, verbose):

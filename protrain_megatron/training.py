@@ -98,6 +98,7 @@ def apply_to_megatron_lm(model, args, opts: MegatronOptions, overridden=(), *,
         in_flight = max(1, min(sizes["pp"] - sizes["pp_rank"], get_num_microbatches()))
         profile = stage_profile(args, len(decoder_layers(core)), sizes)
     ddp = model[0] if isinstance(model, (list, tuple)) else model
+    n_layers = len(decoder_layers(core))
     if profile is None:
         sample = synthetic_step(ddp, args)
     # Profiling runs backward: keep Megatron's gradient reduction out of it, and its buffers clean.
@@ -106,7 +107,8 @@ def apply_to_megatron_lm(model, args, opts: MegatronOptions, overridden=(), *,
             model, sample, profile=profile, states=states, device_memory=opts.device_memory,
             host_memory=opts.host_memory, memory_margin=opts.memory_margin, pins=dict(opts.pins),
             ssd_path=opts.ssd_path, plan_file=opts.plan_file, in_flight_microbatches=in_flight,
-            hardware=hardware, verbose=rank0)
+            hardware=hardware, verbose=rank0,
+            fallback_profile=lambda: stage_profile(args, n_layers, sizes))
     if hasattr(ddp, "zero_grad_buffer"):
         ddp.zero_grad_buffer()
     return applied

@@ -249,3 +249,61 @@ def test_states_from_megatron_arguments():
     assert fp32.total_bytes == 100 * (4 + 4 + 8)
     with pytest.raises(ValueError, match="optimizer_shards"):
         MegatronStates(params=1, optimizer_shards=0)
+
+
+def test_tensor_parallel_ranks_profile_together_and_apply_rank0s_plan(tmp_path, model):
+    import json
+    import os
+    import subprocess
+    import sys
+    worker = os.path.join(os.path.dirname(__file__), "megatron_tp_worker.py")
+    port = str(29000 + os.getpid() % 1000)
+    procs = [subprocess.Popen([sys.executable, worker, str(r), "2", port, str(tmp_path),
+                               '{"n_checkpoint": 1, "n_swap": 2}'],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    full = sum(p.numel() for p in model.parameters())
+    for r in results:
+        # Both ranks measured their shard (a rank-0-only profile would hang the TP collectives),
+        # run rank 0's plan, and get the gradients of the run without a policy.
+        assert r["profiled"] and r["modes"] == "SSCN"
+        assert r["loss_equal"] and r["grads_equal"]
+        assert r["state_params"] == r["params"] < full     # model states counted per rank
+
+
+def test_profiling_out_of_memory_falls_back(monkeypatch, model, sample):
+    import protrain_megatron.apply as apply_mod
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    real = apply_mod.profile_megatron
+    measured = real(model, sample, device=torch.device("cpu"), progress=False)
+    monkeypatch.setattr(apply_mod, "profile_megatron", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        _plan(model, sample)
+    applied = _plan(model, sample, fallback_profile=lambda: measured)
+    applied.close()
+    assert applied.profile is measured
+    assert any("did not fit" in n for n in applied.plan.notes)
+
+
+def test_stage_profile_per_tensor_parallel_rank(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from protrain_megatron.training import REPLICATED_SHARE, stage_profile
+    monkeypatch.setattr("protrain.profile.probe.probe_hardware", lambda **k: HW)
+    args = NS(hidden_size=1024, num_attention_heads=16, padded_vocab_size=32000, seq_length=2048,
+              micro_batch_size=2, swiglu=False, group_query_attention=False, ffn_hidden_size=4096,
+              untie_embeddings_and_output_weights=False, max_position_embeddings=2048, bf16=True,
+              sequence_parallel=False)
+    one = stage_profile(args, 6, {"tp": 1, "cp": 1, "pp_rank": 0})
+    tp4 = stage_profile(args, 6, {"tp": 4, "cp": 1, "pp_rank": 0})
+    args.sequence_parallel = True
+    sp4 = stage_profile(args, 6, {"tp": 4, "cp": 1, "pp_rank": 0})
+    a, b, c = (p.blocks[0].saved_bytes for p in (one, tp4, sp4))
+    assert one.n_blocks == 6
+    assert b == pytest.approx(a * (REPLICATED_SHARE + (1 - REPLICATED_SHARE) / 4), rel=1e-6)
+    assert c == pytest.approx(a / 4, rel=1e-6)
+    assert tp4.blocks[0].fwd_time == pytest.approx(one.blocks[0].fwd_time / 4)
