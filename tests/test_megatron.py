@@ -307,3 +307,19 @@ def test_stage_profile_per_tensor_parallel_rank(monkeypatch):
     assert b == pytest.approx(a * (REPLICATED_SHARE + (1 - REPLICATED_SHARE) / 4), rel=1e-6)
     assert c == pytest.approx(a / 4, rel=1e-6)
     assert tp4.blocks[0].fwd_time == pytest.approx(one.blocks[0].fwd_time / 4)
+
+
+def test_megatron_core_example_trains_with_a_plan(tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "megatron_core_gpt.py")
+    env = dict(os.environ, MASTER_PORT=str(28000 + os.getpid() % 1000), PROTRAIN_CACHE=str(tmp_path))
+    p = subprocess.run([sys.executable, script, "--steps", "12", "--pin", "n_swap=1", "--pin", "n_checkpoint=1",
+                        "--layers", "3", "--hidden", "128", "--seq", "64"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "layers (global numbers): 1 swap to host, 2 recompute, 3 keep" in p.stdout
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", p.stdout).groups())
+    assert last < first
