@@ -100,7 +100,7 @@ def main() -> None:
             model, batch(args, 0, device), pins=pins, ssd_path=args.ssd_path,
             device_memory=parse_bytes(args.device_memory, what="--device-memory") if args.device_memory else None)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     first = last = None
     for step in (bar := tqdm(range(args.steps), desc="train", unit="step")):
         loss = model(**batch(args, step, device)).float().mean()
