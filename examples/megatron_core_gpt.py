@@ -7,9 +7,9 @@ plans keep / recompute / swap / NVMe per layer and applies it; the loop is uncha
     python examples/megatron_core_gpt.py --device-memory 2GiB       # a tighter budget
     python examples/megatron_core_gpt.py --no-protrain              # Megatron as built
 
-Data is synthetic (repeating token patterns), so the loss goes down without a download. On
-CPU the attention is torch's SDPA on Megatron's [s, b, n, h] layout (the stock local
-attention needs CUDA) and positions are learned.
+Data is synthetic (repeating token patterns), so the loss goes down without a download. The
+core attention is torch's SDPA on Megatron's [s, b, n, h] layout (runs on CPU too, where the
+stock local attention cannot) and positions are learned.
 """
 from __future__ import annotations
 
@@ -20,31 +20,17 @@ import torch
 from tqdm import tqdm
 
 
-class SDPA(torch.nn.Module):
-    """Causal core attention on [s, b, n, h] tensors through torch's SDPA."""
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **kw):
-        super().__init__()
-        self.p = config.attention_dropout
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
-        return o.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
-
-
 def build(args, device):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from protrain_megatron.sdpa_attention import SDPACoreAttention
     cfg = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                             use_cpu_initialization=True, add_bias_linear=False,
                             hidden_dropout=0.0, attention_dropout=0.0)
     spec = get_gpt_layer_local_spec()
-    spec.submodules.self_attention.submodules.core_attention = SDPA
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.vocab,
                      max_sequence_length=args.seq, position_embedding_type="learned_absolute")
     return model.to(device)

@@ -7,6 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from protrain_megatron.sdpa_attention import SDPACoreAttention
+
 
 def init_parallel() -> None:
     if not dist.is_initialized():
@@ -16,23 +18,6 @@ def init_parallel() -> None:
     from megatron.core import parallel_state
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-
-
-class SDPA(torch.nn.Module):
-    """Core attention on [s, b, n, h] inputs (the stock DotProductAttention needs CUDA)."""
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **kw):
-        super().__init__()
-        self.p = config.attention_dropout
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0)
-        s, b = query.shape[0], query.shape[1]
-        return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 def cpu_rng_states(monkeypatch) -> None:
@@ -57,7 +42,7 @@ def gpt(num_layers=4, hidden=64, heads=4, vocab=128, seq=32, seed=0, dropout=0.1
                             use_cpu_initialization=True, add_bias_linear=False,
                             hidden_dropout=dropout, attention_dropout=dropout)
     spec = get_gpt_layer_local_spec()
-    spec.submodules.self_attention.submodules.core_attention = SDPA
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
                     max_sequence_length=seq, position_embedding_type="learned_absolute")
 
