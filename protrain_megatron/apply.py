@@ -159,8 +159,8 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
             if profile.n_blocks != len(layers):
                 raise ValueError(f"the profile has {profile.n_blocks} blocks but the model runs "
                                  f"{len(layers)} layers on this rank")
-            if in_flight_microbatches > 1:
-                profile = scale_in_flight(profile, in_flight_microbatches)
+            planned = scale_in_flight(profile, in_flight_microbatches) if in_flight_microbatches > 1 \
+                else profile
             hw = hardware or _probe(device, verbose)
             if ssd_path:
                 from protrain.profile.probe import probe_storage
@@ -169,9 +169,9 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
             config = PlannerConfig(device_memory=device_memory, host_memory=host_memory,
                                    memory_margin=memory_margin, pins=pins,
                                    model_states_fixed=states.total_bytes, cpu_optim_overlap=False)
-            plan = search(profile, hw, config)
+            plan = search(planned, hw, config)
             if prefer_native:
-                plan = _prefer_native(plan, profile, hw, config)
+                plan = _prefer_native(plan, planned, hw, config)
             if notes:
                 plan = replace(plan, notes=plan.notes + tuple(notes))
             if plan_file:
