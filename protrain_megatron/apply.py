@@ -124,6 +124,16 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
         pins = replace(pins, n_swap=0, n_ssd=0)
         notes.append(f"pipeline parallel: {in_flight_microbatches} micro-batches in flight on this "
                      f"stage; swap and NVMe off, activation memory counted per micro-batch in flight")
+    low_precision = _fp8(core)
+    if low_precision:
+        # FP8/FP4 layers save quantized tensor subclasses and need Transformer Engine's own
+        # recompute: only Megatron's native recompute of the first layers is safe there.
+        if (pins.n_swap or 0) > 0 or (pins.n_ssd or 0) > 0:
+            raise ValueError(f"pins n_swap={pins.n_swap}, n_ssd={pins.n_ssd}: the model trains in "
+                             f"{low_precision}; only keep / recompute are supported there - pin them to 0")
+        pins = replace(pins, n_swap=0, n_ssd=0)
+        prefer_native = True
+        notes.append(f"{low_precision}: swap and NVMe off, recompute through Megatron's own (first layers)")
     if ssd_path is None:
         if (pins.n_ssd or 0) > 0:
             raise ValueError(f"pin n_ssd={pins.n_ssd} needs an SSD path (ssd_path / --protrain-ssd-path)")
@@ -171,7 +181,7 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
                                    model_states_fixed=states.total_bytes, cpu_optim_overlap=False)
             plan = search(planned, hw, config)
             if prefer_native:
-                plan = _prefer_native(plan, planned, hw, config)
+                plan = _prefer_native(plan, planned, hw, config, required=bool(low_precision))
             if notes:
                 plan = replace(plan, notes=plan.notes + tuple(notes))
             if plan_file:
@@ -245,9 +255,10 @@ def scale_profile(profile: ModelProfile, *, memory: float = 1.0, time: float = 1
     return replace(profile, parts=parts, ops=())
 
 
-def _prefer_native(plan: Plan, profile, hw, config) -> Plan:
+def _prefer_native(plan: Plan, profile, hw, config, required: bool = False) -> Plan:
     """A plan of kept and recomputed layers runs through Megatron's own recompute if the same
-    counts, recomputing the first layers, fit and are as fast (they usually are: same FLOPs)."""
+    counts, recomputing the first layers, fit and are as fast (they usually are: same FLOPs).
+    ``required``: the model can only run native recompute; raise if the prefix does not fit."""
     modes = plan.block_modes
     if native_recompute_layers(modes) is not None or any(
             m in (BlockMode.SWAP, BlockMode.SSD) for m in modes):
@@ -259,11 +270,21 @@ def _prefer_native(plan: Plan, profile, hw, config) -> Plan:
                        search_seconds=plan.search_seconds, evaluated=plan.candidates_evaluated,
                        total=plan.candidates_total)
     except InfeasibleError:
+        if required:
+            raise
         return plan
-    if alt.prediction.iter_time <= plan.prediction.iter_time * 1.01:
+    if required or alt.prediction.iter_time <= plan.prediction.iter_time * 1.01:
         return replace(alt, notes=alt.notes + (
             "recomputed layers moved to the front so Megatron's native recompute runs them",))
     return plan
+
+
+def _fp8(core) -> str | None:
+    c = core.config
+    for attr, name in (("fp8", "FP8"), ("fp4", "FP4")):
+        if getattr(c, attr, None):
+            return name
+    return None
 
 
 def _pins(pins) -> KnobPins:

@@ -75,6 +75,10 @@ class ActivationPolicy:
             raise ValueError("protrain: the model was built with Megatron's cpu_offloading; the plan "
                              "decides what goes to host memory - drop --cpu-offloading(-num-layers)")
         n = native_recompute_layers(modes) if native else None
+        if n is None and any(getattr(c, a, None) for c in self._configs for a in ("fp8", "fp4")):
+            raise ValueError(f"protrain: plan {modes_string(modes)} needs ProTrain's layer hooks, but the "
+                             f"model trains in FP8/FP4, where only Megatron's own recompute of the "
+                             f"first layers is safe; re-plan (plan_activations restricts it)")
         self.native = n is not None
         self.activations: ActivationRuntime | None = None
         self.accounting = DeviceAccounting(self.device) if accounting else None

@@ -357,3 +357,24 @@ def test_bf16_float16module_with_accumulation(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     for n, g in grads.items():
         assert torch.equal(g, ref_grads[n]), n
+
+
+def test_fp8_models_get_native_recompute_only(model, sample):
+    model.config.fp8 = "hybrid"           # what the plan reads; nothing runs in FP8 on CPU
+    try:
+        applied = _plan(model, sample, pins={"n_checkpoint": 2}, prefer_native=False)
+        applied.close()
+        assert "".join(m.letter for m in applied.plan.block_modes) == "CCNN"
+        assert applied.policy.native and any("FP8" in n for n in applied.plan.notes)
+        with pytest.raises(ValueError, match="only keep / recompute"):
+            _plan(model, sample, pins={"n_swap": 1})
+        with pytest.raises(ValueError, match="FP8/FP4"):
+            ActivationPolicy(model, replace_modes(applied.plan, "CNCN"))
+    finally:
+        model.config.fp8 = None
+
+
+def replace_modes(plan, letters):
+    from dataclasses import replace
+    by = {m.letter: m for m in BlockMode}
+    return replace(plan, block_modes=tuple(by[c] for c in letters))
