@@ -144,7 +144,7 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
         states = MegatronStates(params=params, param_bytes=2 if half else 4,
                                 optimizer_bytes=12 if half else 8)
     t0 = time.perf_counter()
-    plan = _load(plan_file, len(layers))
+    plan = _load(plan_file, len(layers), states, device_memory)
     loaded = plan is not None
     profile_seconds = 0.0
     failure = None
@@ -176,6 +176,11 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
                 from protrain.profile.probe import probe_storage
                 ssd = probe_storage(ssd_path, device)
                 hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
+            local = _ranks_per_node()
+            if local > 1:
+                # Every rank on this host swaps to the same memory and writes to the same drive.
+                hw = replace(hw, host_memory=hw.host_memory // local, nvme_free_bytes=hw.nvme_free_bytes // local)
+                notes.append(f"host memory and NVMe space shared by {local} ranks on this host")
             config = PlannerConfig(device_memory=device_memory, host_memory=host_memory,
                                    memory_margin=memory_margin, pins=pins,
                                    model_states_fixed=states.total_bytes, cpu_optim_overlap=False)
@@ -314,6 +319,14 @@ def _probe(device, verbose):
     return probe_hardware(device, progress=verbose)
 
 
+def _ranks_per_node() -> int:
+    """Ranks sharing this host (the launcher's LOCAL_WORLD_SIZE; else all, capped by world)."""
+    import os
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+
+
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -330,12 +343,23 @@ def _share(plan: Plan | None, failure: BaseException | None):
     return (plan if dist.get_rank() == 0 else (Plan.from_dict(d) if d is not None else None)), err
 
 
-def _load(plan_file: str | None, n_layers: int) -> Plan | None:
+def _load(plan_file: str | None, n_layers: int, states: MegatronStates,
+          device_memory: int | None) -> Plan | None:
+    """A saved plan, if it still describes this run (else say what changed and how to re-plan)."""
     from pathlib import Path
     if not plan_file or not Path(plan_file).exists():
         return None
     plan = Plan.load(plan_file)
+    p = plan.prediction
     if len(plan.block_modes) != n_layers:
         raise ValueError(f"plan file {plan_file} is for {len(plan.block_modes)} layers, this rank runs "
                          f"{n_layers}; delete it to re-plan")
+    if p.model_state_bytes != states.total_bytes:
+        raise ValueError(f"plan file {plan_file} counted {fmt_bytes(p.model_state_bytes)} of model states "
+                         f"per rank, this run has {fmt_bytes(states.total_bytes)} (another model, precision "
+                         f"or optimizer sharding); delete it to re-plan")
+    if device_memory is not None and p.peak_device_bytes * (1 + plan.memory_margin) > device_memory:
+        raise ValueError(f"plan file {plan_file} predicts {fmt_bytes(p.peak_device_bytes)} peak (with "
+                         f"{plan.memory_margin:.0%} margin), above the device memory given now "
+                         f"({fmt_bytes(device_memory)}); delete it to re-plan")
     return plan

@@ -211,6 +211,12 @@ def test_plan_file_round_trip(model, sample, tmp_path):
         assert again.plan.block_modes == first.plan.block_modes and again.profile is None
     finally:
         again.close()
+    with pytest.raises(ValueError, match="model states per rank"):
+        plan_activations(model, None, hardware=HW, plan_file=str(path), verbose=False,
+                         states=MegatronStates(params=1))
+    with pytest.raises(ValueError, match="above the device memory given now"):
+        plan_activations(model, None, hardware=HW, plan_file=str(path), verbose=False,
+                         device_memory=first.plan.prediction.peak_device_bytes)
 
 
 def test_bad_input_is_refused_with_the_fix(model, sample):
@@ -378,3 +384,15 @@ def replace_modes(plan, letters):
     from dataclasses import replace
     by = {m.letter: m for m in BlockMode}
     return replace(plan, block_modes=tuple(by[c] for c in letters))
+
+
+def test_host_memory_is_shared_by_the_ranks_on_a_host(monkeypatch, model, sample):
+    import protrain_megatron.apply as apply_mod
+    monkeypatch.setattr(apply_mod, "_ranks_per_node", lambda: 4)
+    applied = _plan(model, sample, pins={"n_checkpoint": 0, "n_swap": 4})
+    applied.close()
+    assert applied.plan.host_memory == HW.host_memory // 4
+    assert any("shared by 4 ranks" in n for n in applied.plan.notes)
+    monkeypatch.setattr(apply_mod, "_ranks_per_node", lambda: 4096)
+    with pytest.raises(InfeasibleError):          # 1 GiB / 4096 cannot hold the swapped layers
+        _plan(model, sample, pins={"n_checkpoint": 0, "n_swap": 4})
