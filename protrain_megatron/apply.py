@@ -144,11 +144,12 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
         states = MegatronStates(params=params, param_bytes=2 if half else 4,
                                 optimizer_bytes=12 if half else 8)
     t0 = time.perf_counter()
-    plan = _load(plan_file, len(layers), states, device_memory)
-    loaded = plan is not None
+    # Rank 0's plan file decides for all (the file may exist on rank 0's disk only).
+    plan = _load(plan_file, len(layers), states, device_memory) if _rank() == 0 else None
+    loaded = _from_rank0(plan is not None)
     profile_seconds = 0.0
     failure = None
-    if plan is None and profile is None:
+    if not loaded and profile is None:
         # Every rank profiles (tensor-parallel ranks run the forward together); rank 0 decides.
         if sample is None:
             raise ValueError("plan_activations needs a sample batch (or a profile) to measure the model")
@@ -179,7 +180,8 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
             local = _ranks_per_node()
             if local > 1:
                 # Every rank on this host swaps to the same memory and writes to the same drive.
-                hw = replace(hw, host_memory=hw.host_memory // local, nvme_free_bytes=hw.nvme_free_bytes // local)
+                hw = replace(hw, host_memory=hw.host_memory // local,
+                             nvme_free_bytes=hw.nvme_free_bytes // local)
                 notes.append(f"host memory and NVMe space shared by {local} ranks on this host")
             config = PlannerConfig(device_memory=device_memory, host_memory=host_memory,
                                    memory_margin=memory_margin, pins=pins,
@@ -330,6 +332,15 @@ def _ranks_per_node() -> int:
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _from_rank0(value):
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    obj = [value]
+    dist.broadcast_object_list(obj, src=0)
+    return obj[0]
 
 
 def _share(plan: Plan | None, failure: BaseException | None):

@@ -37,7 +37,8 @@ class MegatronStates(JsonValue):
     @property
     def total_bytes(self) -> int:
         p = self.params
-        return p * (self.param_bytes + self.grad_bytes) + -(-p * self.optimizer_bytes // self.optimizer_shards)
+        optimizer = -(-p * self.optimizer_bytes // self.optimizer_shards)     # ceil: a rank's shard
+        return p * (self.param_bytes + self.grad_bytes) + optimizer
 
     @classmethod
     def from_args(cls, args, params: int) -> "MegatronStates":

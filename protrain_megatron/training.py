@@ -144,7 +144,8 @@ def stage_profile(args, n_layers: int, sizes: dict):
     from protrain.profile.probe import probe_hardware
     half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
     shape = ModelShape(
-        name=f"megatron-stage{sizes['pp_rank']}", family="llama" if getattr(args, "swiglu", False) else "gpt2",
+        name=f"megatron-stage{sizes['pp_rank']}",
+        family="llama" if getattr(args, "swiglu", False) else "gpt2",
         n_layers=n_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
         vocab=getattr(args, "padded_vocab_size", None) or args.vocab_size,
         seq_len=args.seq_length // max(1, sizes["cp"]), micro_batch=args.micro_batch_size,
@@ -156,7 +157,10 @@ def stage_profile(args, n_layers: int, sizes: dict):
     if hw.peak_flops <= 0:
         hw = replace(hw, peak_flops=ANALYTIC_PEAK_FLOPS)
     tp = sizes["tp"]
-    share = 1 / tp if getattr(args, "sequence_parallel", False) else REPLICATED_SHARE + (1 - REPLICATED_SHARE) / tp
+    if getattr(args, "sequence_parallel", False):
+        share = 1 / tp
+    else:
+        share = REPLICATED_SHARE + (1 - REPLICATED_SHARE) / tp
     return scale_profile(analytic_profile(shape, hw), memory=share, time=1 / tp)
 
 

@@ -33,16 +33,23 @@ def main(rank: int, world: int, port: str, out_dir: str, pins: str) -> None:
     model = gpt(num_layers=4, hidden=128, seq=64)
     sample = batch(seq=64)
     loss0, grads0 = loss_and_grads(model, sample)
+    plan_file = os.path.join(out_dir, "plan.json" if rank == 0 else f"absent-on-rank{rank}.json")
     applied = plan_activations(model, sample, hardware=hw, pins=json.loads(pins), prefer_native=False,
-                               progress=False, verbose=False)
+                               progress=False, verbose=False, plan_file=plan_file)
     loss1, grads1 = loss_and_grads(model, sample)
     applied.close()
+    # Again, with the plan file on rank 0's disk only: rank 0's file decides for every rank
+    # (a rank profiling alone would wait forever on its tensor-parallel peer).
+    again = plan_activations(model, sample, hardware=hw, progress=False, verbose=False, plan_file=plan_file)
+    again.close()
     result = {"rank": rank, "modes": "".join(m.letter for m in applied.plan.block_modes),
               "params": sum(p.numel() for p in model.parameters()),
               "state_params": applied.states.params,
               "loss_equal": bool(torch.equal(loss0, loss1)),
               "grads_equal": all(torch.equal(grads0[k], grads1[k]) for k in grads0),
-              "profiled": applied.profile is not None}
+              "profiled": applied.profile is not None,
+              "reloaded_modes": "".join(m.letter for m in again.plan.block_modes),
+              "reprofiled": again.profile is not None}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

@@ -275,6 +275,7 @@ def test_tensor_parallel_ranks_profile_together_and_apply_rank0s_plan(tmp_path, 
         # Both ranks measured their shard (a rank-0-only profile would hang the TP collectives),
         # run rank 0's plan, and get the gradients of the run without a policy.
         assert r["profiled"] and r["modes"] == "SSCN"
+        assert r["reloaded_modes"] == "SSCN" and not r["reprofiled"]
         assert r["loss_equal"] and r["grads_equal"]
         assert r["state_params"] == r["params"] < full     # model states counted per rank
 
