@@ -52,6 +52,12 @@ def layout_block_modes(n_blocks: int, n_swap: int, n_checkpoint: int,
     return tuple(modes)
 
 
+def same_counts(a, b) -> bool:
+    """Whether two mode sequences hold the same number of blocks in each mode (one may be a
+    re-arrangement of the other, e.g. Megatron's native recompute of the first blocks)."""
+    return sorted(m.code for m in a) == sorted(m.code for m in b)
+
+
 def modes_string(modes) -> str:
     """Compact form for logs: 'DSSCNCN...'."""
     return "".join(m.letter for m in modes)

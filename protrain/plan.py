@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .block_mode import BlockMode, layout_block_modes, modes_string
+from .block_mode import BlockMode, layout_block_modes, modes_string, same_counts
 from .profile.model_profile import ParamRecord
 from .serde import JsonValue
 from .units import fmt_bytes, fmt_seconds
@@ -131,8 +131,7 @@ class Plan(JsonValue):
         n = len(self.block_modes)
         # Usually ProTrain's layout rule; a framework adapter may re-arrange the same counts
         # (Megatron's native recompute checkpoints the first blocks).
-        counts = lambda ms: sorted(m.code for m in ms)  # noqa: E731
-        if counts(self.block_modes) != counts(layout_block_modes(n, k.n_swap, k.n_checkpoint, k.n_ssd)):
+        if not same_counts(self.block_modes, layout_block_modes(n, k.n_swap, k.n_checkpoint, k.n_ssd)):
             raise ValueError(f"Plan.block_modes {modes_string(self.block_modes)} do not hold "
                              f"n_ssd={k.n_ssd}, n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint} blocks")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .block_mode import BlockMode, layout_block_modes, layout_codes, modes_string
+from .block_mode import BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
 from .config import KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
 from .cost.memory import (activation_walk, buffer_numel, predict_memory, ssd_bytes, state_bytes,
@@ -373,8 +373,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     layout = build_layout(profile, knobs.chunk_size // profile.param_bytes)
     modes = layout_block_modes(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint, knobs.n_ssd)
     if block_modes is not None:
-        counts = lambda ms: sorted(m.code for m in ms)  # noqa: E731
-        if len(block_modes) != profile.n_blocks or counts(block_modes) != counts(modes):
+        if len(block_modes) != profile.n_blocks or not same_counts(block_modes, modes):
             raise ValueError(f"block_modes {modes_string(block_modes)} do not match the knobs {knobs} "
                              f"for {profile.n_blocks} blocks")
         modes = tuple(block_modes)
