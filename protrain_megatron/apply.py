@@ -3,8 +3,11 @@
 Profile (one traced iteration of the real model on a sample batch, or a given profile) ->
 search (activation modes only: Megatron keeps its model states, a fixed part of the peak) ->
 prefer Megatron's native recompute when it is as good -> apply (``ActivationPolicy``).
-With torch.distributed initialised, rank 0 decides and every rank applies the same plan:
-tensor-parallel ranks must recompute the same layers, or their collectives would not match.
+With torch.distributed initialised, the first rank of each tensor x context parallel group
+decides and every rank of the group applies its plan: those ranks must recompute the same
+layers, or their collectives inside the layers would not match. Pipeline stages and
+data-parallel replicas plan for themselves (each stage has its own layers and micro-batches
+in flight).
 """
 from __future__ import annotations
 
@@ -122,7 +125,8 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
                              f"micro-batch in flight; pipeline parallelism keeps "
                              f"{in_flight_microbatches}; pin them to 0")
         pins = replace(pins, n_swap=0, n_ssd=0)
-        notes.append(f"pipeline parallel: {in_flight_microbatches} micro-batches in flight on this "
+        n = in_flight_microbatches
+        notes.append(f"pipeline parallel: {n} micro-batch{'es' if n != 1 else ''} in flight on this "
                      f"stage; swap and NVMe off, activation memory counted per micro-batch in flight")
     low_precision = _fp8(core)
     if low_precision:
@@ -144,13 +148,14 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
         states = MegatronStates(params=params, param_bytes=2 if half else 4,
                                 optimizer_bytes=12 if half else 8)
     t0 = time.perf_counter()
-    # Rank 0's plan file decides for all (the file may exist on rank 0's disk only).
-    plan = _load(plan_file, len(layers), states, device_memory) if _rank() == 0 else None
-    loaded = _from_rank0(plan is not None)
+    # The decider's plan file decides for its group (the file may exist on its disk only).
+    decider = _decider()
+    plan = _load(plan_file, len(layers), states, device_memory) if decider else None
+    loaded = _from_decider(plan is not None)
     profile_seconds = 0.0
     failure = None
     if not loaded and profile is None:
-        # Every rank profiles (tensor-parallel ranks run the forward together); rank 0 decides.
+        # Every rank profiles (tensor-parallel ranks run the forward together); one decides.
         if sample is None:
             raise ValueError("plan_activations needs a sample batch (or a profile) to measure the model")
         try:
@@ -165,7 +170,7 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
             profile = fallback_profile()
             notes.append("profiled analytically: the keep-all profiling iteration did not fit")
         profile_seconds = time.perf_counter() - t0
-    if plan is None and _rank() == 0:
+    if plan is None and decider:
         try:
             if profile.n_blocks != len(layers):
                 raise ValueError(f"the profile has {profile.n_blocks} blocks but the model runs "
@@ -199,12 +204,12 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
     if error is not None:
         if failure is not None:
             raise failure
-        raise InfeasibleError(f"protrain (rank 0): {error}")
+        raise InfeasibleError(f"protrain (rank {_group()[1]}, which plans for this rank): {error}")
     policy = ActivationPolicy(model, plan, ssd_path=ssd_path, ssd_verify=ssd_verify,
                               ssd_min_bytes=ssd_min_bytes, accounting=accounting, native=prefer_native,
                               pipeline_parallel=max(sizes["pp"], in_flight_microbatches))
     applied = AppliedPlan(plan, policy, states, profile, profile_seconds)
-    if verbose and _rank() == 0:
+    if verbose and decider:
         print(applied.explain(), flush=True)
         if loaded:
             print(f"ProTrain: plan loaded from {plan_file} (no profiling or search)", flush=True)
@@ -329,29 +334,42 @@ def _ranks_per_node() -> int:
     return max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
 
 
-def _rank() -> int:
+def _group():
+    """(process group, global rank of its decider, its size) of the ranks that must run the
+    same plan: Megatron's tensor x context parallel group; every rank without Megatron's
+    parallel state. (None, 0, 1) when torch.distributed is not initialised."""
     dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1
+    try:
+        from megatron.core import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            group = ps.get_tensor_and_context_parallel_group()
+            return group, dist.get_global_rank(group, 0), dist.get_world_size(group)
+    except (ImportError, AssertionError, RuntimeError):
+        pass
+    return None, 0, dist.get_world_size()
 
 
-def _from_rank0(value):
+def _decider() -> bool:
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == _group()[1]
+
+
+def _from_decider(value):
+    group, src, size = _group()
+    if size == 1:
         return value
     obj = [value]
-    dist.broadcast_object_list(obj, src=0)
+    torch.distributed.broadcast_object_list(obj, src=src, group=group)
     return obj[0]
 
 
 def _share(plan: Plan | None, failure: BaseException | None):
-    """Rank 0's plan (or its error) on every rank."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return plan, (str(failure) if failure is not None else None)
-    obj = [(plan.to_dict() if plan is not None else None, str(failure) if failure is not None else None)]
-    dist.broadcast_object_list(obj, src=0)
-    d, err = obj[0]
-    return (plan if dist.get_rank() == 0 else (Plan.from_dict(d) if d is not None else None)), err
+    """The decider's plan (or its error) on every rank of its group."""
+    mine = (plan.to_dict() if plan is not None else None, str(failure) if failure is not None else None)
+    d, err = _from_decider(mine)
+    return (plan if _decider() else (Plan.from_dict(d) if d is not None else None)), err
 
 
 def _load(plan_file: str | None, n_layers: int, states: MegatronStates,

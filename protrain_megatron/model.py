@@ -43,8 +43,8 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def parallel_sizes() -> dict[str, int]:
-    """Tensor / pipeline / data / context parallel sizes of this process (1 without
-    Megatron's parallel state)."""
+    """Tensor / pipeline / data / context parallel sizes of this process, its pipeline stage
+    and data-parallel rank (1 and 0 without Megatron's parallel state)."""
     try:
         from megatron.core import parallel_state as ps
         if not ps.model_parallel_is_initialized():
@@ -53,6 +53,7 @@ def parallel_sizes() -> dict[str, int]:
                 "pp": ps.get_pipeline_model_parallel_world_size(),
                 "dp": ps.get_data_parallel_world_size(),
                 "cp": ps.get_context_parallel_world_size(),
-                "pp_rank": ps.get_pipeline_model_parallel_rank()}
+                "pp_rank": ps.get_pipeline_model_parallel_rank(),
+                "dp_rank": ps.get_data_parallel_rank()}
     except Exception:  # noqa: BLE001 - no parallel state: a single process
-        return {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "pp_rank": 0}
+        return {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "pp_rank": 0, "dp_rank": 0}

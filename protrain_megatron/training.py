@@ -8,18 +8,20 @@ line) calls ``install_arguments`` when ``megatron.training.arguments`` is import
   it adds the ProTrain group to Megatron's strict parser;
 - ``setup_model_and_optimizer`` calls ``get_model`` by module global: the wrapper resets the
   flags the plan replaces (reporting the ones the user set), lets Megatron build the model,
-  then profiles it on a synthetic micro-batch of the configured shape (an analytic profile of
-  the stage under pipeline parallelism), plans per-rank and applies the plan before training.
+  then profiles this rank's part on a synthetic micro-batch of the configured shape (a random
+  stage input on later pipeline stages; an analytic profile if that runs out of memory),
+  plans per stage and tensor-parallel group, and applies the plan before training.
 """
 from __future__ import annotations
 
 import functools
 import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
-from .apply import AppliedPlan, plan_activations, scale_profile
+from .apply import AppliedPlan, _decider, plan_activations, scale_profile
 from .arguments import FLAG, MegatronOptions, add_protrain_arguments, take_over_flags
 from .model import decoder_layers, parallel_sizes, unwrap
 from .state_bytes import MegatronStates
@@ -85,40 +87,48 @@ def wrap_get_model(original, get_args):
 def apply_to_megatron_lm(model, args, opts: MegatronOptions, overridden=(), *,
                          hardware=None) -> AppliedPlan:
     """Profile, plan and apply for a model Megatron-LM just built (every rank calls this).
-    ``hardware``: a HardwareProfile instead of probing this machine."""
-    rank0 = _rank() == 0
-    if rank0 and overridden:
+    Each pipeline stage measures and plans its own layers; ``hardware``: a HardwareProfile
+    instead of probing this machine."""
+    if _rank() == 0 and overridden:
         print(f"ProTrain: the plan replaces {', '.join(overridden)} (set by the command line)", flush=True)
     sizes = parallel_sizes()
     core = unwrap(model)
     states = MegatronStates.from_args(args, sum(p.numel() for p in core.parameters()))
-    in_flight, profile, sample = 1, None, None
+    in_flight = 1
+    plan_file = opts.plan_file
     if sizes["pp"] > 1:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         in_flight = max(1, min(sizes["pp"] - sizes["pp_rank"], get_num_microbatches()))
-        profile = stage_profile(args, len(decoder_layers(core)), sizes)
+        if plan_file:                 # one plan per stage: the stages differ
+            path = Path(plan_file)
+            plan_file = str(path.with_name(f"{path.stem}.stage{sizes['pp_rank']}{path.suffix}"))
     ddp = model[0] if isinstance(model, (list, tuple)) else model
     n_layers = len(decoder_layers(core))
-    if profile is None:
-        sample = synthetic_step(ddp, args)
     # Profiling runs backward: keep Megatron's gradient reduction out of it, and its buffers clean.
-    with (ddp.no_sync() if hasattr(ddp, "no_sync") else nullcontext()):
-        applied = plan_activations(
-            model, sample, profile=profile, states=states, device_memory=opts.device_memory,
-            host_memory=opts.host_memory, memory_margin=opts.memory_margin, pins=dict(opts.pins),
-            ssd_path=opts.ssd_path, plan_file=opts.plan_file, in_flight_microbatches=in_flight,
-            hardware=hardware, verbose=rank0,
-            fallback_profile=lambda: stage_profile(args, n_layers, sizes))
+    try:
+        with (ddp.no_sync() if hasattr(ddp, "no_sync") else nullcontext()):
+            applied = plan_activations(
+                model, synthetic_step(ddp, args, core), states=states, device_memory=opts.device_memory,
+                host_memory=opts.host_memory, memory_margin=opts.memory_margin, pins=dict(opts.pins),
+                ssd_path=opts.ssd_path, plan_file=plan_file, in_flight_microbatches=in_flight,
+                hardware=hardware, verbose=_decider() and sizes["dp_rank"] == 0,
+                fallback_profile=lambda: stage_profile(args, n_layers, sizes))
+    finally:
+        if getattr(core.decoder, "input_tensor", None) is not None:
+            core.decoder.input_tensor = None     # the stage input the profile set
     if hasattr(ddp, "zero_grad_buffer"):
         ddp.zero_grad_buffer()
     return applied
 
 
-def synthetic_step(ddp, args):
-    """A micro-batch of the configured shape (random tokens) through the model as Megatron-LM
-    runs it (Float16Module included), returning the mean token loss."""
+def synthetic_step(ddp, args, core):
+    """A micro-batch of the configured shape (random tokens; on a later pipeline stage a
+    random hidden-state input) through this rank's part of the model as Megatron-LM runs it
+    (Float16Module included), returning the mean of its output (the token losses on the last
+    stage)."""
     net = ddp.module if hasattr(ddp, "no_sync") and hasattr(ddp, "module") else ddp
-    device = next(net.parameters()).device
+    param = next(net.parameters())
+    device = param.device
     b = args.micro_batch_size
     s = args.seq_length // max(1, getattr(args, "context_parallel_size", 1) or 1)
     vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size
@@ -129,9 +139,19 @@ def synthetic_step(ddp, args):
     mask = None
     if getattr(args, "create_attention_mask_in_dataloader", False):
         mask = torch.tril(torch.ones(s, s, device=device)).view(1, 1, s, s) < 0.5
+    hidden = None
+    if not getattr(core, "pre_process", True):
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        rows = s // tp if getattr(args, "sequence_parallel", False) else s
+        hidden = torch.randn(rows, b, args.hidden_size, generator=g).to(device, param.dtype)
+        hidden.requires_grad_(True)
+    last = getattr(core, "post_process", True)
 
     def step(_core):
-        return net(tokens, position_ids, mask, labels=labels).float().mean()
+        if hidden is not None:
+            core.set_input_tensor(hidden)
+        out = net(tokens, position_ids, mask, labels=labels if last else None)
+        return out.float().mean()
     return step
 
 

@@ -1,11 +1,15 @@
-"""One rank of a 2-rank tensor-parallel megatron-core GPT on CPU (gloo), for
-tests/test_megatron.py: every rank profiles, rank 0 plans, both apply the same plan; the
-gradients must equal the run without a policy on each rank."""
+"""One rank of a 2-rank megatron-core GPT on CPU (gloo), for tests/test_megatron.py.
+
+mode "tp": tensor parallel 2 - every rank profiles, rank 0 plans, both apply the same plan.
+mode "pp": pipeline parallel 2 - each stage profiles its own layers (the later stage on a
+random stage input, as the Megatron-LM wiring does) and plans for its micro-batches in flight.
+Either way the gradients must equal the run without a policy on each rank."""
 from __future__ import annotations
 
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -13,43 +17,86 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-def main(rank: int, world: int, port: str, out_dir: str, pins: str) -> None:
+class _Patch:
+    def setattr(self, obj, name, value):
+        setattr(obj, name, value)
+
+
+def _pp_model():
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from protrain_megatron.sdpa_attention import SDPACoreAttention
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4, use_cpu_initialization=True,
+                            add_bias_linear=False, pipeline_dtype=torch.float32,
+                            pipeline_model_parallel_size=2)
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=64,
+                    position_embedding_type="learned_absolute", pre_process=ps.is_pipeline_first_stage(),
+                    post_process=ps.is_pipeline_last_stage())
+
+
+def main(rank: int, world: int, port: str, out_dir: str, pins: str, mode: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    from megatron_cpu import batch, gpt, loss_and_grads
-
-    class _Patch:
-        def setattr(self, obj, name, value):
-            setattr(obj, name, value)
-    from megatron_cpu import cpu_rng_states
+    if mode == "tp":
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    else:
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
+    from megatron_cpu import batch, cpu_rng_states, gpt, loss_and_grads
     cpu_rng_states(_Patch())
     from protrain.profile.hardware import HardwareProfile
     from protrain_megatron import plan_activations
+    from protrain_megatron.training import synthetic_step
     hw = HardwareProfile(name="cpu-test", source="measured", device_type="cpu", device_memory=2**30,
                          host_memory=2**30, h2d_bandwidth=1e9, d2h_bandwidth=1e9, gpu_adam_rate=1e9,
                          cpu_adam_rate=1e8)
-    model = gpt(num_layers=4, hidden=128, seq=64)
-    sample = batch(seq=64)
-    loss0, grads0 = loss_and_grads(model, sample)
+    result = {"rank": rank}
+    if mode == "tp":
+        model = gpt(num_layers=4, hidden=128, seq=64)
+        sample = batch(seq=64)
+        run = lambda: loss_and_grads(model, sample)  # noqa: E731
+        kw = {}
+    else:
+        model = _pp_model()
+        args = SimpleNamespace(micro_batch_size=2, seq_length=64, padded_vocab_size=128, hidden_size=128,
+                               tensor_model_parallel_size=1, sequence_parallel=False)
+        sample = synthetic_step(model, args, model)
+
+        def run():
+            torch.manual_seed(5)
+            model.zero_grad(set_to_none=True)
+            loss = sample(model)        # the same stage input and tokens every time
+            loss.backward()
+            return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        kw = {"in_flight_microbatches": world - parallel_state.get_pipeline_model_parallel_rank()}
+    loss0, grads0 = run()
     plan_file = os.path.join(out_dir, "plan.json" if rank == 0 else f"absent-on-rank{rank}.json")
     applied = plan_activations(model, sample, hardware=hw, pins=json.loads(pins), prefer_native=False,
-                               progress=False, verbose=False, plan_file=plan_file)
-    loss1, grads1 = loss_and_grads(model, sample)
+                               progress=False, verbose=False, plan_file=plan_file if mode == "tp" else None,
+                               **kw)
+    loss1, grads1 = run()
     applied.close()
-    # Again, with the plan file on rank 0's disk only: rank 0's file decides for every rank
-    # (a rank profiling alone would wait forever on its tensor-parallel peer).
-    again = plan_activations(model, sample, hardware=hw, progress=False, verbose=False, plan_file=plan_file)
-    again.close()
-    result = {"rank": rank, "modes": "".join(m.letter for m in applied.plan.block_modes),
-              "params": sum(p.numel() for p in model.parameters()),
-              "state_params": applied.states.params,
-              "loss_equal": bool(torch.equal(loss0, loss1)),
-              "grads_equal": all(torch.equal(grads0[k], grads1[k]) for k in grads0),
-              "profiled": applied.profile is not None,
-              "reloaded_modes": "".join(m.letter for m in again.plan.block_modes),
-              "reprofiled": again.profile is not None}
+    result.update(modes="".join(m.letter for m in applied.plan.block_modes),
+                  layers=applied.explain().split("layers (global numbers): ")[1].split("\n")[0],
+                  notes=list(applied.plan.notes), source=applied.plan.profile_source,
+                  params=sum(p.numel() for p in model.parameters()), state_params=applied.states.params,
+                  loss_equal=bool(torch.equal(loss0, loss1)),
+                  grads_equal=len(grads0) > 0 and all(torch.equal(grads0[k], grads1[k]) for k in grads0),
+                  profiled=applied.profile is not None)
+    if mode == "tp":
+        # Again, with the plan file on rank 0's disk only: rank 0's file decides for every rank
+        # (a rank profiling alone would wait forever on its tensor-parallel peer).
+        again = plan_activations(model, sample, hardware=hw, progress=False, verbose=False,
+                                 plan_file=plan_file)
+        again.close()
+        result.update(reloaded_modes="".join(m.letter for m in again.plan.block_modes),
+                      reprofiled=again.profile is not None)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -57,4 +104,4 @@ def main(rank: int, world: int, port: str, out_dir: str, pins: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6])

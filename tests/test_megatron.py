@@ -257,19 +257,22 @@ def test_states_from_megatron_arguments():
         MegatronStates(params=1, optimizer_shards=0)
 
 
-def test_tensor_parallel_ranks_profile_together_and_apply_rank0s_plan(tmp_path, model):
+def _two_ranks(tmp_path, mode, pins):
     import json
     import os
     import subprocess
     import sys
     worker = os.path.join(os.path.dirname(__file__), "megatron_tp_worker.py")
-    port = str(29000 + os.getpid() % 1000)
-    procs = [subprocess.Popen([sys.executable, worker, str(r), "2", port, str(tmp_path),
-                               '{"n_checkpoint": 1, "n_swap": 2}'],
+    port = str(29000 + (os.getpid() + (0 if mode == "tp" else 500)) % 1000)
+    procs = [subprocess.Popen([sys.executable, worker, str(r), "2", port, str(tmp_path), json.dumps(pins), mode],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_tensor_parallel_ranks_profile_together_and_apply_rank0s_plan(tmp_path, model):
+    results = _two_ranks(tmp_path, "tp", {"n_checkpoint": 1, "n_swap": 2})
     full = sum(p.numel() for p in model.parameters())
     for r in results:
         # Both ranks measured their shard (a rank-0-only profile would hang the TP collectives),
@@ -278,6 +281,16 @@ def test_tensor_parallel_ranks_profile_together_and_apply_rank0s_plan(tmp_path, 
         assert r["reloaded_modes"] == "SSCN" and not r["reprofiled"]
         assert r["loss_equal"] and r["grads_equal"]
         assert r["state_params"] == r["params"] < full     # model states counted per rank
+
+
+def test_pipeline_stages_measure_and_plan_their_own_layers(tmp_path):
+    first, last = _two_ranks(tmp_path, "pp", {"n_checkpoint": 1})
+    assert first["layers"] == "1 recompute, 2 keep" and last["layers"] == "3 recompute, 4 keep"
+    assert first["source"] == last["source"] == "measured"
+    assert any("2 micro-batches in flight" in n for n in first["notes"])
+    assert any("1 micro-batch in flight" in n for n in last["notes"])
+    for r in (first, last):
+        assert r["loss_equal"] and r["grads_equal"]
 
 
 def test_profiling_out_of_memory_falls_back(monkeypatch, model, sample):

@@ -159,27 +159,24 @@ def test_megatron_lm_parse_args_accepts_the_flag(tmp_path):
     assert "RESULT None None None None False" in run([]).stdout
 
 
-def test_pipeline_stage_plans_analytically_for_micro_batches_in_flight(monkeypatch, capsys):
+def test_pipeline_stage_plans_for_its_micro_batches_in_flight(monkeypatch, tmp_path):
     cpu_rng_states(monkeypatch)
-    sizes = {"tp": 1, "pp": 2, "dp": 1, "cp": 1, "pp_rank": 0}
+    sizes = {"tp": 1, "pp": 2, "dp": 1, "cp": 1, "pp_rank": 0, "dp_rank": 0}
     monkeypatch.setattr("protrain_megatron.training.parallel_sizes", lambda: sizes)
     monkeypatch.setattr("protrain_megatron.apply.parallel_sizes", lambda: sizes)
     monkeypatch.setattr("megatron.core.num_microbatches_calculator.get_num_microbatches", lambda: 8)
-    monkeypatch.setattr("protrain.profile.probe.probe_hardware", lambda **k: HW)
     monkeypatch.setattr("protrain_megatron.apply._probe", lambda device, verbose: HW)
-    args = _megatron_args(hidden_size=128, num_attention_heads=4, swiglu=False, group_query_attention=False,
-                          ffn_hidden_size=512, untie_embeddings_and_output_weights=False,
-                          max_position_embeddings=64, sequence_parallel=False)
+    args = _megatron_args()
+    args.protrain_plan_file = str(tmp_path / "plan.json")
     model = [gpt(num_layers=4, hidden=128, seq=64)]
     applied = training.apply_to_megatron_lm(model, args, MegatronOptions.from_args(args))
     try:
         plan = applied.plan
-        assert plan.profile_source == "analytic"
+        assert plan.profile_source == "measured"
         assert plan.knobs.n_swap == 0 and plan.knobs.n_ssd == 0
         assert any("2 micro-batches in flight" in n for n in plan.notes)
-        # Twice the activations of one micro-batch: the analytic profile of the stage, doubled.
-        single = training.stage_profile(args, 4, sizes)
-        assert applied.profile.blocks[0].saved_bytes == single.blocks[0].saved_bytes
-        assert plan.block_saved_bytes[0] == 2 * single.blocks[0].saved_bytes
+        # The first of 2 stages holds 2 micro-batches: twice the measured activations.
+        assert plan.block_saved_bytes[0] == 2 * applied.profile.blocks[0].saved_bytes
+        assert (tmp_path / "plan.stage0.json").exists()      # one plan file per stage
     finally:
         applied.close()
