@@ -149,7 +149,7 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
                                 optimizer_bytes=12 if half else 8)
     t0 = time.perf_counter()
     # The decider's plan file decides for its group (the file may exist on its disk only).
-    decider = _decider()
+    decider = decides_plan()
     plan = _load(plan_file, len(layers), states, device_memory) if decider else None
     loaded = _from_decider(plan is not None)
     profile_seconds = 0.0
@@ -351,7 +351,8 @@ def _group():
     return None, 0, dist.get_world_size()
 
 
-def _decider() -> bool:
+def decides_plan() -> bool:
+    """Whether this rank searches the plan for its group (see ``_group``)."""
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == _group()[1]
 
@@ -369,7 +370,7 @@ def _share(plan: Plan | None, failure: BaseException | None):
     """The decider's plan (or its error) on every rank of its group."""
     mine = (plan.to_dict() if plan is not None else None, str(failure) if failure is not None else None)
     d, err = _from_decider(mine)
-    return (plan if _decider() else (Plan.from_dict(d) if d is not None else None)), err
+    return (plan if decides_plan() else (Plan.from_dict(d) if d is not None else None)), err
 
 
 def _load(plan_file: str | None, n_layers: int, states: MegatronStates,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .apply import AppliedPlan, _decider, plan_activations, scale_profile
+from .apply import AppliedPlan, decides_plan, plan_activations, scale_profile
 from .arguments import FLAG, MegatronOptions, add_protrain_arguments, take_over_flags
 from .model import decoder_layers, parallel_sizes, unwrap
 from .state_bytes import MegatronStates
@@ -111,7 +111,7 @@ def apply_to_megatron_lm(model, args, opts: MegatronOptions, overridden=(), *,
                 model, synthetic_step(ddp, args, core), states=states, device_memory=opts.device_memory,
                 host_memory=opts.host_memory, memory_margin=opts.memory_margin, pins=dict(opts.pins),
                 ssd_path=opts.ssd_path, plan_file=plan_file, in_flight_microbatches=in_flight,
-                hardware=hardware, verbose=_decider() and sizes["dp_rank"] == 0,
+                hardware=hardware, verbose=decides_plan() and sizes["dp_rank"] == 0,
                 fallback_profile=lambda: stage_profile(args, n_layers, sizes))
     finally:
         if getattr(core.decoder, "input_tensor", None) is not None:

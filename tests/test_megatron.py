@@ -235,9 +235,11 @@ def test_bad_input_is_refused_with_the_fix(model, sample):
 
 
 def test_pipeline_stage_plans_for_micro_batches_in_flight(model, sample):
-    one = _plan(model, sample, pins={"n_checkpoint": 0, "n_swap": 0})
+    from protrain_megatron.apply import profile_megatron
+    profile = profile_megatron(model, sample, device=torch.device("cpu"), progress=False)
+    one = _plan(model, None, profile=profile, pins={"n_checkpoint": 0, "n_swap": 0})
     one.close()
-    four = _plan(model, sample, pins={"n_checkpoint": 0}, in_flight_microbatches=4)
+    four = _plan(model, None, profile=profile, pins={"n_checkpoint": 0}, in_flight_microbatches=4)
     four.close()
     assert four.plan.knobs.n_swap == 0 and four.plan.knobs.n_ssd == 0
     assert four.plan.prediction.activation_peak_bytes == 4 * one.plan.prediction.activation_peak_bytes
@@ -257,16 +259,28 @@ def test_states_from_megatron_arguments():
         MegatronStates(params=1, optimizer_shards=0)
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _two_ranks(tmp_path, mode, pins):
     import json
     import os
     import subprocess
     import sys
     worker = os.path.join(os.path.dirname(__file__), "megatron_tp_worker.py")
-    port = str(29000 + (os.getpid() + (0 if mode == "tp" else 500)) % 1000)
+    port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, worker, str(r), "2", port, str(tmp_path), json.dumps(pins), mode],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:          # one rank failing must not leave the other waiting forever
+            if p.poll() is None:
+                p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -335,7 +349,7 @@ def test_megatron_core_example_trains_with_a_plan(tmp_path):
     import subprocess
     import sys
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "megatron_core_gpt.py")
-    env = dict(os.environ, MASTER_PORT=str(28000 + os.getpid() % 1000), PROTRAIN_CACHE=str(tmp_path))
+    env = dict(os.environ, MASTER_PORT=str(_free_port()), PROTRAIN_CACHE=str(tmp_path))
     p = subprocess.run([sys.executable, script, "--steps", "12", "--pin", "n_swap=1", "--pin", "n_checkpoint=1",
                         "--layers", "3", "--hidden", "128", "--seq", "64"],
                        env=env, capture_output=True, text=True, timeout=600)
