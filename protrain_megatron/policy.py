@@ -75,6 +75,13 @@ class ActivationPolicy:
             raise ValueError("protrain: the model was built with Megatron's cpu_offloading; the plan "
                              "decides what goes to host memory - drop --cpu-offloading(-num-layers)")
         n = native_recompute_layers(modes) if native else None
+        graphs = [getattr(c, "cuda_graph_impl", "none") for c in self._configs
+                  if getattr(c, "cuda_graph_impl", "none") not in (None, "none")]
+        if n is None and graphs:
+            raise ValueError(f"protrain: plan {modes_string(modes)} needs ProTrain's layer hooks, which "
+                             f"CUDA graphs (cuda_graph_impl={graphs[0]!r}) would capture once and replay "
+                             f"without them; pin n_swap=0 and n_ssd=0 (recompute then runs through "
+                             f"Megatron's own config) or drop --cuda-graph-impl")
         if n is None and any(getattr(c, a, None) for c in self._configs for a in ("fp8", "fp4")):
             raise ValueError(f"protrain: plan {modes_string(modes)} needs ProTrain's layer hooks, but the "
                              f"model trains in FP8/FP4, where only Megatron's own recompute of the "

@@ -424,3 +424,17 @@ def test_host_memory_is_shared_by_the_ranks_on_a_host(monkeypatch, model, sample
     monkeypatch.setattr(apply_mod, "_ranks_per_node", lambda: 4096)
     with pytest.raises(InfeasibleError):          # 1 GiB / 4096 cannot hold the swapped layers
         _plan(model, sample, pins={"n_checkpoint": 0, "n_swap": 4})
+
+
+def test_cuda_graphs_refuse_hook_plans(model, sample):
+    swap = _plan(model, sample, pins={"n_checkpoint": 0, "n_swap": 1})
+    swap.close()
+    model.config.cuda_graph_impl = "local"
+    try:
+        with pytest.raises(ValueError, match="CUDA graphs"):
+            ActivationPolicy(model, swap.plan)
+        ckpt = _plan(model, sample, pins={"n_checkpoint": 1, "n_swap": 0})   # Megatron's own: fine
+        ckpt.close()
+        assert ckpt.policy.native
+    finally:
+        model.config.cuda_graph_impl = "none"
