@@ -128,16 +128,14 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
         n = in_flight_microbatches
         notes.append(f"pipeline parallel: {n} micro-batch{'es' if n != 1 else ''} in flight on this "
                      f"stage; swap and NVMe off, activation memory counted per micro-batch in flight")
-    low_precision = _fp8(core)
-    if low_precision:
-        # FP8/FP4 layers save quantized tensor subclasses and need Transformer Engine's own
-        # recompute: only Megatron's native recompute of the first layers is safe there.
+    native_only = _native_only(core)
+    if native_only:
         if (pins.n_swap or 0) > 0 or (pins.n_ssd or 0) > 0:
-            raise ValueError(f"pins n_swap={pins.n_swap}, n_ssd={pins.n_ssd}: the model trains in "
-                             f"{low_precision}; only keep / recompute are supported there - pin them to 0")
+            raise ValueError(f"pins n_swap={pins.n_swap}, n_ssd={pins.n_ssd}: {native_only}; only keep / "
+                             f"recompute are supported there - pin them to 0")
         pins = replace(pins, n_swap=0, n_ssd=0)
         prefer_native = True
-        notes.append(f"{low_precision}: swap and NVMe off, recompute through Megatron's own (first layers)")
+        notes.append(f"{native_only}: swap and NVMe off, recompute through Megatron's own (first layers)")
     if ssd_path is None:
         if (pins.n_ssd or 0) > 0:
             raise ValueError(f"pin n_ssd={pins.n_ssd} needs an SSD path (ssd_path / --protrain-ssd-path)")
@@ -193,7 +191,7 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
                                    model_states_fixed=states.total_bytes, cpu_optim_overlap=False)
             plan = search(planned, hw, config)
             if prefer_native:
-                plan = _prefer_native(plan, planned, hw, config, required=bool(low_precision))
+                plan = _prefer_native(plan, planned, hw, config, required=bool(native_only))
             if notes:
                 plan = replace(plan, notes=plan.notes + tuple(notes))
             if plan_file:
@@ -291,11 +289,16 @@ def _prefer_native(plan: Plan, profile, hw, config, required: bool = False) -> P
     return plan
 
 
-def _fp8(core) -> str | None:
+def _native_only(core) -> str | None:
+    """Why only Megatron's own recompute can run on this model (None: anything can):
+    FP8/FP4 layers save Transformer Engine's quantized tensors and need its recompute; CUDA
+    graphs capture a layer once and replay it without ProTrain's hooks."""
     c = core.config
     for attr, name in (("fp8", "FP8"), ("fp4", "FP4")):
         if getattr(c, attr, None):
-            return name
+            return f"the model trains in {name}"
+    if getattr(c, "cuda_graph_impl", "none") not in (None, "none"):
+        return f"CUDA graphs (cuda_graph_impl={c.cuda_graph_impl!r})"
     return None
 
 
