@@ -28,7 +28,7 @@ from protrain.search import InfeasibleError, evaluate, search
 from protrain.units import fmt_bytes, fmt_seconds
 
 from .model import decoder_layers, model_device, parallel_sizes, unwrap
-from .policy import ActivationPolicy, native_recompute_layers
+from .policy import ActivationPolicy, native_only_reason, native_recompute_layers
 from .state_bytes import MegatronStates
 
 log = logging.getLogger("protrain")
@@ -128,7 +128,7 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
         n = in_flight_microbatches
         notes.append(f"pipeline parallel: {n} micro-batch{'es' if n != 1 else ''} in flight on this "
                      f"stage; swap and NVMe off, activation memory counted per micro-batch in flight")
-    native_only = _native_only(core)
+    native_only = native_only_reason(core)
     if native_only:
         if (pins.n_swap or 0) > 0 or (pins.n_ssd or 0) > 0:
             raise ValueError(f"pins n_swap={pins.n_swap}, n_ssd={pins.n_ssd}: {native_only}; only keep / "
@@ -287,19 +287,6 @@ def _prefer_native(plan: Plan, profile, hw, config, required: bool = False) -> P
         return replace(alt, notes=alt.notes + (
             "recomputed layers moved to the front so Megatron's native recompute runs them",))
     return plan
-
-
-def _native_only(core) -> str | None:
-    """Why only Megatron's own recompute can run on this model (None: anything can):
-    FP8/FP4 layers save Transformer Engine's quantized tensors and need its recompute; CUDA
-    graphs capture a layer once and replay it without ProTrain's hooks."""
-    c = core.config
-    for attr, name in (("fp8", "FP8"), ("fp4", "FP4")):
-        if getattr(c, attr, None):
-            return f"the model trains in {name}"
-    if getattr(c, "cuda_graph_impl", "none") not in (None, "none"):
-        return f"CUDA graphs (cuda_graph_impl={c.cuda_graph_impl!r})"
-    return None
 
 
 def _pins(pins) -> KnobPins:

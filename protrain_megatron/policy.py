@@ -75,17 +75,11 @@ class ActivationPolicy:
             raise ValueError("protrain: the model was built with Megatron's cpu_offloading; the plan "
                              "decides what goes to host memory - drop --cpu-offloading(-num-layers)")
         n = native_recompute_layers(modes) if native else None
-        graphs = [getattr(c, "cuda_graph_impl", "none") for c in self._configs
-                  if getattr(c, "cuda_graph_impl", "none") not in (None, "none")]
-        if n is None and graphs:
-            raise ValueError(f"protrain: plan {modes_string(modes)} needs ProTrain's layer hooks, which "
-                             f"CUDA graphs (cuda_graph_impl={graphs[0]!r}) would capture once and replay "
-                             f"without them; pin n_swap=0 and n_ssd=0 (recompute then runs through "
-                             f"Megatron's own config) or drop --cuda-graph-impl")
-        if n is None and any(getattr(c, a, None) for c in self._configs for a in ("fp8", "fp4")):
-            raise ValueError(f"protrain: plan {modes_string(modes)} needs ProTrain's layer hooks, but the "
-                             f"model trains in FP8/FP4, where only Megatron's own recompute of the "
-                             f"first layers is safe; re-plan (plan_activations restricts it)")
+        reason = native_only_reason(self.core)
+        if n is None and reason:
+            raise ValueError(f"protrain: plan {modes_string(modes)} needs ProTrain's layer hooks, but "
+                             f"{reason}, where only Megatron's own recompute of the first layers is "
+                             f"safe; pin n_swap=0 and n_ssd=0 (plan_activations does this) and re-plan")
         self.native = n is not None
         self.activations: ActivationRuntime | None = None
         self.accounting = DeviceAccounting(self.device) if accounting else None
@@ -220,6 +214,19 @@ class ActivationPolicy:
     def _param_lookup(self, t: torch.Tensor):
         # Megatron's parameters (and its contiguous parameter buffers) stay where they are.
         return True if storage_ptr(t) in self._param_ptrs else None
+
+
+def native_only_reason(core: nn.Module) -> str | None:
+    """Why only Megatron's own recompute can run on this model (None: anything can):
+    FP8/FP4 layers save Transformer Engine's quantized tensors and need its recompute; CUDA
+    graphs capture a layer once and replay it without ProTrain's hooks."""
+    for c in _configs(core):
+        for attr, name in (("fp8", "FP8"), ("fp4", "FP4")):
+            if getattr(c, attr, None):
+                return f"the model trains in {name}"
+        if getattr(c, "cuda_graph_impl", "none") not in (None, "none"):
+            return f"it runs CUDA graphs (cuda_graph_impl={c.cuda_graph_impl!r})"
+    return None
 
 
 def _configs(core: nn.Module) -> list:

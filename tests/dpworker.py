@@ -52,6 +52,12 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
                    os.path.join(out_dir, "weights.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    # Leave together: rank 0 hosts the rendezvous store, and a rank whose gloo threads still
+    # talk to it after it exited aborts ("terminate called without an active exception").
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def launch(world: int, spec: dict, out_dir: str, port: int) -> list[dict]:
