@@ -271,7 +271,7 @@ def _two_ranks(tmp_path, mode, pins):
     import os
     import subprocess
     import sys
-    worker = os.path.join(os.path.dirname(__file__), "megatron_tp_worker.py")
+    worker = os.path.join(os.path.dirname(__file__), "megatron_worker.py")
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, worker, str(r), "2", port, str(tmp_path), json.dumps(pins), mode],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
