@@ -154,8 +154,7 @@ class ProTrainEngine(DeepSpeedEngine):
         while opt._backward_active_depth > 0:       # DeepSpeed's backward never finished
             opt.exit_backward()
         rt.optimizer.worker.drain()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        rt.streams.synchronize()
         keep_grads = self.gradient_accumulation_steps() > 1 and rt.optimizer._dirty_before_forward
         if where == "backward" or not keep_grads:
             rt.optimizer._dirty = True

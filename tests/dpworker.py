@@ -14,6 +14,10 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
     import deepspeed
     from protrain.models import GPT, GPTConfig, synthetic_batch
 
+    if spec.get("deferred_streams"):       # copies as late as CUDA may run them
+        import protrain.runtime.runtime as rt_mod
+        from deferred_streams import DeferredStreams
+        rt_mod.Streams = DeferredStreams
     cfg = GPTConfig(**spec["model"])
     global_batch = spec["global_batch"]
     mb = global_batch // world
@@ -46,6 +50,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
         result["host_bytes"] = rt.chunks.host_bytes()
         result["plan"] = list(engine.protrain_plan.knobs.as_tuple())
         result["offloaded"] = len(rt.chunks.offloaded())
+        result["most_pending_copies"] = getattr(rt.streams, "most_pending", None)
     engine.destroy()                      # gathers sharded parameters back on every rank
     if rank == 0:
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
@@ -60,8 +65,16 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
         dist.destroy_process_group()
 
 
-def launch(world: int, spec: dict, out_dir: str, port: int) -> list[dict]:
+def free_port() -> int:
+    """A port nobody listens on now (a fixed one may still be held by an earlier run's store)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(world: int, spec: dict, out_dir: str) -> list[dict]:
     import torch.multiprocessing as mp
-    mp.start_processes(run_rank, args=(world, port, spec, out_dir), nprocs=world,
+    mp.start_processes(run_rank, args=(world, free_port(), spec, out_dir), nprocs=world,
                        start_method="spawn", join=True)
     return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]

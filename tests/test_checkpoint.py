@@ -14,9 +14,6 @@ PLAN = dict(chunk_size="230KiB", n_persist=1, n_buffer=2, n_swap=1, n_checkpoint
 EXTRA = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 15}}, "gradient_clipping": 1.0}
 
 
-def _port(i: int) -> int:
-    return 29900 + (os.getpid() % 40) * 2 + i
-
 
 def _spec(**kw):
     return dict(model=MODEL, global_batch=4, protrain=PLAN, extra=EXTRA, **kw)
@@ -26,11 +23,11 @@ def _spec(**kw):
 def test_resume_in_a_fresh_process_continues_exactly(world, tmp_path):
     for d in ("full", "first", "second"):
         (tmp_path / d).mkdir()
-    full = launch(world, _spec(steps=20), str(tmp_path / "full"), _port(0))
+    full = launch(world, _spec(steps=20), str(tmp_path / "full"))
     ckpt = str(tmp_path / "ckpt")
-    launch(world, _spec(steps=10, save=ckpt), str(tmp_path / "first"), _port(1))
+    launch(world, _spec(steps=10, save=ckpt), str(tmp_path / "first"))
     assert open(os.path.join(ckpt, "latest")).read() == "global_step10"
-    second = launch(world, _spec(steps=10, start=10, load=ckpt), str(tmp_path / "second"), _port(0))
+    second = launch(world, _spec(steps=10, start=10, load=ckpt), str(tmp_path / "second"))
     for r in range(world):
         assert second[r]["losses"] == full[r]["losses"][10:], r     # bit for bit
         assert second[r]["global_steps"] == 20 and second[r]["lr"] == full[r]["lr"]
@@ -44,7 +41,7 @@ def test_load_into_another_world_size_and_consolidated_fp32_export(tmp_path):
     for d in ("two", "one"):
         (tmp_path / d).mkdir()
     ckpt = tmp_path / "ckpt"
-    launch(2, _spec(steps=6, save=str(ckpt)), str(tmp_path / "two"), _port(0))
+    launch(2, _spec(steps=6, save=str(ckpt)), str(tmp_path / "two"))
     from protrain_ds.checkpoint import consolidated_state_dict
     fp32 = consolidated_state_dict(ckpt)
     trained = torch.load(tmp_path / "two" / "weights.pt")
@@ -52,7 +49,7 @@ def test_load_into_another_world_size_and_consolidated_fp32_export(tmp_path):
     for name, w in trained.items():
         assert torch.equal(fp32[name], w), name               # fp32 training: masters == weights
     # The same checkpoint goes on on one rank (re-sharded from the two ranks' pieces).
-    one = launch(1, _spec(steps=4, start=6, load=str(ckpt)), str(tmp_path / "one"), _port(1))
+    one = launch(1, _spec(steps=4, start=6, load=str(ckpt)), str(tmp_path / "one"))
     assert one[0]["global_steps"] == 10 and all(l == l for l in one[0]["losses"])
     out = tmp_path / "weights.pt"
     r = subprocess.run([sys.executable, "-m", "protrain_ds.checkpoint", str(ckpt), str(out)],

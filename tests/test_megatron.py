@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 pytest.importorskip("megatron.core")
 
+from dpworker import free_port  # noqa: E402
 from megatron_cpu import batch, cpu_rng_states, gpt, loss_and_grads  # noqa: E402
 
 from protrain.block_mode import BlockMode  # noqa: E402
@@ -90,6 +91,26 @@ def test_gradients_equal_the_run_without_a_policy(case, model, sample, reference
     assert all("forward" not in layer.__dict__ for layer in model.decoder.layers)
     assert "forward" not in model.__dict__
     assert not list(tmp_path.iterdir())          # the per-run NVMe directory is gone
+
+
+@pytest.mark.parametrize("case", ["swap", "mixed"])
+def test_gradients_equal_with_copies_run_as_late_as_cuda_may(case, model, sample, reference,
+                                                              tmp_path, monkeypatch):
+    """SWAP copies held back until waited for, their destinations poisoned meanwhile
+    (tests/deferred_streams.py): the hooks wait where they must."""
+    from deferred_streams import deferred_streams
+    pins, _, _ = CASES[case]
+    with deferred_streams(monkeypatch) as made:
+        applied = _plan(model, sample, pins=pins, ssd_path=str(tmp_path))
+        try:
+            for _ in range(2):
+                loss, grads = loss_and_grads(model, sample)
+                assert torch.equal(loss, reference[0])
+                for name, g in grads.items():
+                    assert torch.equal(g, reference[1][name]), name
+        finally:
+            applied.close()
+    assert made and made[-1].most_pending > 0
 
 
 def test_native_plan_sets_megatrons_recompute_config(model, sample):
@@ -259,20 +280,13 @@ def test_states_from_megatron_arguments():
         MegatronStates(params=1, optimizer_shards=0)
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _two_ranks(tmp_path, mode, pins):
     import json
     import os
     import subprocess
     import sys
     worker = os.path.join(os.path.dirname(__file__), "megatron_worker.py")
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, worker, str(r), "2", port, str(tmp_path), json.dumps(pins), mode],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:
@@ -349,7 +363,7 @@ def test_megatron_core_example_trains_with_a_plan(tmp_path):
     import subprocess
     import sys
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "megatron_core_gpt.py")
-    env = dict(os.environ, MASTER_PORT=str(_free_port()), PROTRAIN_CACHE=str(tmp_path))
+    env = dict(os.environ, MASTER_PORT=str(free_port()), PROTRAIN_CACHE=str(tmp_path))
     p = subprocess.run([sys.executable, script, "--steps", "12", "--pin", "n_swap=1", "--pin", "n_checkpoint=1",
                         "--layers", "3", "--hidden", "128", "--seq", "64"],
                        env=env, capture_output=True, text=True, timeout=600)

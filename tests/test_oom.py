@@ -93,3 +93,17 @@ def test_out_of_memory_keeps_gradients_accumulated_before_it():
 def test_repeated_out_of_memory_stops_with_the_actionable_error():
     with pytest.raises(InfeasibleError, match="no plan is safe on this device.*micro-batch"):
         run(base_config(), 3, inject=("forward", set(range(1, 50))))
+
+
+@pytest.mark.parametrize("phase, at", [("forward", {4}), ("backward", {3})])
+def test_out_of_memory_with_copies_in_flight(phase, at, monkeypatch):
+    """The re-plan while copies are still queued and CPU Adam runs on its thread (as on a GPU;
+    tests/deferred_streams.py): nothing in flight is lost or applied twice."""
+    from deferred_streams import deferred_streams
+    ref, ref_engine, _ = run(base_config(), 8)
+    ref_engine.destroy()
+    with deferred_streams(monkeypatch) as made:
+        losses, engine, injector = run(base_config(), 8, inject=(phase, set(at)))
+        engine.destroy()
+    assert injector.fired == sorted(at) and len(made) == 2     # a second runtime after the OOM
+    assert losses == ref

@@ -303,9 +303,7 @@ class ChunkManager:
         after = self.streams.compute_event()
         if self.dp.world > 1:
             buf[c.numel:self.dp.world * c.shard_size].zero_()
-            with self.streams.side("offload"):
-                if after is not None:
-                    self.streams.offload.wait_event(after)
+            with self.streams.side("offload", after=after):
                 mine = self.dp.reduce_scatter_(buf, c.shard_size)
                 mine.div_(self.dp.world)          # DeepSpeed averages gradients over ranks
                 after = self.streams.record_on("offload")

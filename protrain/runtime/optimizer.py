@@ -90,7 +90,7 @@ class ChunkOptimizer:
         self.clip = clip
         self.loss_scaler = loss_scaler
         self.params_in_order = params_in_order
-        self.worker = HostWorker(threaded=streams.cuda)
+        self.worker = HostWorker(threaded=streams.asynchronous)
         self._pause = pause_accounting or (lambda: _nullcontext())
         self.overlap = clip <= 0 and loss_scaler is None
         # The first optimizer step after a (re)plan updates nothing during backward: an out-of-

@@ -16,6 +16,8 @@ class Streams:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.asynchronous = self.cuda
+        """Copies may still be in flight when ``copy`` returns (host work can then overlap)."""
         self._registered: list[torch.Tensor] = []
         if self.cuda:
             self.upload = torch.cuda.Stream(device)
@@ -64,11 +66,20 @@ class Streams:
         if event is not None:
             event.synchronize()
 
-    def side(self, queue: str):
-        """Context that runs work on a side queue (no-op on CPU)."""
+    def side(self, queue: str, after=None):
+        """Context that runs work on a side queue once ``after`` (an event) has happened
+        (no-op on CPU)."""
         if not self.cuda:
             return nullcontext()
-        return torch.cuda.stream(self.upload if queue == "upload" else self.offload)
+        stream = self.upload if queue == "upload" else self.offload
+        if after is not None:
+            stream.wait_event(after)
+        return torch.cuda.stream(stream)
+
+    def synchronize(self) -> None:
+        """Block until every queued copy and kernel is done."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
 
     def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Host memory for copies: page-locked on CUDA, plain on CPU. Registered with

@@ -1,0 +1,97 @@
+"""The runtime's stream ordering, checked on CPU with copies run as late as CUDA may run them.
+
+Each test trains with DeferredStreams (tests/deferred_streams.py): side-queue copies are held
+back until waited for and their destinations poisoned meanwhile, and CPU Adam runs on the
+host thread overlapping backward as on a GPU. Training must still equal the synchronous run
+bit for bit; the negative tests show a missing wait does not.
+"""
+import json
+
+import pytest
+import torch
+
+from deferred_streams import deferred_streams
+from dstrain import UNTIED, base_config, train, with_protrain
+from test_ds_engine import SHAPES, deepspeed_run
+
+from protrain.runtime.activations import HostStash
+from protrain.runtime.chunks import ChunkManager, ChunkState
+
+OFFLOADING = ["all offloaded, 1 buffer", "all offloaded, 2 buffers", "mixed chunks",
+              "every block SWAP", "a mix"]
+
+
+def _same(a, b):
+    return all(torch.equal(a[n], b[n]) for n in b)
+
+
+@pytest.mark.parametrize("shape", OFFLOADING)
+def test_late_copies_and_threaded_cpu_adam_train_exactly_like_deepspeed(shape, monkeypatch):
+    model_cfg, pins = SHAPES[shape]
+    ref_losses, ref_weights = deepspeed_run(model_cfg, "{}")
+    with deferred_streams(monkeypatch) as made:
+        losses, weights, engine = train(with_protrain(base_config(), **pins), model_cfg)
+        rt = engine.protrain_runtime
+        assert rt.optimizer.worker.threaded          # CPU Adam on its own thread
+        engine.destroy()
+    streams = made[-1]
+    assert streams.copies > 0 and streams.most_pending > 0   # copies really were held back
+    assert losses == ref_losses
+    assert _same(weights, ref_weights)
+
+
+def test_late_copies_with_accumulation_clipping_and_scheduler(monkeypatch):
+    extra = {"gradient_accumulation_steps": 3, "gradient_clipping": 0.05,
+             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+    model_cfg, pins = SHAPES["a mix"]
+    ref_losses, ref_weights = deepspeed_run(model_cfg, json.dumps(extra), 8)
+    with deferred_streams(monkeypatch):
+        losses, weights, engine = train(with_protrain(base_config(**extra), **pins), model_cfg, 8)
+        engine.destroy()
+    assert losses == ref_losses
+    assert _same(weights, ref_weights)
+
+
+def test_late_copies_in_bf16_equal_the_synchronous_run(monkeypatch):
+    """16-bit training lands gradients over the host copy of the parameters (no fp32
+    accumulator): the most delicate ordering. Compared with our own synchronous run."""
+    extra = {"bf16": {"enabled": True}}
+    pins = dict(chunk_size="55KiB", n_persist=2, n_buffer=4, n_swap=1, n_checkpoint=1)
+    cfg = with_protrain(base_config(**extra), **pins)
+    sync_losses, sync_weights, engine = train(cfg, UNTIED, 10)
+    engine.destroy()
+    with deferred_streams(monkeypatch):
+        losses, weights, engine = train(cfg, UNTIED, 10)
+        engine.destroy()
+    assert losses == sync_losses
+    assert _same(weights, sync_weights)
+
+
+def _drop_chunk_wait(monkeypatch):
+    def access(self, c):                   # ChunkManager.access without its wait
+        if c.persistent:
+            return
+        if c.state in (ChunkState.HOST, ChunkState.CACHED):
+            self.upload(c)
+        if c.state == ChunkState.UPLOADING:
+            c.move(ChunkState.RESIDENT)    # forgot: self.streams.wait(c.ready)
+    monkeypatch.setattr(ChunkManager, "access", access)
+
+
+def _drop_swap_wait(monkeypatch):
+    monkeypatch.setattr(HostStash, "finish_read", lambda self, e: None)
+
+
+@pytest.mark.parametrize("bug", ["chunk upload not waited for", "swap prefetch not waited for"])
+def test_a_missing_wait_is_caught(bug, monkeypatch):
+    shape = "all offloaded, 2 buffers" if bug.startswith("chunk") else "every block SWAP"
+    model_cfg, pins = SHAPES[shape]
+    ref_losses, _ = deepspeed_run(model_cfg, "{}")
+    (_drop_chunk_wait if bug.startswith("chunk") else _drop_swap_wait)(monkeypatch)
+    with deferred_streams(monkeypatch):
+        try:
+            losses, _, engine = train(with_protrain(base_config(), **pins), model_cfg, 3)
+            engine.destroy()
+        except RuntimeError:
+            return                                     # poison reached a check: caught too
+    assert losses != ref_losses[:3]
