@@ -95,3 +95,35 @@ def test_a_missing_wait_is_caught(bug, monkeypatch):
         except RuntimeError:
             return                                     # poison reached a check: caught too
     assert losses != ref_losses[:3]
+
+
+def test_a_prefetch_never_handed_back_is_waited_for_before_its_memory_is_dropped():
+    """A prefetched saved tensor that backward never asked for: on CUDA the caching allocator
+    would reuse its memory while the upload still writes there, so reset waits first."""
+    from torch import nn
+
+    from deferred_streams import DeferredStreams
+    from protrain.block_mode import BlockMode
+    from protrain.runtime.activations import ActivationRuntime
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(2)]
+    streams = DeferredStreams(torch.device("cpu"))
+    acts = ActivationRuntime(blocks, [BlockMode.SWAP] * 2, streams, torch.device("cpu"),
+                             [2**16] * 2, lambda t: None)
+    x = torch.randn(8, 64, requires_grad=True)
+    with acts.hooks():
+        acts.forward_part(1)
+        h = blocks[0](x)
+        acts.forward_part(2)
+        loss = blocks[1](h).sum()
+        acts.forward_part(3)
+    acts.enter_forward_block(None)
+    del h
+    acts.prefetch(0)
+    upload = streams.queues["upload"]
+    assert upload.pending() > 0                  # the prefetch is queued, not done
+    acts.leave_backward_block(0)
+    assert upload.pending() == 0                 # ... and done before its memory is let go
+    del loss
+    acts.close()

@@ -120,6 +120,12 @@ class HostStash:
         return False
 
     def reset(self) -> None:
+        for e in self.stored.values():
+            if e.device_back is not None:
+                # Prefetched but never handed back: the upload queue may still be writing
+                # there, and the caching allocator would give that memory to the compute
+                # stream as soon as it is dropped.
+                self.streams.wait(e.in_done)
         self.stored.clear()
         self.used = 0
 

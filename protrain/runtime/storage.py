@@ -195,6 +195,10 @@ class PosixStore:
                                  f"their checksum (the data on the drive changed)")
         if host is not dst:
             dst.copy_(host)
+            if dst.is_cuda:
+                # This thread's stream is not the compute stream: the copy must be complete
+                # before the future says the data is there.
+                torch.cuda.current_stream(dst.device).synchronize()
         return None
 
     def close(self) -> None:
