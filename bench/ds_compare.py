@@ -49,7 +49,7 @@ def worker(spec: dict) -> dict:
     ds = {"train_micro_batch_size_per_gpu": spec["micro_batch"], "gradient_accumulation_steps": 1,
           "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-          "steps_per_print": 10**9, **SYSTEMS[spec["system"]]}
+          "steps_per_print": 10**9, **(spec.get("config") or SYSTEMS[spec["system"]])}
     if cuda:
         ds["bf16"] = {"enabled": True}
     torch.manual_seed(0)
@@ -62,6 +62,9 @@ def worker(spec: dict) -> dict:
         x, y = synthetic_batch(cfg, mb, seq, device=engine.device, seed=step % 8)
         if cuda:
             torch.cuda.synchronize()
+            if step == spec["warmup"]:
+                # The peak of training, not of the warm-up (which includes ProTrain's profiling).
+                torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
@@ -87,54 +90,85 @@ def worker(spec: dict) -> dict:
         out.update(plan=plan.knobs.as_tuple(), block_modes="".join(m.letter for m in plan.block_modes),
                    predicted_iter_time=p.iter_time, predicted_peak=p.peak_device_bytes,
                    iter_time_error=(p.iter_time - step_time) / step_time)
+        rt = engine.protrain_runtime
+        out.update(predicted_activation_peak=p.activation_peak_bytes, state_bytes=rt.chunks.device_bytes(),
+                   ssd_backend=rt.activations.storage_backend, activation_stats=rt.activations.stats)
         if cuda:
             out["peak_error"] = (p.peak_device_bytes - out["max_memory_allocated"]) / out["max_memory_allocated"]
+            # Device bytes above the chunks' (persistent states and buffers): activations and
+            # transient buffers, the quantity the activation modes change.
+            out["activation_peak"] = out["max_memory_allocated"] - out["state_bytes"]
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=40)
-    ap.add_argument("--hidden", type=int, default=3072)
-    ap.add_argument("--heads", type=int, default=24)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU check)")
-    ap.add_argument("--tag", default=None)
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
-        return
-    if args.smoke:
-        args.layers, args.hidden, args.heads, args.vocab, args.seq = 2, 64, 4, 256, 64
-        args.micro_batch, args.steps, args.warmup = 2, 3, 1
+def run_systems(specs: list[dict]) -> list[dict]:
+    """Run each spec (``system`` name, optional ``config`` replacing SYSTEMS[system], shape) in
+    a fresh process, one after the other; a failure is recorded with its output's tail."""
     results = []
-    for i, system in enumerate(args.systems.split(",")):
-        spec = dict(system=system, index=i, layers=args.layers, hidden=args.hidden, heads=args.heads,
-                    vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch, steps=args.steps,
-                    warmup=args.warmup)
-        print(f"== {system}", flush=True)
+    for i, spec in enumerate(specs):
+        spec = dict(spec, index=i)
+        print(f"== {spec['system']}", flush=True)
         r = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
                            capture_output=True, text=True)
         line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
         if r.returncode != 0 or not line:
             tail = (r.stdout + r.stderr)[-3000:]
-            print(f"{system} failed (exit {r.returncode}):\n{tail}", flush=True)
-            results.append(dict(system=system, error=tail))
+            print(f"{spec['system']} failed (exit {r.returncode}):\n{tail}", flush=True)
+            results.append(dict(system=spec["system"], error=tail))
             continue
         results.append(json.loads(line[0][len("RESULT "):]))
-    import torch
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else (platform.processor() or "cpu")
+    return results
+
+
+def write_record(name: str, tag: str, args, results: list[dict], **extra) -> Path:
+    """<results dir>/<name>-<cuda|cpu>-<tag>.json with the command, device and versions."""
     import deepspeed
-    record = dict(command="python bench/ds_compare.py " + " ".join(sys.argv[1:]), device=device,
+    import torch
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or "cpu")
+    record = dict(command=f"python bench/{name}.py " + " ".join(sys.argv[1:]), device=device,
                   torch=torch.__version__, deepspeed=deepspeed.__version__,
                   model=dict(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab),
-                  micro_batch=args.micro_batch, seq=args.seq, results=results)
+                  micro_batch=args.micro_batch, seq=args.seq, **extra, results=results)
+    out = Path(args.results_dir) / f"{name}-{'cuda' if cuda else 'cpu'}-{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return out
+
+
+def shape_args(ap: argparse.ArgumentParser, **defaults) -> None:
+    """The model / batch flags both benchmarks take."""
+    d = dict(layers=40, hidden=3072, heads=24, vocab=50304, seq=1024, micro_batch=4, steps=8, warmup=3)
+    d.update(defaults)
+    for k, v in d.items():
+        ap.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU check)")
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--results-dir", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def smoke(args) -> None:
+    args.layers, args.hidden, args.heads, args.vocab, args.seq = 2, 64, 4, 256, 64
+    args.micro_batch, args.steps, args.warmup = 2, 3, 1
+
+
+def shape_spec(args) -> dict:
+    return dict(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
+                seq=args.seq, micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    shape_args(ap)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    if args.smoke:
+        smoke(args)
+    results = run_systems([dict(system=s, **shape_spec(args)) for s in args.systems.split(",")])
     base = next((r for r in results if r.get("system") == "zero3_offload" and "tokens_per_s" in r), None)
     print(f"\n{'system':<15}{'tokens/s':>12}{'TFLOPS':>9}{'peak alloc':>12}{'vs ZeRO-3 off':>15}")
     for r in results:
@@ -149,10 +183,7 @@ def main() -> None:
             print(f"{'':<15}plan {r['plan']} {r['block_modes']}: predicted {r['predicted_iter_time']:.3f} s "
                   f"vs {r['step_time_median']:.3f} s measured ({r['iter_time_error']:+.1%}){pk}")
     tag = args.tag or ("smoke" if args.smoke else f"L{args.layers}H{args.hidden}b{args.micro_batch}s{args.seq}")
-    out = Path(__file__).parent / "results" / f"ds_compare-{'cuda' if torch.cuda.is_available() else 'cpu'}-{tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_record('ds_compare', tag, args, results)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""The GPU benchmarks' harness works end to end (CPU smoke shapes), so a GPU session spends its
+minutes measuring, not debugging scripts. No timing is asserted here."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).parent.parent / "bench"
+
+
+def _run(script, *args):
+    r = subprocess.run([sys.executable, str(BENCH / script), "--smoke", *args],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return r.stdout
+
+
+def test_ssd_compare_runs_every_configuration(tmp_path):
+    ssd = tmp_path / "nvme"
+    ssd.mkdir()
+    out = _run("ssd_compare.py", "--ssd-path", str(ssd), "--results-dir", str(tmp_path))
+    record = json.loads((tmp_path / "ssd_compare-cpu-smoke.json").read_text())
+    results = {r["system"]: r for r in record["results"]}
+    assert list(results) == ["keep", "ckpt", "ssd_all", "ssd_plan"], out
+    assert all("error" not in r for r in results.values()), out
+    assert results["keep"]["block_modes"] == "NN" and results["ckpt"]["block_modes"] == "CC"
+    ssd_all = results["ssd_all"]
+    assert ssd_all["block_modes"] == "DD" and ssd_all["ssd_backend"] == "posix"
+    assert ssd_all["activation_stats"]["ssd_written_bytes"] > 0
+    assert 0 < results["ssd_plan"]["device_memory_budget"] < results["keep"]["predicted_peak"]
+    assert record["command"].startswith("python bench/ssd_compare.py --smoke")
+    assert not list(ssd.iterdir())                # every run removed its NVMe directory
+
+
+def test_ds_compare_reports_the_plan_and_the_speed(tmp_path):
+    _run("ds_compare.py", "--systems", "protrain,zero2_offload", "--results-dir", str(tmp_path))
+    record = json.loads((tmp_path / "ds_compare-cpu-smoke.json").read_text())
+    protrain, zero2 = record["results"]
+    assert protrain["system"] == "protrain" and protrain["tokens_per_s"] > 0
+    assert protrain["predicted_iter_time"] > 0 and len(protrain["losses"]) == 4
+    assert zero2["system"] == "zero2_offload" and zero2["tokens_per_s"] > 0
