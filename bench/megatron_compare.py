@@ -79,12 +79,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5, help="iterations left out of the median")
     ap.add_argument("--nproc", type=int, default=1)
-    ap.add_argument("--impl", default="transformer_engine", choices=["transformer_engine", "local"])
+    ap.add_argument("--impl", default="auto", choices=["auto", "transformer_engine", "local"],
+                    help="auto: transformer_engine when it is installed, else local")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--log-dir", default="bench/results/logs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.impl == "auto":
+        import importlib.util
+        a.impl = "transformer_engine" if importlib.util.find_spec("transformer_engine") else "local"
     if not (Path(a.megatron_lm) / "pretrain_gpt.py").exists():
         sys.exit(f"--megatron-lm {a.megatron_lm}: no pretrain_gpt.py there; give a Megatron-LM checkout")
     rows = [run(a, n, CONFIGS[n]) for n in a.configs.split(",")]

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU measurements the issues ask for, one stage per device command (each fits the
+# 10-minute limit of ../shared/gpu/README.md). Run from the project root on the GPU machine,
+# carrying .whl (fill it here with `bash ../shared/gpu/fetch_wheels.sh`) and, for the megatron
+# stage, .mlm (Megatron-LM core_v0.16.1's training code, see ../shared/gpu/README.md):
+#
+#   bash bench/gpu_session.sh tests      # tests/test_gpu_*.py + the CPU ordering tests, on CUDA
+#   bash bench/gpu_session.sh ds         # bench/ds_compare.py, ~4.7B GPT (issues 3 and 4)
+#   bash bench/gpu_session.sh ssd        # bench/ssd_compare.py, ~1B GPT at seq 4096 (issue 6)
+#   bash bench/gpu_session.sh megatron   # bench/megatron_compare.py, pretrain_gpt.py (issue 5)
+#   bash bench/gpu_session.sh accuracy   # bench/profile_accuracy.py + megatron_accuracy.py
+#
+# Every stage installs what it needs first (the machine may be fresh), records the device and
+# versions, and copies its JSON results and logs to $OUT. The tests stage needs pytest, which
+# the GPU machine may lack: add its wheels to .whl here first with
+#   python3 -m pip download -q -d .whl --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux2014_x86_64 pytest pluggy iniconfig packaging pygments
+set -uo pipefail
+stage=${1:?usage: bash bench/gpu_session.sh tests|ds|ssd|megatron|accuracy}
+out=${OUT:-/tmp/protrain-gpu-out}
+mkdir -p "$out" bench/results
+exec > >(tee -a "$out/$stage.log") 2>&1
+
+# ---- set-up: wheels, the project, its start-up hook ------------------------------------------
+site=/tmp/site
+if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "no .whl/: run 'bash ../shared/gpu/fetch_wheels.sh' here and carry .whl"; exit 2
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:$site
+# The .pth start-up hook must sit in a directory Python scans for .pth files at start-up
+# (PYTHONPATH entries are not): the user site, else the interpreter's own site-packages.
+pth_dir=$(python3 -c 'import site; print(site.getusersitepackages() if site.ENABLE_USER_SITE else "")')
+if [ -z "$pth_dir" ] || ! { mkdir -p "$pth_dir" && cp protrain-autoload.pth "$pth_dir/"; }; then
+    pth_dir=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    cp protrain-autoload.pth "$pth_dir/" || { echo "cannot install the start-up hook"; exit 1; }
+fi
+python3 - <<'EOF' || exit 1
+import deepspeed, torch
+assert getattr(deepspeed.initialize, "_protrain_wrapper", False), "start-up hook not active"
+print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+      f"deepspeed {deepspeed.__version__}; protrain start-up hook active")
+# DeepSpeed JIT-builds CPUAdam on first use (about a minute): once, here.
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(4))])
+EOF
+
+collect() { mkdir -p "$out/results" && cp -r bench/results/. "$out/results/"; }
+trap collect EXIT
+ssd_dir=${PROTRAIN_SSD_DIR:-/tmp/protrain-ssd}
+
+case "$stage" in
+  tests)
+    python3 -c "import pytest" 2>/dev/null || { echo "no pytest: add its wheels to .whl (see the header)"; exit 2; }
+    python3 -m pytest -q -rs tests/test_gpu_profiler.py tests/test_gpu_engine.py tests/test_gpu_storage.py
+    ;;
+  ds)
+    python3 bench/ds_compare.py --layers 40 --hidden 3072 --heads 24 --micro-batch 4 --seq 1024 --steps 6 --warmup 2
+    ;;
+  ssd)
+    mkdir -p "$ssd_dir"
+    python3 bench/ssd_compare.py --ssd-path "$ssd_dir"
+    ;;
+  megatron)
+    [ -f .mlm/pretrain_gpt.py ] || { echo "no .mlm/pretrain_gpt.py: carry Megatron-LM core_v0.16.1's training code as .mlm"; exit 2; }
+    python3 bench/megatron_compare.py --megatron-lm .mlm --iters 12 --warmup 4 --timeout 170 \
+        --log-dir bench/results/logs
+    ;;
+  accuracy)
+    python3 bench/profile_accuracy.py --model gpt-1b --micro-batch 8 --seq 1024
+    python3 bench/megatron_accuracy.py --layers 24 --hidden 2048 --heads 16 --seq 2048 --micro-batch 2
+    ;;
+  *)
+    echo "unknown stage $stage: tests|ds|ssd|megatron|accuracy"; exit 2
+    ;;
+esac
