@@ -43,7 +43,8 @@ def train(ds_config: dict, model_cfg: GPTConfig = TINY, steps: int = 20, seed: i
                                            config=ds_config)
     losses = []
     for i in range(steps * engine.gradient_accumulation_steps()):
-        x, y = synthetic_batch(model_cfg, ds_config["train_micro_batch_size_per_gpu"], seed=i)
+        x, y = synthetic_batch(model_cfg, ds_config["train_micro_batch_size_per_gpu"], seed=i,
+                               device=engine.device)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()

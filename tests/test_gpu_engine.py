@@ -53,3 +53,23 @@ def test_cuda_measured_peak_is_near_the_prediction():
     print(json.dumps({"measured_peak": peak, "predicted_peak": predicted}))
     assert abs(predicted - peak) <= 0.10 * peak
     engine.destroy()
+
+
+def test_cuda_ssd_blocks_train_like_kept_ones(tmp_path):
+    """Saved tensors of two blocks through the SSD tier (kvikio when it works, else POSIX) on
+    a GPU: the same losses as keeping them (flash attention's backward is not bit-exact)."""
+    extra = {"bf16": {"enabled": True}}
+    keep = dict(chunk_size="4MiB", n_persist=2, n_buffer=4, n_swap=0, n_checkpoint=0, n_ssd=0)
+    ref, _, engine = train(with_protrain(base_config(**extra), device_memory=None, **keep), MID, 5)
+    engine.destroy()
+    cfg = with_protrain(base_config(**extra), device_memory=None, ssd_path=str(tmp_path),
+                        ssd_min_bytes=0, **dict(keep, n_ssd=2))
+    losses, _, engine = train(cfg, MID, 5)
+    acts = engine.protrain_runtime.activations
+    print(json.dumps({"ssd_backend": acts.storage_backend, **acts.stats}))
+    assert acts.stats["ssd_written_bytes"] > 0
+    assert acts.stats["ssd_read_bytes"] + acts.stats["forwarded"] > 0
+    for a, b in zip(losses, ref):
+        assert abs(a - b) <= 1e-3 * abs(b)
+    engine.destroy()
+    assert not list(tmp_path.iterdir())          # the per-run directory is gone
