@@ -52,6 +52,19 @@ def test_late_copies_with_accumulation_clipping_and_scheduler(monkeypatch):
     assert _same(weights, ref_weights)
 
 
+def test_late_copies_next_to_ssd_blocks(monkeypatch, tmp_path):
+    """NVMe, host swap, checkpoint and offloaded chunks in one plan, copies held back."""
+    pins = dict(chunk_size="110KiB", n_persist=2, n_buffer=4, n_ssd=2, n_swap=1, n_checkpoint=1)
+    ref_losses, ref_weights = deepspeed_run(UNTIED, "{}")
+    with deferred_streams(monkeypatch):
+        cfg = with_protrain(base_config(), ssd_path=str(tmp_path), ssd_min_bytes=0, **pins)
+        losses, weights, engine = train(cfg, UNTIED)
+        assert engine.protrain_runtime.activations.stats["ssd_written_bytes"] > 0
+        engine.destroy()
+    assert losses == ref_losses
+    assert _same(weights, ref_weights)
+
+
 def test_late_copies_in_bf16_equal_the_synchronous_run(monkeypatch):
     """16-bit training lands gradients over the host copy of the parameters (no fp32
     accumulator): the most delicate ordering. Compared with our own synchronous run."""
