@@ -2,11 +2,14 @@
 
     python bench/plan_time.py
 
-Writes bench/results/plan_time.json: for each model, the blocks, the feasible candidates,
-how many the search simulated, and the best of 3 wall times of ``search``.
+Each model is planned for an H100 80 GB without an SSD tier, and with a 12 GB/s NVMe drive
+under GPUDirect Storage and in compatibility mode (the SSD mode multiplies the candidates).
+Writes bench/results/plan_time.json: for each model and drive, the blocks, the feasible
+candidates, how many the search simulated, and the best of 3 wall times of ``search``.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import time
@@ -24,18 +27,21 @@ CASES = [("gpt2-1.5b", 8, 128), ("llama2-7b", 4, 128), ("llama2-13b", 4, 128),
 
 def main() -> None:
     rows = []
-    for name, mb, host_gib in CASES:
+    for (name, mb, host_gib), ssd in itertools.product(CASES, ("none", "gds", "compat")):
         hw = machine("h100-80gb").profile(host_memory=host_gib * GiB)
+        if ssd != "none":
+            hw = replace(hw, nvme_write_bandwidth=12e9, nvme_read_bandwidth=12e9,
+                         nvme_gds=ssd == "gds", nvme_free_bytes=2**40)
         prof = analytic_profile(replace(PRESETS[name], micro_batch=mb), hw)
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
             plan = search(prof, hw)
             best = min(best, time.perf_counter() - t0)
-        rows.append(dict(model=name, blocks=prof.n_blocks, micro_batch=mb, host_gib=host_gib,
+        rows.append(dict(model=name, ssd=ssd, blocks=prof.n_blocks, micro_batch=mb, host_gib=host_gib,
                          candidates=plan.candidates_total, simulated=plan.candidates_evaluated,
                          seconds=best, knobs=plan.knobs.as_tuple()))
-        print(f"{name:<11} {prof.n_blocks:>3} blocks  {plan.candidates_total:>7} feasible  "
+        print(f"{name:<11} ssd {ssd:<6} {prof.n_blocks:>3} blocks  {plan.candidates_total:>7} feasible  "
               f"{plan.candidates_evaluated:>6} simulated  {best * 1e3:7.1f} ms")
     out = Path(__file__).parent / "results" / "plan_time.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,11 +15,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .block_mode import BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
+from .block_mode import CKPT, SSD, SWAP, BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
 from .config import KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
-from .cost.memory import (activation_walk, buffer_numel, predict_memory, ssd_bytes, state_bytes,
-                          swap_host_bytes)
+from .cost.memory import activation_walk, buffer_numel, predict_memory, state_bytes
 from .cost.runtime import chunk_transfer_times, persistent_allreduce_time, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
 from .profile.hardware import HardwareProfile
@@ -47,16 +46,22 @@ def plan_key(iter_time: float, peak: int, knobs: tuple) -> tuple:
 
 @dataclass
 class _ActivationConfigs:
-    """Every (n_checkpoint, n_swap, n_ssd) the search may use, with what depends only on them."""
+    """Every (n_checkpoint, n_swap, n_ssd) the search may use, with what depends only on them.
+    The block layouts themselves are built only for the configurations simulated."""
 
+    n_blocks: int
     n_ckpt: np.ndarray
     n_swap: np.ndarray
     n_ssd: np.ndarray
-    codes: np.ndarray          # [A, n_blocks] mode codes
     act_peak: np.ndarray       # [A] bytes
     swap_host: np.ndarray      # [A] bytes
     ssd: np.ndarray            # [A] bytes written to NVMe per iteration
     recompute: np.ndarray      # [A] seconds of recompute in backward
+    fwd_write: np.ndarray      # [A] seconds forward cannot beat: its swap / SSD write queues
+
+    def codes(self, a: np.ndarray) -> np.ndarray:
+        """[len(a), n_blocks] mode codes of configurations ``a``."""
+        return layout_codes(self.n_blocks, self.n_swap[a], self.n_ckpt[a], self.n_ssd[a])
 
 
 def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile) -> int:
@@ -96,18 +101,46 @@ def _activation_configs(profile: ModelProfile, config: PlannerConfig,
         raise InfeasibleError(
             f"pinned n_checkpoint={pins.n_checkpoint}, n_swap={pins.n_swap} and n_ssd={pins.n_ssd} "
             f"add up to more than the model's {n} blocks; lower them or leave one on auto")
-    t = np.array(triples, dtype=np.int64).reshape(-1, 3)
-    codes = layout_codes(n, t[:, 1], t[:, 0], t[:, 2])
-    # SSD and SWAP free the device alike: walk each (n_checkpoint, n_offloaded) once.
-    pairs, back = np.unique(np.stack([t[:, 0], t[:, 1] + t[:, 2]], axis=1), axis=0, return_inverse=True)
-    pair_peak, _ = activation_walk(profile, layout_codes(n, pairs[:, 1], pairs[:, 0], np.zeros(len(pairs))))
-    act_peak = pair_peak[back.reshape(-1)]
+    nc, ns, nd = np.array(triples, dtype=np.int64).reshape(-1, 3).T
+    # Layout (block_mode.layout_codes): SSD blocks first, then swapped ones, checkpoints
+    # spread over the rest. Byte sums over those leading ranges are prefix-sum differences.
+    saved = np.array([b.saved_bytes for b in profile.blocks], dtype=np.int64)
+    csum = np.concatenate([[0], np.cumsum(saved)])
+    ssd, swap_host = csum[nd], csum[nd + ns] - csum[nd]
+    # SSD and SWAP free the device alike and leave the same blocks to checkpoint: walk each
+    # (n_checkpoint, n_offloaded) once.
+    pairs, back = np.unique(np.stack([nc, ns + nd], axis=1), axis=0, return_inverse=True)
+    back = back.reshape(-1)
+    pair_codes = layout_codes(n, pairs[:, 1], pairs[:, 0], np.zeros(len(pairs), dtype=np.int64))
+    pair_peak, _ = activation_walk(profile, pair_codes)
     fwd = np.array([b.fwd_time for b in profile.blocks])
+    recompute = ((pair_codes == CKPT).astype(np.float64) @ fwd)[back] if n else np.zeros(len(nc))
     return _ActivationConfigs(
-        n_ckpt=np.array([t[0] for t in triples]), n_swap=np.array([t[1] for t in triples]),
-        n_ssd=np.array([t[2] for t in triples]), codes=codes, act_peak=act_peak,
-        swap_host=swap_host_bytes(profile, codes), ssd=ssd_bytes(profile, codes),
-        recompute=(codes == 1).astype(np.float64) @ fwd if n else np.zeros(len(triples)))
+        n_blocks=n, n_ckpt=nc, n_swap=ns, n_ssd=nd, act_peak=pair_peak[back],
+        swap_host=swap_host, ssd=ssd, recompute=recompute,
+        fwd_write=_forward_write_bound(profile, hw, csum, ns, nd))
+
+
+def _forward_write_bound(profile: ModelProfile, hw: HardwareProfile, csum: np.ndarray,
+                         n_swap: np.ndarray, n_ssd: np.ndarray) -> np.ndarray:
+    """A lower bound on the end of forward from the activation writes (cost.runtime): part
+    p >= 2 waits for the write of block part p - 2, so the post part starts after every write
+    queued for the blocks before the last one (writes of one queue run one after another).
+    SWAP writes use the D2H queue; SSD writes have their own queue under GPUDirect Storage and
+    share the D2H queue in compatibility mode. ``csum``: prefix sums of the blocks' saved
+    bytes."""
+    n = profile.n_blocks
+    if n < 2:
+        return np.zeros(len(n_swap))
+    head = lambda k: csum[np.minimum(k, n - 1)]      # noqa: E731 - bytes of blocks < k, last excluded
+    swap = (head(n_ssd + n_swap) - head(n_ssd)) / hw.d2h_bandwidth
+    if hw.nvme_write_bandwidth > 0:
+        bw = hw.nvme_write_bandwidth if hw.nvme_gds else min(hw.nvme_write_bandwidth, hw.d2h_bandwidth)
+        ssd = head(n_ssd) / bw
+    else:
+        ssd = np.zeros(len(n_swap))
+    writes = np.maximum(swap, ssd) if hw.nvme_gds else swap + ssd
+    return np.where(writes > 0, writes + profile.parts[-1].fwd_time, 0.0)
 
 
 @dataclass
@@ -190,7 +223,7 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     bwd_compute = sum(p.bwd_time for p in profile.parts) + acts.recompute[a_idx]
     swap_bytes = acts.swap_host[a_idx]
     gpu = prefix[np_idx] / hw.gpu_adam_rate + persistent_allreduce_time(layout, np_idx, hw, world)
-    fwd_lb = np.maximum(fwd_compute, up_suffix[np_idx])
+    fwd_lb = np.maximum(np.maximum(fwd_compute, up_suffix[np_idx]), acts.fwd_write[a_idx])
     reup = up_suffix[np_idx] - up_suffix[np.maximum(nch - nb, np_idx)]
     ssd_in = acts.ssd[a_idx] / hw.nvme_read_bandwidth if hw.nvme_read_bandwidth > 0 else 0.0
     if hw.nvme_gds:
@@ -199,13 +232,18 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
         bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / hw.h2d_bandwidth + ssd_in)
     adam = adam_suffix[np_idx]
     if config.cpu_optim_overlap:
-        cpu_lb = np.maximum(adam, down_suffix[np_idx])
+        # CPU Adam starts at the earliest once the last chunk's gradient is complete (after
+        # the backward of the parts from its first user on) and has left the device.
+        first = layout.chunk_first_part[nch - 1] if nch else 0
+        head = sum(p.bwd_time for p in profile.parts[first:]) + (t_down[-1] if nch else 0.0)
+        cpu_lb = np.maximum(np.where(np_idx < nch, head + adam, 0.0), down_suffix[np_idx])
     else:
         cpu_lb = bwd_lb + adam
     lb = fwd_lb + np.maximum(bwd_lb + gpu, cpu_lb)
     if config.grad_accumulation_steps > 1:
-        lb = lb + (config.grad_accumulation_steps - 1) * (
-            fwd_lb + np.maximum(bwd_lb, down_suffix[np_idx]))
+        # A micro-step without the optimizer ends with backward's compute (cost.runtime does
+        # not wait for the last gradient copies there), so the D2H queue is no bound on it.
+        lb = lb + (config.grad_accumulation_steps - 1) * (fwd_lb + bwd_lb)
     return _Grid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb)
 
 
@@ -217,7 +255,7 @@ def _simulate_points(profile, hw, config, acts, grid: _Grid, idx: np.ndarray,
                      n_buffer=None) -> np.ndarray:
     """Time of one optimizer step: the boundary micro-step plus the others, if any."""
     nb = grid.n_buffer[idx] if n_buffer is None else n_buffer
-    args = (profile, grid.layout, hw, grid.n_persist[idx], nb, acts.codes[grid.a[idx]])
+    args = (profile, grid.layout, hw, grid.n_persist[idx], nb, acts.codes(grid.a[idx]))
     world = config.data_parallel_size
     t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world).iter_time
     if config.grad_accumulation_steps > 1:

@@ -101,6 +101,33 @@ def test_search_equals_brute_force(case, gas, overlap, world, ssd):
     assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("gas, overlap, world, ssd", [(1, True, 1, "gds"), (3, False, 1, "none"),
+                                                      (2, True, 4, "compat"), (1, True, 1, "none")])
+def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world, ssd):
+    """The search stops once no lower bound beats the best time: each bound (compute, copy
+    queues, activation writes, the CPU optimizer after the first gradient) must hold for
+    every feasible point, not only near the optimum."""
+    import protrain.search as search_mod
+    shape, dev, host, sizes = CASES[case]
+    hw = small_hw(device_memory=dev, host_memory=host, **SSD[ssd])
+    prof = analytic_profile(shape, hw)
+    config = PlannerConfig(chunk_sizes=sizes, grad_accumulation_steps=gas, cpu_optim_overlap=overlap,
+                           data_parallel_size=world)
+    budget = hw.device_memory / (1 + config.memory_margin)
+    acts = search_mod._activation_configs(prof, config, hw)
+    checked = 0
+    for cap in chunk_capacities(prof, sizes):
+        grid = search_mod._grid(prof, hw, config, acts, cap, budget, {})
+        if not len(grid.lower_bound):
+            continue
+        idx = np.arange(len(grid.lower_bound))
+        t = search_mod._simulate_points(prof, hw, config, acts, grid, idx)
+        assert (grid.lower_bound <= t * (1 + 1e-12)).all()
+        checked += len(idx)
+    assert checked > 0
+
+
 def test_search_equals_brute_force_with_pins():
     hw = small_hw(device_memory=3 * GiB // 10)
     prof = analytic_profile(SMALL, hw)

@@ -104,8 +104,10 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     ``optimizer_step=False`` simulates a micro-step that only accumulates gradients (no Adam
     on either side). ``cpu_overlap=False`` starts CPU Adam only once backward is over (the
     global gradient norm or the fp16 overflow check needs every gradient first)."""
-    modes = part_modes(profile, block_modes)
-    k_plans = modes.shape[0]
+    # [parts, K] / [chunks, K] layouts below: the loops read and write one part or chunk of
+    # every plan at a time, which is then a contiguous row.
+    modes = np.ascontiguousarray(part_modes(profile, block_modes).T)
+    k_plans = modes.shape[1]
     npers = np.broadcast_to(np.asarray(n_persist, dtype=np.int64), (k_plans,))
     nbuf = np.broadcast_to(np.asarray(n_buffer, dtype=np.int64), (k_plans,))
     n_chunks = layout.n_chunks
@@ -132,9 +134,9 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     comp = zeros.copy()
     h2d = zeros.copy()
     d2h = zeros.copy()
-    ready = np.zeros((k_plans, n_chunks))          # chunk resident (upload done) at
-    released = np.full((k_plans, n_chunks), np.nan)  # buffer of chunk free at (forward)
-    swap_out_end = np.zeros((k_plans, len(parts)))
+    ready = np.zeros((n_chunks, k_plans))          # chunk resident (upload done) at
+    released = np.full((n_chunks, k_plans), np.nan)  # buffer of chunk free at (forward)
+    swap_out_end = np.zeros((len(parts), k_plans))
     if (modes == SSD).any() and (hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0):
         raise ValueError("plans with SSD blocks need the NVMe bandwidths of the SSD path")
     gds = hw.nvme_gds
@@ -147,30 +149,30 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     uploaded = 0
     for p, part in enumerate(parts):
         if p >= 2:
-            comp = np.maximum(comp, swap_out_end[:, p - 2])
+            comp = np.maximum(comp, swap_out_end[p - 2])
         for c, share in zip(layout.part_chunks[p] or (None,), layout.part_chunk_share[p]):
             if c is not None:
                 while uploaded <= c:
                     j = uploaded
                     offl = j >= npers
                     src = j - nbuf
-                    wait = np.where(offl & (src >= npers), released[rows, np.maximum(src, 0)], 0.0)
+                    wait = np.where(offl & (src >= npers), released[np.maximum(src, 0), rows], 0.0)
                     end = np.maximum(h2d, wait) + t_up[j]
                     h2d = np.where(offl, end, h2d)
-                    ready[:, j] = np.where(offl, end, 0.0)
+                    ready[j] = np.where(offl, end, 0.0)
                     h2d_bytes += np.where(offl, layout.used[j] * profile.param_bytes / world, 0)
                     uploaded += 1
-                comp = np.maximum(comp, ready[:, c])
+                comp = np.maximum(comp, ready[c])
             comp = comp + part.fwd_time * share
         for c in last_of[p]:
-            released[:, c] = comp
+            released[c] = comp
         if part.kind == "block":
-            sw = modes[:, p] == SWAP
+            sw = modes[p] == SWAP
             end = np.maximum(d2h, comp) + saved[p] / hw.d2h_bandwidth
             d2h = np.where(sw, end, d2h)
-            swap_out_end[:, p] = np.where(sw, end, 0.0)
+            swap_out_end[p] = np.where(sw, end, 0.0)
             d2h_bytes += np.where(sw, saved[p], 0)
-            sd = modes[:, p] == SSD
+            sd = modes[p] == SSD
             if sd.any():
                 queue = ssd_w if gds else d2h
                 end = np.maximum(queue, comp) + w_time[p]
@@ -179,13 +181,13 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                 else:
                     d2h = np.where(sd, end, d2h)
                     d2h_bytes += np.where(sd, saved[p], 0)
-                swap_out_end[:, p] = np.where(sd, end, swap_out_end[:, p])
+                swap_out_end[p] = np.where(sd, end, swap_out_end[p])
     fwd_end = comp.copy()
 
     # ---------------- backward ----------------
-    grad_out = np.full((k_plans, n_chunks), np.nan)  # gradient left the device at
-    avail = np.zeros((k_plans, n_chunks))      # chunk resident for backward at
-    swap_in_end = np.zeros((k_plans, len(parts)))
+    grad_out = np.full((n_chunks, k_plans), np.nan)  # gradient left the device at
+    avail = np.zeros((n_chunks, k_plans))      # chunk resident for backward at
+    swap_in_end = np.zeros((len(parts), k_plans))
     cpu = zeros.copy()
     cpu_busy = zeros.copy()
     deferred: list[tuple[int, np.ndarray, np.ndarray]] = []  # (chunk, offloaded?, grads on host at)
@@ -202,29 +204,29 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             reuse = j >= n_chunks - nbuf           # still in a buffer from forward
             need = offl & ~reuse
             src = np.minimum(j + nbuf, n_chunks - 1)
-            end = np.maximum(h2d, np.where(need, grad_out[rows, src], 0.0)) + t_up[j]
+            end = np.maximum(h2d, np.where(need, grad_out[src, rows], 0.0)) + t_up[j]
             h2d = np.where(need, end, h2d)
-            avail[:, j] = np.where(need, end, 0.0)
+            avail[j] = np.where(need, end, 0.0)
             h2d_bytes += np.where(need, layout.used[j] * profile.param_bytes / world, 0)
             next_chunk -= 1
         start = comp.copy()
-        m = modes[:, p]
-        comp = np.where((m == SWAP) | (m == SSD), np.maximum(comp, swap_in_end[:, p]), comp)
+        m = modes[p]
+        comp = np.where((m == SWAP) | (m == SSD), np.maximum(comp, swap_in_end[p]), comp)
         if chunks:
-            all_ready = avail[:, list(chunks)].max(axis=1)
+            all_ready = avail[list(chunks)].max(axis=0)
             comp = np.where(m == CKPT, np.maximum(comp, all_ready) + part.fwd_time, comp)
             for c, share in zip(reversed(chunks), reversed(layout.part_chunk_share[p])):
-                comp = np.maximum(comp, avail[:, c]) + part.bwd_time * share
+                comp = np.maximum(comp, avail[c]) + part.bwd_time * share
         else:
             comp = np.where(m == CKPT, comp + part.fwd_time, comp) + part.bwd_time
         # Prefetch the previous block's swapped activations, issued as this part starts.
         if p >= 1 and parts[p - 1].kind == "block":
-            sw = modes[:, p - 1] == SWAP
+            sw = modes[p - 1] == SWAP
             end = np.maximum(h2d, start) + saved[p - 1] / hw.h2d_bandwidth
             h2d = np.where(sw, end, h2d)
-            swap_in_end[:, p - 1] = np.where(sw, end, 0.0)
+            swap_in_end[p - 1] = np.where(sw, end, 0.0)
             h2d_bytes += np.where(sw, saved[p - 1], 0)
-            sd = modes[:, p - 1] == SSD
+            sd = modes[p - 1] == SSD
             if sd.any():
                 queue = ssd_r if gds else h2d
                 end = np.maximum(queue, start) + r_time[p - 1]
@@ -233,13 +235,13 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                 else:
                     h2d = np.where(sd, end, h2d)
                     h2d_bytes += np.where(sd, saved[p - 1], 0)
-                swap_in_end[:, p - 1] = np.where(sd, end, swap_in_end[:, p - 1])
+                swap_in_end[p - 1] = np.where(sd, end, swap_in_end[p - 1])
         # Chunks whose gradient is now complete: offload and step on the CPU.
         for c in sorted(first_of[p], reverse=True):
             offl = c >= npers
             d_end = np.maximum(d2h, comp) + t_down[c]
             d2h = np.where(offl, d_end, d2h)
-            grad_out[:, c] = np.where(offl, d_end, comp)
+            grad_out[c] = np.where(offl, d_end, comp)
             d2h_bytes += np.where(offl, layout.used[c] * profile.param_bytes / world, 0)
             if optimizer_step and cpu_overlap:
                 c_end = np.maximum(cpu, d_end) + t_adam[c]
