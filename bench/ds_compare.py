@@ -148,9 +148,21 @@ def shape_args(ap: argparse.ArgumentParser, **defaults) -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
 
 
-def smoke(args) -> None:
-    args.layers, args.hidden, args.heads, args.vocab, args.seq = 2, 64, 4, 256, 64
-    args.micro_batch, args.steps, args.warmup = 2, 3, 1
+def parse(ap: argparse.ArgumentParser):
+    """Parse the flags; in a worker process run the spec and return None; with --smoke shrink
+    the model to a CPU check."""
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return None
+    if args.smoke:
+        args.layers, args.hidden, args.heads, args.vocab, args.seq = 2, 64, 4, 256, 64
+        args.micro_batch, args.steps, args.warmup = 2, 3, 1
+    return args
+
+
+def default_tag(args) -> str:
+    return args.tag or ("smoke" if args.smoke else f"L{args.layers}H{args.hidden}b{args.micro_batch}s{args.seq}")
 
 
 def shape_spec(args) -> dict:
@@ -162,12 +174,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     shape_args(ap)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    args = ap.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+    args = parse(ap)
+    if args is None:
         return
-    if args.smoke:
-        smoke(args)
     results = run_systems([dict(system=s, **shape_spec(args)) for s in args.systems.split(",")])
     base = next((r for r in results if r.get("system") == "zero3_offload" and "tokens_per_s" in r), None)
     print(f"\n{'system':<15}{'tokens/s':>12}{'TFLOPS':>9}{'peak alloc':>12}{'vs ZeRO-3 off':>15}")
@@ -182,8 +191,7 @@ def main() -> None:
             pk = f", peak error {r['peak_error']:+.1%}" if "peak_error" in r else ""
             print(f"{'':<15}plan {r['plan']} {r['block_modes']}: predicted {r['predicted_iter_time']:.3f} s "
                   f"vs {r['step_time_median']:.3f} s measured ({r['iter_time_error']:+.1%}){pk}")
-    tag = args.tag or ("smoke" if args.smoke else f"L{args.layers}H{args.hidden}b{args.micro_batch}s{args.seq}")
-    print(f"wrote {write_record('ds_compare', tag, args, results)}")
+    print(f"wrote {write_record('ds_compare', default_tag(args), args, results)}")
 
 
 if __name__ == "__main__":

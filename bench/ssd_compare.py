@@ -23,12 +23,11 @@ POSIX) and the plan's predictions. Goal (issue): ssd_* >= 45% below keep's activ
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ds_compare import run_systems, shape_args, shape_spec, smoke, worker, write_record  # noqa: E402
+from ds_compare import default_tag, parse, run_systems, shape_args, shape_spec, write_record  # noqa: E402
 
 
 def _protrain(**extra) -> dict:
@@ -42,12 +41,9 @@ def main() -> None:
     ap.add_argument("--budget-fraction", type=float, default=0.5,
                     help="ssd_plan's device budget: states + this fraction of keep's activation peak")
     ap.add_argument("--systems", default="keep,ckpt,ssd_all,ssd_plan")
-    args = ap.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+    args = parse(ap)
+    if args is None:
         return
-    if args.smoke:
-        smoke(args)
     if not 0 < args.budget_fraction < 1:
         ap.error(f"--budget-fraction {args.budget_fraction}: give a fraction between 0 and 1")
     ssd = dict(ssd_path=args.ssd_path, ssd_min_bytes=0 if args.smoke else 2**20)
@@ -85,8 +81,7 @@ def main() -> None:
                if act is not None and keep and keep.get("activation_peak") else "-")
         print(f"{r['system']:<10}{r['tokens_per_s']:>11,.0f}{speed:>9}{act_s:>11}{rel:>9}"
               f"{r['block_modes'][:8]:>8}  {r.get('ssd_backend') or '-'}")
-    tag = args.tag or ("smoke" if args.smoke else f"L{args.layers}H{args.hidden}b{args.micro_batch}s{args.seq}")
-    print(f"wrote {write_record('ssd_compare', tag, args, results, ssd_path=args.ssd_path)}")
+    print(f"wrote {write_record('ssd_compare', default_tag(args), args, results, ssd_path=args.ssd_path)}")
 
 
 if __name__ == "__main__":
