@@ -9,7 +9,7 @@ import pytest
 from protrain.block_mode import layout_block_modes
 from protrain.config import KnobPins, PlannerConfig
 from protrain.cost.layout import build_layout, chunk_capacities
-from protrain.cost.memory import buffer_numel, predict_memory, state_bytes
+from protrain.cost.memory import buffer_numel, predict_memory, ssd_bytes, state_bytes, swap_host_bytes
 from protrain.cost.runtime import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
 from protrain.profile.machines import machine
@@ -116,6 +116,10 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
                            data_parallel_size=world)
     budget = hw.device_memory / (1 + config.memory_margin)
     acts = search_mod._activation_configs(prof, config, hw)
+    # The prefix-sum byte counts equal the memory model's, layout by layout.
+    codes = acts.codes(np.arange(len(acts.n_ckpt)))
+    assert (acts.swap_host == swap_host_bytes(prof, codes)).all()
+    assert (acts.ssd == ssd_bytes(prof, codes)).all()
     checked = 0
     for cap in chunk_capacities(prof, sizes):
         grid = search_mod._grid(prof, hw, config, acts, cap, budget, {})
