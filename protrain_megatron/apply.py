@@ -283,10 +283,36 @@ def _prefer_native(plan: Plan, profile, hw, config, required: bool = False) -> P
         if required:
             raise
         return plan
-    if required or alt.prediction.iter_time <= plan.prediction.iter_time * 1.01:
+    if required or _as_fast(alt, plan, profile, hw, config):
         return replace(alt, notes=alt.notes + (
             "recomputed layers moved to the front so Megatron's native recompute runs them",))
     return plan
+
+
+def _as_fast(alt: Plan, plan: Plan, profile: ModelProfile, hw, config) -> bool:
+    """``alt`` is within 1% of ``plan``'s predicted time, judged with every layer's times
+    replaced by the mean over the layers of the same shape. Why: layers of the same shape do
+    the same FLOPs, and one measured iteration makes their times differ by more than 1% on a
+    busy machine, which alone would decide which of two identical layers to recompute."""
+    smooth = _shape_mean_times(profile)
+    fast = lambda p: evaluate(smooth, hw, p.knobs, config, block_modes=p.block_modes)  # noqa: E731
+    return fast(alt).prediction.iter_time <= fast(plan).prediction.iter_time * 1.01
+
+
+def _shape_mean_times(profile: ModelProfile) -> ModelProfile:
+    """``profile`` with each block's forward and backward times the mean over the blocks of
+    its shape (parameter elements, input bytes, saved bytes)."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, p in enumerate(profile.parts):
+        if p.kind == "block":
+            groups.setdefault((p.param_numel, p.in_bytes, p.saved_bytes), []).append(i)
+    parts = list(profile.parts)
+    for members in groups.values():
+        fwd = sum(parts[i].fwd_time for i in members) / len(members)
+        bwd = sum(parts[i].bwd_time for i in members) / len(members)
+        for i in members:
+            parts[i] = replace(parts[i], fwd_time=fwd, bwd_time=bwd)
+    return replace(profile, parts=tuple(parts))
 
 
 def _pins(pins) -> KnobPins:

@@ -453,3 +453,39 @@ def test_cuda_graphs_refuse_hook_plans(model, sample):
         assert any("CUDA graphs" in n for n in ckpt.plan.notes)
     finally:
         model.config.cuda_graph_impl = "none"
+
+
+def test_native_recompute_is_preferred_despite_timing_noise():
+    """Megatron's native recompute (first layers) against ProTrain's interleaved layout for the
+    same count: layers of one shape do the same FLOPs, so a spread in their measured times
+    (30% here) must not decide (it made CI pick ``CNCN`` once); a layer that is really dearer
+    to recompute still does."""
+    from dataclasses import replace as dc_replace
+
+    from protrain.config import KnobPins, PlannerConfig
+    from protrain.profile.analytic import ModelShape, analytic_profile
+    from protrain.search import search
+    from protrain_megatron.apply import _prefer_native
+
+    shape = ModelShape("four", "gpt2", n_layers=4, hidden=256, heads=4, vocab=2048, seq_len=256,
+                       micro_batch=4, max_positions=256)
+    base = analytic_profile(shape, dc_replace(HW, peak_flops=1e11))
+    config = PlannerConfig(pins=KnobPins(n_checkpoint=2, n_swap=0, n_ssd=0), cpu_optim_overlap=False)
+
+    def slower(profile, i, factor, **shape_change):
+        parts = list(profile.parts)
+        b = profile.block_part_indices[i]
+        parts[b] = dc_replace(parts[b], fwd_time=parts[b].fwd_time * factor,
+                              bwd_time=parts[b].bwd_time * factor, **shape_change)
+        return dc_replace(profile, parts=tuple(parts))
+
+    noisy = slower(base, 1, 1.3)                # layer 2 measured 30% slow: noise
+    plan = search(noisy, HW, config)
+    assert "".join(m.letter for m in plan.block_modes) == "CNCN"
+    native = _prefer_native(plan, noisy, HW, config)
+    assert "".join(m.letter for m in native.block_modes) == "CCNN"
+
+    dearer = slower(base, 1, 3.0, saved_bytes=base.blocks[1].saved_bytes * 2)   # another kind
+    plan = search(dearer, HW, config)
+    kept = _prefer_native(plan, dearer, HW, config)
+    assert "".join(m.letter for m in kept.block_modes) == "CNCN"
