@@ -14,6 +14,9 @@ from typing import Any, Mapping
 from .units import MiB, parse_bytes
 
 KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "n_ssd")
+MAX_COUNT = 2**31 - 1
+"""Largest count a setting takes (chunks, blocks, steps, ranks): the search holds them in int64
+arrays and multiplies them by sizes."""
 
 
 class ConfigError(ValueError):
@@ -91,7 +94,11 @@ class PlannerConfig:
         for key in data:
             if key not in allowed:
                 raise ConfigError(_unknown_key(f"{where}.{key}", key, allowed))
-        pins_data = dict(data.pop("pins", None) or {})
+        pins_data = data.pop("pins", None) or {}
+        if not isinstance(pins_data, Mapping):
+            raise ConfigError(f"{where}.pins = {pins_data!r}: must be a mapping of knob to value, "
+                              f"e.g. {{\"n_checkpoint\": 4, \"chunk_size\": \"64MiB\"}}")
+        pins_data = dict(pins_data)
         for k in KNOB_NAMES:
             if k in data:
                 if k in pins_data:
@@ -116,8 +123,8 @@ class PlannerConfig:
         for key in ("grad_accumulation_steps", "data_parallel_size"):
             if key in data:
                 v = data[key]
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number >= 1")
+                if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_COUNT:
+                    raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number from 1 to {MAX_COUNT}")
                 kwargs[key] = v
         if "cpu_optim_overlap" in data:
             if not isinstance(data["cpu_optim_overlap"], bool):
@@ -126,8 +133,8 @@ class PlannerConfig:
             kwargs["cpu_optim_overlap"] = data["cpu_optim_overlap"]
         if "runner_ups" in data:
             v = data["runner_ups"]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{where}.runner_ups = {v!r}: must be a whole number >= 0")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+                raise ConfigError(f"{where}.runner_ups = {v!r}: must be a whole number from 0 to {MAX_COUNT}")
             kwargs["runner_ups"] = v
         return cls(**kwargs)
 
@@ -143,8 +150,8 @@ def _pins_from_dict(data: Mapping[str, Any], where: str) -> KnobPins:
         if key == "chunk_size":
             kwargs[key] = _size(v, f"{where}.{key}", positive=True)
         else:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number >= 0, or \"auto\" "
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+                raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number from 0 to {MAX_COUNT}, or \"auto\" "
                                   f"to let the search choose")
             kwargs[key] = v
     return KnobPins(**kwargs)

@@ -119,6 +119,25 @@ class Plan(JsonValue):
     its chunk layout without profiling again."""
     block_saved_bytes: tuple[int, ...] = ()
     """Bytes each block saves for backward (sizes the host arenas of swapped blocks)."""
+    micro_batch: int | None = None
+    """Samples per micro-batch the plan was made for (None: unknown, e.g. an older plan file)."""
+    seq_len: int | None = None
+    """Sequence length the plan was made for (None: unknown)."""
+
+    def differs_from(self, *, n_blocks: int, param_bytes: int, micro_batch: int | None,
+                     seq_len: int | None) -> str | None:
+        """What about a run makes this plan's predictions wrong for it (activations scale with
+        the batch shape, model states with the parameter width), or None when nothing does."""
+        if len(self.block_modes) != n_blocks:
+            return f"it was made for a model with {len(self.block_modes)} blocks, this one has {n_blocks}"
+        if self.param_bytes != param_bytes:
+            return (f"it was made for {self.param_bytes}-byte parameters, this run trains "
+                    f"{param_bytes}-byte ones (another dtype: bf16/fp16 vs fp32)")
+        if None not in (self.micro_batch, micro_batch) and self.micro_batch != micro_batch:
+            return f"it was made for micro-batch {self.micro_batch}, this run's batches have {micro_batch}"
+        if None not in (self.seq_len, seq_len) and self.seq_len != seq_len:
+            return f"it was made for sequence length {self.seq_len}, this run's batches have {seq_len}"
+        return None
 
     def layout(self):
         """The chunk layout this plan runs with."""

@@ -471,7 +471,8 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         alternatives=tuple(alternatives), search_seconds=search_seconds,
         candidates_evaluated=int(evaluated), candidates_total=int(total),
         params=profile.params if profile.source == "measured" else (),
-        block_saved_bytes=tuple(b.saved_bytes for b in profile.blocks))
+        block_saved_bytes=tuple(b.saved_bytes for b in profile.blocks),
+        micro_batch=profile.micro_batch, seq_len=profile.seq_len)
 
 
 def _leanest(profile, config, acts, caps, host_memory) -> tuple[float, float]:

@@ -13,6 +13,9 @@ _SIZE_RE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*
 
 GiB = 2**30
 MiB = 2**20
+MAX_BYTES = 2**60
+"""Largest size accepted (1 EiB): more than any machine has, and small enough that sums of a
+few of them stay exact in the search's int64 and float64 arithmetic."""
 
 
 def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
@@ -23,8 +26,10 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
     """
     if isinstance(value, bool):
         raise ValueError(f"{what}: expected a size such as 80GiB or a number of bytes, got {value!r}")
-    if isinstance(value, (int, float)):
-        result = float(value)
+    if isinstance(value, int):
+        result = value          # exact (and not limited to float's range)
+    elif isinstance(value, float):
+        result = value
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         unit = m.group(2).lower() if m else None
@@ -35,8 +40,15 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
         result = float(m.group(1)) * _UNITS[unit]
     else:
         raise ValueError(f"{what}: expected a size such as 80GiB or a number of bytes, got {value!r}")
+    if result != result or result in (float("inf"), float("-inf")):
+        raise ValueError(f"{what}: {value!r} is not a finite size; write a number of bytes or a "
+                         f"number with a unit such as 64MiB, 80GB or 128GiB")
     if result < 0:
         raise ValueError(f"{what}: must not be negative, got {value!r}")
+    if result > MAX_BYTES:
+        shown = f"{float(result):.3g}" if result < 1e300 else "over 1e300"
+        raise ValueError(f"{what}: {value!r} is {shown} bytes, more than any machine has "
+                         f"(at most 1 EiB); write the real size")
     return int(result)
 
 

@@ -8,11 +8,26 @@
                                         Adam m and v, step (see protrain.runtime.states), RNG
     save_dir/<tag>/manifest.json        every file's size and CRC32, written last
 
-Atomic: everything is written into ``save_dir/.<tag>.partial``; only when every rank has
-written and rank 0 has checked the files and written the manifest is the directory renamed to
-``<tag>``, and ``latest`` replaced (write then rename). A crash mid-save leaves the previous
-checkpoint and ``latest`` untouched. Loading verifies the manifest, sizes and checksums and
-names the file that is missing, short or corrupt.
+Crash-safe, step by step (tests/test_checkpoint.py kills a save before every file-system
+change it makes and loads what is left):
+
+1. rank 0 repairs what an earlier killed save left (``_repair``) and makes
+   ``save_dir/.<tag>.partial``;
+2. every rank writes its files into it, each flushed to the drive (fsync) before it reports;
+3. rank 0 checks that every expected file is there, writes the manifest (fsync) and syncs the
+   directory: from now on ``.<tag>.partial`` is a complete checkpoint;
+4. an existing ``<tag>`` (a tag saved again) is renamed to ``.<tag>.old``; ``.<tag>.partial``
+   is renamed to ``<tag>``; ``latest`` is replaced (write aside, fsync, rename); the directory
+   is synced after every rename, so the order survives a power loss;
+5. ``.<tag>.old`` is removed.
+
+A kill anywhere leaves ``latest`` naming a complete checkpoint: until step 4 the previous one
+is untouched; between the two renames of step 4 ``<tag>`` is missing and loading reads
+``.<tag>.old`` instead; the next save puts it back or removes it and removes every leftover
+``.partial``. A save that fails (disk full, an I/O error on any rank) removes its ``.partial``
+and raises ``CheckpointError`` naming the rank, the file and the cause. Loading verifies the
+manifest (it must list exactly the files of a checkpoint of its world size), sizes and
+checksums, and names the file that is missing, short or corrupt.
 
 The pieces of all ranks together cover every parameter once, so a checkpoint loads into any
 world size. ``consolidated_state_dict`` assembles the fp32 weights for inference (DeepSpeed's
@@ -20,7 +35,9 @@ zero_to_fp32); ``python -m protrain_ds.checkpoint DIR OUT.pt`` writes them to a 
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import shutil
 import zlib
@@ -31,18 +48,25 @@ import torch
 
 from protrain.config import ConfigError
 from protrain.runtime.states import Piece, assemble, export_pieces, import_pieces
+from protrain.units import fmt_bytes
+
+log = logging.getLogger("protrain")
 
 META = "protrain_meta.pt"
 MANIFEST = "manifest.json"
+LATEST = "latest"
 FORMAT = 1
 
-
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message names the file and what is wrong with it."""
+    """A checkpoint cannot be used or written; the message names the file and what is wrong."""
 
 
 def _states_file(rank: int) -> str:
     return f"protrain_states_rank{rank:05d}.pt"
+
+
+def _expected_files(world: int) -> set[str]:
+    return {META} | {_states_file(r) for r in range(world)}
 
 
 def _crc32(path: Path) -> int:
@@ -53,11 +77,7 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _barrier(dp) -> None:
-    if dp.world > 1:
-        torch.distributed.barrier(group=dp.group)
-
-
+# ---- saving --------------------------------------------------------------------------------
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> bool:
     runtime = engine.protrain_runtime
     if runtime is None:
@@ -67,82 +87,289 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
     dp = runtime.chunks.dp
     save_dir = Path(save_dir)
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    if "/" in tag or tag.startswith("."):
+    if not tag or "/" in tag or tag.startswith("."):
         raise ConfigError(f"checkpoint tag {tag!r}: use a plain name (no '/', not starting with '.')")
     partial = save_dir / f".{tag}.partial"
+
+    def attempt(what: str, fn) -> str | None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported on every rank, see _settle
+            return _describe(e, what, save_dir)
+        return None
+
+    # 1. A clean place to write.
+    _settle(dp, tag, save_dir, attempt(f"preparing {partial}", lambda: _prepare(save_dir, tag))
+            if dp.rank == 0 else None)
+
+    # 2. Every rank's files, on the drive before anyone reports success.
+    def write_files():
+        pieces = [vars(p) for p in export_pieces(runtime.chunks)]
+        rng = {"cpu": torch.random.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        _save_durable({"pieces": pieces, "rng": rng, "rank": dp.rank, "world": dp.world},
+                      partial / _states_file(dp.rank))
+        if dp.rank == 0:
+            _save_durable(_meta(engine, tag, dp.world, client_state), partial / META)
+    _settle(dp, tag, save_dir, attempt(f"writing {partial}", write_files))
+
+    # 3-5. Rank 0 certifies and publishes.
+    error, published = None, []
     if dp.rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    _barrier(dp)
-    pieces = [vars(p) for p in export_pieces(runtime.chunks)]
-    rng = {"cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    _atomic_save({"pieces": pieces, "rng": rng, "rank": dp.rank, "world": dp.world},
-                 partial / _states_file(dp.rank))
-    if dp.rank == 0:
-        opt = engine.optimizer
-        meta = {
-            "format": FORMAT, "world": dp.world, "tag": tag,
-            "plan": engine.protrain_plan.to_dict(),
-            "params": _param_shapes(engine),
-            "extra_state": _extra_state(engine.module),
-            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "loss_scaler": vars(opt.loss_scaler).copy() if opt.loss_scaler is not None else None,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-            "client_state": client_state or {},
-        }
-        _atomic_save(meta, partial / META)
-    _barrier(dp)
-    if dp.rank == 0:
-        files = {f.name: {"bytes": f.stat().st_size, "crc32": _crc32(f)}
-                 for f in sorted(partial.iterdir()) if f.name != MANIFEST}
-        expected = {META} | {_states_file(r) for r in range(dp.world)}
-        if set(files) != expected:
-            raise CheckpointError(f"{partial}: expected files {sorted(expected)}, found {sorted(files)}")
-        _atomic_write(partial / MANIFEST, json.dumps(
-            {"format": FORMAT, "tag": tag, "world": dp.world, "complete": True, "files": files}, indent=1))
-        final = save_dir / tag
-        old = save_dir / f".{tag}.old"
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        partial.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            _atomic_write(save_dir / "latest", tag)
-    _barrier(dp)
+        error = attempt(f"publishing {save_dir / tag}",
+                        lambda: _commit(save_dir, tag, dp.world, save_latest, published))
+        if error and published:
+            error += f" ({_PUBLISHED}: the checkpoint is complete in {save_dir / tag})"
+    _settle(dp, tag, save_dir, error)
     return True
 
 
+def _meta(engine, tag: str, world: int, client_state) -> dict:
+    opt = engine.optimizer
+    return {
+        "format": FORMAT, "world": world, "tag": tag,
+        "plan": engine.protrain_plan.to_dict(),
+        "params": _param_shapes(engine),
+        "extra_state": _extra_state(engine.module),
+        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scaler": vars(opt.loss_scaler).copy() if opt.loss_scaler is not None else None,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "client_state": client_state or {},
+    }
+
+
+def _repair(save_dir: Path) -> None:
+    """Undo what saves killed before they finished left in ``save_dir``: their ``.partial``
+    directories (they only hold disk space: ``latest`` never names them), a ``.<tag>.old``
+    whose ``<tag>`` is back (removed), and one whose ``<tag>`` is missing (renamed back: it
+    is the last complete copy of that tag)."""
+    for p in save_dir.glob(".*.partial"):
+        shutil.rmtree(p, ignore_errors=True)
+    for old in save_dir.glob(".*.old"):
+        final = save_dir / old.name[1:-len(".old")]
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        elif (old / MANIFEST).exists():
+            old.rename(final)
+    _fsync_dir(save_dir)
+
+
+def _prepare(save_dir: Path, tag: str) -> None:
+    save_dir.mkdir(parents=True, exist_ok=True)
+    _repair(save_dir)
+    (save_dir / f".{tag}.partial").mkdir()
+    _fsync_dir(save_dir)
+
+
+def _commit(save_dir: Path, tag: str, world: int, save_latest: bool, published: list) -> None:
+    partial, final, old = save_dir / f".{tag}.partial", save_dir / tag, save_dir / f".{tag}.old"
+    files = {f.name: {"bytes": f.stat().st_size, "crc32": _crc32(f)}
+             for f in sorted(partial.iterdir()) if f.name != MANIFEST}
+    expected = _expected_files(world)
+    if set(files) != expected:
+        raise CheckpointError(f"{partial}: expected files {sorted(expected)}, found {sorted(files)}")
+    _write_durable(partial / MANIFEST, json.dumps(
+        {"format": FORMAT, "tag": tag, "world": world, "complete": True, "files": files}, indent=1))
+    _fsync_dir(partial)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        _fsync_dir(save_dir)
+    partial.rename(final)
+    _fsync_dir(save_dir)
+    published.append(True)
+    if save_latest:
+        tmp = save_dir / f".{LATEST}.tmp"
+        _write_durable(tmp, tag)
+        os.replace(tmp, save_dir / LATEST)
+        _fsync_dir(save_dir)
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(save_dir)
+
+
+_PUBLISHED = f"'{LATEST}' was not updated"
+
+
+def _settle(dp, tag: str, save_dir: Path, error: str | None) -> None:
+    """Every rank learns whether any rank failed (this is also the barrier between the steps).
+    On a failure rank 0 removes the half-written save, and every rank raises the same error."""
+    if dp.world > 1:
+        errors = [None] * dp.world
+        torch.distributed.all_gather_object(errors, error, group=dp.group)
+    else:
+        errors = [error]
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    if dp.rank == 0:
+        _abandon(save_dir, tag)
+    if any(_PUBLISHED in f for f in failed):
+        raise CheckpointError(f"checkpoint {tag!r}: {'; '.join(failed)}")
+    raise CheckpointError(f"checkpoint {tag!r} was not saved: {'; '.join(failed)}. The partial save "
+                          f"was removed; the previous checkpoints and '{LATEST}' are as they were")
+
+
+def _abandon(save_dir: Path, tag: str) -> None:
+    """Remove a failed save's files; put the previous ``<tag>`` back if it was moved aside."""
+    final, old = save_dir / tag, save_dir / f".{tag}.old"
+    try:
+        if not final.exists() and (old / MANIFEST).exists():
+            old.rename(final)
+        shutil.rmtree(save_dir / f".{tag}.partial", ignore_errors=True)
+        _fsync_dir(save_dir)
+    except OSError as e:        # the error being reported matters more
+        log.warning("protrain: cleaning up the failed save of %s: %s", tag, e)
+
+
+def _describe(e: BaseException, what: str, save_dir: Path) -> str:
+    """What went wrong, with the OS error behind it (torch.save reports a failed write as
+    "unexpected pos ..." and keeps the OSError only as the context)."""
+    cause, seen = e, set()
+    while cause is not None and not isinstance(cause, OSError) and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError):
+        where = f"{cause.filename}: " if cause.filename else ""
+        msg = f"{what} failed: {where}{cause.strerror or cause}"
+        if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            try:
+                free = fmt_bytes(shutil.disk_usage(save_dir).free)
+            except OSError:
+                free = "?"
+            msg += f" - the disk (or quota) holding {save_dir} is full, {free} free"
+        return msg
+    return f"{what} failed: {type(e).__name__}: {e}"
+
+
+def _save_durable(obj, path: Path) -> None:
+    """torch.save, on the drive when it returns. Through a Python file so that a failed write
+    raises the OSError (disk full) rather than only torch's "unexpected pos"."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as e:
+        _name_file(e, path)
+        raise
+
+
+def _write_durable(path: Path, text: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as e:
+        _name_file(e, path)
+        raise
+
+
+def _name_file(e: BaseException, path: Path) -> None:
+    """Let the OSError behind ``e`` name the file it happened to."""
+    for x in (e, e.__cause__, e.__context__):
+        if isinstance(x, OSError) and x.filename is None:
+            x.filename = str(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the directory's entries (files created, renamed) survive a power loss."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:             # file systems without directory fsync
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---- loading -------------------------------------------------------------------------------
 def resolve(load_dir, tag=None) -> Path | None:
+    """The directory to load: ``<tag>`` (from ``latest`` by default), or ``.<tag>.old`` when a
+    save that replaced ``<tag>`` was killed between its two renames. None without ``latest``."""
     load_dir = Path(load_dir)
     if tag is None:
-        latest = load_dir / "latest"
+        latest = load_dir / LATEST
         if not latest.exists():
             return None
         tag = latest.read_text().strip()
-    return load_dir / str(tag)
+        if not tag:
+            raise CheckpointError(f"{latest} is empty: it should name the checkpoint to load (a tag "
+                                  f"such as global_step100; it was written by another tool or "
+                                  f"edited). Give the tag: load_checkpoint({str(load_dir)!r}, tag=...)")
+    path = load_dir / str(tag)
+    old = load_dir / f".{tag}.old"
+    if not path.exists() and (old / MANIFEST).exists():
+        log.warning("protrain: checkpoint %s: a save that replaced it was killed; loading the "
+                    "previous copy %s (the next save puts it back)", path, old)
+        return old
+    return path
+
+
+def _not_a_checkpoint(path: Path) -> CheckpointError:
+    """Why ``path`` (a directory without a manifest) is not a usable ProTrain checkpoint."""
+    names = sorted(p.name for p in path.iterdir())
+    deepspeed = [n for n in names if n.endswith(("_model_states.pt", "_optim_states.pt"))]
+    if deepspeed:
+        return CheckpointError(
+            f"checkpoint {path} was written by DeepSpeed without ProTrain ({', '.join(deepspeed[:3])}): "
+            f"its ZeRO optimizer states cannot be resumed by ProTrain's engine. To start from its "
+            f"weights, load them into the model before deepspeed.initialize: model.load_state_dict("
+            f"torch.load('{path / 'mp_rank_00_model_states.pt'}', weights_only=False)['module']) "
+            f"(a ZeRO-3 checkpoint: run DeepSpeed's zero_to_fp32.py on it first)")
+    if META in names or any(n.startswith("protrain_states_rank") for n in names):
+        return CheckpointError(f"checkpoint {path} is incomplete: {MANIFEST} is missing (the save "
+                               f"was interrupted or the file deleted); load an earlier tag")
+    if not names:
+        return CheckpointError(f"checkpoint {path} is an empty directory, not a ProTrain checkpoint")
+    return CheckpointError(f"{path} is not a ProTrain checkpoint: it has no {MANIFEST} and holds "
+                           f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
 
 
 def verify(path: Path) -> dict:
     """The manifest of a complete, intact checkpoint directory, or CheckpointError."""
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        hint = ""
+        if (path.parent / f".{path.name}.partial").exists():
+            hint = f" (a save of it did not finish: .{path.name}.partial; the next save removes it)"
+        raise CheckpointError(f"checkpoint {path} does not exist{hint}")
     manifest = path / MANIFEST
     if not manifest.exists():
-        raise CheckpointError(f"checkpoint {path} is incomplete: {MANIFEST} is missing (the save "
-                              f"was interrupted); load an earlier tag")
+        raise _not_a_checkpoint(path)
     try:
         info = json.loads(manifest.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({e})") from None
-    if not info.get("complete") or info.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path}: not a complete ProTrain checkpoint (format "
-                              f"{info.get('format')}, complete={info.get('complete')})")
-    for name, want in info["files"].items():
+    if not isinstance(info, dict) or not info.get("complete") or info.get("format") != FORMAT:
+        got = info if not isinstance(info, dict) else \
+            f"format {info.get('format')}, complete={info.get('complete')}"
+        raise CheckpointError(f"checkpoint {path}: not a complete ProTrain checkpoint ({got})")
+    files, world = info.get("files"), info.get("world")
+    if not isinstance(files, dict) or isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed (world={world!r}, files "
+                              f"{type(files).__name__}); it was edited or damaged")
+    # The manifest vouches for the files it lists: it must list every file a checkpoint of its
+    # world size has (an edited list would let an unchecked file in).
+    expected = _expected_files(world)
+    if set(files) != expected:
+        missing, extra = sorted(expected - set(files)), sorted(set(files) - expected)
+        raise CheckpointError(
+            f"checkpoint {path}: {MANIFEST} (world {world}) "
+            + (f"does not list {missing}" if missing else "")
+            + (" and " if missing and extra else "")
+            + (f"lists unexpected files {extra}" if extra else "")
+            + "; it was edited or damaged, so the files cannot be checked")
+    for name in sorted(files):
+        want = files[name]
+        if not isinstance(want, dict) or not all(isinstance(want.get(k), int) for k in ("bytes", "crc32")):
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} entry for {name} is malformed ({want!r})")
         f = path / name
         if not f.exists():
             raise CheckpointError(f"checkpoint {path}: {name} is missing")
@@ -155,10 +382,22 @@ def verify(path: Path) -> dict:
     return info
 
 
+def _load_meta(path: Path, info: dict) -> dict:
+    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    if meta.get("world") != info["world"] or meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: {META} says world {meta.get('world')}, format "
+                              f"{meta.get('format')}, the manifest world {info['world']}, format "
+                              f"{FORMAT}; the checkpoint is inconsistent")
+    return meta
+
+
 def read_pieces(path: Path, world: int) -> dict[str, list[Piece]]:
     by_name: dict[str, list[Piece]] = defaultdict(list)
     for r in range(world):
         blob = torch.load(path / _states_file(r), map_location="cpu", weights_only=False, mmap=True)
+        if blob.get("rank") != r or blob.get("world") != world:
+            raise CheckpointError(f"checkpoint {path}: {_states_file(r)} holds rank {blob.get('rank')} "
+                                  f"of {blob.get('world')}, expected rank {r} of {world}")
         for d in blob["pieces"]:
             by_name[d["name"]].append(Piece(**d))
     return by_name
@@ -170,7 +409,7 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
     if path is None:
         return None, None
     info = verify(path)
-    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    meta = _load_meta(path, info)
     have = _param_shapes(engine)
     want = meta["params"]
     mismatch = [n for n in want if have.get(n) != want[n]] + sorted(set(have) - set(want))
@@ -219,7 +458,7 @@ def consolidated_state_dict(load_dir, tag=None) -> dict[str, torch.Tensor]:
     if path is None:
         raise CheckpointError(f"{load_dir}: no 'latest' file; give the tag")
     info = verify(path)
-    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    meta = _load_meta(path, info)
     pieces = read_pieces(path, info["world"])
     out = {}
     for name, shape in meta["params"].items():
@@ -244,18 +483,6 @@ def _extra_state(module) -> dict:
     parameters)."""
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if k not in trainable}
-
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:

@@ -247,7 +247,7 @@ class ProTrainEngine(DeepSpeedEngine):
         if dp.rank == 0:
             # One rank measures and decides; every rank runs the same plan.
             try:
-                plan = self._load_plan(planner)
+                plan = self._load_plan(planner, blocks, inputs, kwargs)
                 loaded = plan is not None
                 if plan is None:
                     profile = self._profile(blocks, inputs, kwargs)
@@ -331,7 +331,10 @@ class ProTrainEngine(DeepSpeedEngine):
                     load_lr_scheduler_states=load_lr_scheduler_states,
                     load_module_only=load_module_only)
 
-    def _load_plan(self, planner) -> Plan | None:
+    def _load_plan(self, planner, blocks, inputs, kwargs) -> Plan | None:
+        """The plan in ``plan_file`` if there is one and it was made for this run: the same
+        trainable parameters, blocks, dtype and batch shape (its predictions hold for nothing
+        else); otherwise say what changed."""
         path = self.protrain_config.plan_file
         if not path or not Path(path).exists():
             return None
@@ -342,12 +345,31 @@ class ProTrainEngine(DeepSpeedEngine):
         if not plan.params:
             raise ConfigError(f"protrain.plan_file {path} has no parameter layout (it was made from "
                               f"an analytic profile); delete it to plan from a measured profile")
+
+        def stale(why: str) -> ConfigError:
+            return ConfigError(f"protrain.plan_file {path} does not fit this run: {why}; delete it "
+                               f"(or point plan_file at a new path) to re-plan")
         named = dict(self.module.named_parameters())
+        trainable = [n for n, p in named.items() if p.requires_grad]
+        micro_batch, seq = _batch_shape(inputs, kwargs)
+        why = plan.differs_from(
+            n_blocks=len(blocks), micro_batch=micro_batch, seq_len=seq,
+            param_bytes=named[trainable[0]].element_size() if trainable else plan.param_bytes)
+        if why is not None:
+            raise stale(why)
         for rec in plan.params:
             p = named.get(rec.name)
             if p is None or p.numel() != rec.numel:
-                raise ConfigError(f"protrain.plan_file {path} was made for another model (parameter "
-                                  f"{rec.name} differs); delete it to re-plan")
+                raise stale(f"it was made for another model (parameter {rec.name} "
+                            + ("is not in this one)" if p is None else
+                               f"has {rec.numel} elements there, {p.numel()} here)"))
+            if not p.requires_grad:
+                raise stale(f"parameter {rec.name} is trainable in the plan but frozen in this run "
+                            f"(requires_grad=False)")
+        planned = {rec.name for rec in plan.params}
+        extra = [n for n in trainable if n not in planned]
+        if extra:
+            raise stale(f"parameters {extra[:3]} are trainable in this run but not in the plan")
         need = plan.prediction.peak_device_bytes * (1 + planner.memory_margin)
         if planner.device_memory and need > planner.device_memory:
             raise ConfigError(f"protrain.plan_file {path} needs {need / 2**30:.2f} GiB of device "

@@ -1,6 +1,10 @@
 """Checkpoints: exact resume in a fresh process, any world size, atomic, verified."""
+import errno
 import json
 import os
+import resource
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -66,24 +70,7 @@ def test_partial_corrupt_or_foreign_checkpoints_are_refused(tmp_path, monkeypatc
     files = sorted(p.name for p in (tmp_path / "good").iterdir())
     assert files == ["manifest.json", "protrain_meta.pt", "protrain_states_rank00000.pt"]
 
-    # A crash in the middle of a save leaves the last good checkpoint and 'latest' alone.
-    real = ck._atomic_save
-    calls = []
-
-    def dying(obj, path):
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError("disk full (injected)")
-        real(obj, path)
-    monkeypatch.setattr(ck, "_atomic_save", dying)
-    with pytest.raises(OSError, match="disk full"):
-        engine.save_checkpoint(tmp_path, tag="doomed")
-    monkeypatch.setattr(ck, "_atomic_save", real)
-    assert (tmp_path / "latest").read_text() == "good" and not (tmp_path / "doomed").exists()
-    assert engine.load_checkpoint(tmp_path)[0].endswith("good")
-
     bad = tmp_path / "bad"
-    import shutil
     shutil.copytree(tmp_path / "good", bad)
     states = bad / "protrain_states_rank00000.pt"
     data = states.read_bytes()
@@ -102,6 +89,34 @@ def test_partial_corrupt_or_foreign_checkpoints_are_refused(tmp_path, monkeypatc
         engine.load_checkpoint(tmp_path, tag="never")
     assert engine.load_checkpoint(tmp_path / "nothing-here") == (None, None)
 
+    # The manifest must list every file of a checkpoint of its world size: an edited list does
+    # not let an unchecked (here: corrupt) file in.
+    edited = tmp_path / "edited"
+    shutil.copytree(tmp_path / "good", edited)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    del manifest["files"]["protrain_states_rank00000.pt"]
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    (edited / "protrain_states_rank00000.pt").write_bytes(b"garbage")
+    with pytest.raises(ck.CheckpointError, match=r"does not list \['protrain_states_rank00000.pt'\]"):
+        engine.load_checkpoint(tmp_path, tag="edited")
+
+    # What is not a (complete) ProTrain checkpoint is named for what it is.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ck.CheckpointError, match="empty directory"):
+        engine.load_checkpoint(tmp_path, tag="empty")
+    (tmp_path / "latest").write_text("\n")
+    with pytest.raises(ck.CheckpointError, match="latest is empty.*Give the tag"):
+        engine.load_checkpoint(tmp_path)
+    import deepspeed
+    from protrain.models import GPT
+    plain_model = GPT(UNTIED)
+    plain, *_ = deepspeed.initialize(model=plain_model, model_parameters=plain_model.parameters(),
+                                     config=base_config())
+    plain.save_checkpoint(tmp_path / "ds")
+    assert (tmp_path / "ds" / "global_step0" / "mp_rank_00_model_states.pt").exists()
+    with pytest.raises(ck.CheckpointError, match="written by DeepSpeed without ProTrain.*load_state_dict"):
+        engine.load_checkpoint(tmp_path / "ds")
+
     from protrain.models import GPTConfig
     _, _, other = train(with_protrain(base_config()), GPTConfig(n_layer=2, n_embd=64, n_head=4,
                                                                 vocab_size=256, block_size=64), 1)
@@ -109,3 +124,179 @@ def test_partial_corrupt_or_foreign_checkpoints_are_refused(tmp_path, monkeypatc
         other.load_checkpoint(tmp_path, tag="good")
     engine.destroy()
     other.destroy()
+
+
+def _children_do(fn) -> int:
+    """Run ``fn`` in a forked copy of this process (its engine included); the child's exit
+    status (or -signal)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001 - report through the exit code only
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _kill_before_change(n: int) -> None:
+    """SIGKILL this process just before its n-th change to the file system (a file or
+    directory created by mkdir, renamed, replaced, removed, or a file flushed with fsync)."""
+    count = [0]
+
+    def wrap(fn):
+        def call(*args, **kwargs):
+            count[0] += 1
+            if count[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return fn(*args, **kwargs)
+        return call
+    for name in ("mkdir", "rename", "replace", "unlink", "remove", "rmdir", "fsync"):
+        setattr(os, name, wrap(getattr(os, name)))
+
+
+def _same(got: dict, want: dict) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_kill_before_any_change_a_save_makes_leaves_a_loadable_checkpoint(tmp_path):
+    """kill -9 at every point of a save (reusing the tag, and with a new tag): 'latest' always
+    loads the previous or the new state exactly, never an error; the next save cleans up."""
+    from dstrain import UNTIED, base_config, train, with_protrain
+    from protrain.models import synthetic_batch
+    import protrain_ds.checkpoint as ck
+    _, _, engine = train(with_protrain(base_config(), **PLAN), UNTIED, 2)
+    ckpt, pristine = tmp_path / "ckpt", tmp_path / "pristine"
+    engine.save_checkpoint(ckpt, tag="last")
+    a = ck.consolidated_state_dict(ckpt)
+    x, y = synthetic_batch(UNTIED, 2, seed=99)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.save_checkpoint(tmp_path / "ref", tag="b")
+    b = ck.consolidated_state_dict(tmp_path / "ref")
+    assert not _same(a, b)
+    shutil.copytree(ckpt, pristine)
+    for tag in ("last", "new"):
+        seen_new, n = False, 0
+        while True:
+            n += 1
+            shutil.rmtree(ckpt)
+            shutil.copytree(pristine, ckpt)
+            rc = _children_do(lambda: (_kill_before_change(n), engine.save_checkpoint(ckpt, tag=tag)))
+            after = sorted(p.name for p in ckpt.iterdir())
+            got = ck.consolidated_state_dict(ckpt)           # what 'latest' names
+            assert _same(got, b) or (_same(got, a) and not seen_new), (tag, n, after)
+            seen_new = _same(got, b)
+            if rc == 0:
+                break
+            assert rc == -signal.SIGKILL, (tag, n, rc)
+            # The next save (another tag) repairs: no leftovers, every tag loads A or B.
+            engine.save_checkpoint(ckpt, tag="next")
+            names = sorted(p.name for p in ckpt.iterdir())
+            assert not [m for m in names if m.startswith(".")], (tag, n, after, names)
+            assert (ckpt / "latest").read_text() == "next" and _same(ck.consolidated_state_dict(ckpt), b)
+            assert _same(ck.consolidated_state_dict(ckpt, "last"), a) or \
+                _same(ck.consolidated_state_dict(ckpt, "last"), b), (tag, n, after)
+        assert seen_new and n > 6, (tag, n)     # the save was killed at every one of its changes
+    # The engine itself loads the copy that was moved aside when the kill came between renames.
+    shutil.rmtree(ckpt)
+    shutil.copytree(pristine, ckpt)
+    (ckpt / "last").rename(ckpt / ".last.old")
+    path, _ = engine.load_checkpoint(ckpt)
+    assert path.endswith(".last.old")
+    engine.destroy()
+
+
+def test_saves_reach_the_drive_before_they_are_published(tmp_path, monkeypatch):
+    """Power loss: every file and the partial directory are flushed (fsync) before the rename
+    that publishes them, and the save directory after each rename, before 'latest' names it."""
+    from dstrain import UNTIED, base_config, train, with_protrain
+    _, _, engine = train(with_protrain(base_config(), **PLAN), UNTIED, 1)
+    engine.save_checkpoint(tmp_path, tag="t")
+    events = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(a), str(b))), real_rename(a, b))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", str(a), str(b))), real_replace(a, b))[1])
+    engine.save_checkpoint(tmp_path, tag="t")            # the tag again: the previous goes aside
+    monkeypatch.undo()
+    final, root = str(tmp_path / "t"), str(tmp_path)
+    publish = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == final)
+    partial = events[publish][1]
+    synced = [e[1] for e in events[:publish] if e[0] == "fsync"]
+    for name in os.listdir(final):
+        assert os.path.join(partial, name) in synced, name        # contents on the drive ...
+    last_manifest = max(i for i, e in enumerate(events[:publish])
+                        if e[0] == "rename" and e[2].endswith("manifest.json") or
+                        e[0] == "fsync" and e[1].endswith("manifest.json"))
+    assert ("fsync", partial) in events[last_manifest:publish]    # ... and its directory entries
+    aside = [i for i, e in enumerate(events[:publish]) if e[0] == "rename" and e[1] == final]
+    assert aside and ("fsync", root) in events[aside[0]:publish]  # the old copy's rename first
+    latest = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(tmp_path / "latest"))
+    assert ("fsync", root) in events[publish:latest]              # <tag> exists before latest names it
+    assert ("fsync", events[latest][1]) in events[publish:latest]  # latest's new text on the drive
+    assert ("fsync", root) in events[latest:]
+    engine.destroy()
+
+
+def test_a_failed_save_removes_what_it_wrote_and_says_why(tmp_path, monkeypatch):
+    """A write that fails (the file size limit as a kernel-level stand-in for a full disk, then a
+    disk-full error): CheckpointError naming the file and the OS error, the partial directory
+    removed, the previous checkpoint and 'latest' untouched, the next save fine."""
+    from dstrain import UNTIED, base_config, train, with_protrain
+    import protrain_ds.checkpoint as ck
+    _, _, engine = train(with_protrain(base_config(), **PLAN), UNTIED, 1)
+    engine.save_checkpoint(tmp_path, tag="good")
+    states = (tmp_path / "good" / "protrain_states_rank00000.pt").stat().st_size
+    err = tmp_path / "error.txt"
+
+    def save_with_a_size_limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # a write beyond it fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (states // 2, resource.RLIM_INFINITY))
+        try:
+            engine.save_checkpoint(tmp_path, tag="doomed")
+        except Exception as e:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+            err.write_text(f"{type(e).__name__}: {e}")
+            raise
+    assert _children_do(save_with_a_size_limit) == 1
+    msg = err.read_text()
+    assert msg.startswith("CheckpointError: checkpoint 'doomed' was not saved"), msg
+    assert "protrain_states_rank00000.pt" in msg and "File too large" in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "error.txt") == ["good", "latest"]
+    assert (tmp_path / "latest").read_text() == "good"
+
+    # A full disk says so (the OSError behind torch's "unexpected pos" error).
+    real_open, budget = open, [states // 3]
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            budget[0] -= len(b)
+            if budget[0] < 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+    monkeypatch.setattr(ck, "open", lambda *a, **k: FullDisk(real_open(*a, **k)), raising=False)
+    with pytest.raises(ck.CheckpointError) as e:
+        engine.save_checkpoint(tmp_path, tag="doomed")
+    assert "protrain_states_rank00000.pt: No space left on device - the disk" in str(e.value)
+    assert "full" in str(e.value) and "unexpected pos" not in str(e.value), str(e.value)
+    monkeypatch.undo()
+    assert not (tmp_path / ".doomed.partial").exists()
+    engine.save_checkpoint(tmp_path, tag="fine")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "error.txt") == ["fine", "good", "latest"]
+    engine.destroy()

@@ -34,6 +34,16 @@ def test_from_dict_reads_sizes_pins_and_fractions():
     ({"memory_margin": 2}, ["protrain.memory_margin", "[0, 1)"]),
     ({"chunk_sizes": []}, ["protrain.chunk_sizes"]),
     ({"n_persist": 1, "pins": {"n_persist": 2}}, ["given twice"]),
+    # values that used to escape as OverflowError / ValueError without the key
+    ({"device_memory": "1e400GiB"}, ["protrain.device_memory", "'1e400GiB'", "not a finite size"]),
+    ({"host_memory": float("inf")}, ["protrain.host_memory", "inf", "not a finite size"]),
+    ({"device_memory": float("nan")}, ["protrain.device_memory", "nan", "not a finite size"]),
+    ({"host_memory": 10**400}, ["protrain.host_memory", "more than any machine"]),
+    ({"chunk_size": "1e20"}, ["protrain.chunk_size", "'1e20'", "at most 1 EiB"]),
+    ({"chunk_sizes": ["64MiB", "1e20"]}, ["protrain.chunk_sizes", "'1e20'", "at most 1 EiB"]),
+    ({"device_memory": "1e20GiB"}, ["protrain.device_memory", "'1e20GiB'", "at most 1 EiB"]),
+    ({"pins": "x"}, ["protrain.pins", "'x'", "mapping"]),
+    ({"n_buffer": 10**30}, ["protrain.n_buffer", str(10**30), "2147483647"]),
 ])
 def test_bad_settings_name_the_key(data, words):
     with pytest.raises(ConfigError) as e:

@@ -54,6 +54,8 @@ def test_the_wrapper_is_installed_at_import_in_a_fresh_interpreter():
     ({"enabled": True, "grad_accumulation_steps": 4}, ["derived", "gradient_accumulation_steps"]),
     ({"enabled": True, "verbosity": 5}, ["protrain.verbosity", "0, 1 or 2"]),
     ({"enabled": False, "typo": 1}, ["protrain.typo"]),
+    ({"enabled": True, **json.loads('{"device_memory": Infinity}')}, ["protrain.device_memory", "finite"]),
+    ({"enabled": True, "pins": "x"}, ["protrain.pins", "mapping"]),
 ])
 def test_bad_protrain_settings_fail_at_initialize_naming_the_key(section, words):
     cfg = base_config()

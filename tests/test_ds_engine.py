@@ -8,6 +8,7 @@ import torch
 from dstrain import TINY, UNTIED, base_config, train, with_protrain
 
 from protrain.block_mode import BlockMode
+from protrain.plan import Plan
 from protrain.units import parse_bytes
 
 # Plan shapes, by pins. Chunk sizes in bytes of fp32 parameters: 230 KiB ~ one block of the
@@ -109,6 +110,58 @@ def test_plan_file_is_saved_then_loaded_without_profiling(tmp_path, capsys):
     assert "plan loaded from" in out and e2.protrain_profile is None
     assert losses1 == losses2 and e2.protrain_plan.knobs == e1.protrain_plan.knobs
     e2.destroy()
+
+
+def test_a_plan_file_for_another_run_is_refused_saying_what_changed(tmp_path):
+    """The plan's own record (blocks, parameters, dtype, micro-batch, sequence) is compared with
+    the run before anything is built: a plan made for 2 blocks used to crash a 4-block model
+    with an IndexError, one made before a parameter was frozen blamed the optimizer."""
+    import deepspeed
+    from protrain.config import ConfigError
+    from protrain.models import GPT, GPTConfig, synthetic_batch
+    path = tmp_path / "plan.json"
+    cfg = with_protrain(base_config(), plan_file=str(path))
+    _, _, e = train(cfg, TINY, 1)
+    e.destroy()
+    assert Plan.load(path).micro_batch == 2 and Plan.load(path).seq_len == TINY.block_size
+
+    def first_step(ds_config, model_cfg=TINY, seq=None, freeze=None):
+        torch.manual_seed(0)
+        model = GPT(model_cfg)
+        if freeze:
+            model.get_parameter(freeze).requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=[
+            p for p in model.parameters() if p.requires_grad])
+        try:
+            x, y = synthetic_batch(model_cfg, ds_config["train_micro_batch_size_per_gpu"], seq)
+            engine.backward(engine(x, y))
+        finally:
+            engine.destroy()
+
+    cases = [
+        (dict(ds_config=cfg, model_cfg=GPTConfig(**{**vars(TINY), "n_layer": 6})),
+         "made for a model with 4 blocks, this one has 6"),
+        (dict(ds_config=with_protrain(base_config(train_micro_batch_size_per_gpu=4), plan_file=str(path))),
+         "made for micro-batch 2, this run's batches have 4"),
+        (dict(ds_config=cfg, seq=32), "made for sequence length 64, this run's batches have 32"),
+        (dict(ds_config=with_protrain(base_config(bf16={"enabled": True}), plan_file=str(path))),
+         "made for 4-byte parameters, this run trains 2-byte ones"),
+        (dict(ds_config=cfg, freeze="transformer.h.1.mlp.c_fc.bias"),
+         "parameter transformer.h.1.mlp.c_fc.bias is trainable in the plan but frozen in this run"),
+        (dict(ds_config=cfg, model_cfg=GPTConfig(**{**vars(TINY), "n_embd": 32})),
+         "made for another model (parameter transformer.wte.weight has 16384 elements there, 8192 here)"),
+    ]
+    for kwargs, words in cases:
+        with pytest.raises(ConfigError) as err:
+            first_step(**kwargs)
+        assert words in str(err.value) and "delete it" in str(err.value), str(err.value)
+    # A plan made for fewer blocks (its parameters all exist in the bigger model).
+    small = tmp_path / "small.json"
+    _, _, e = train(with_protrain(base_config(), plan_file=str(small)),
+                    GPTConfig(**{**vars(TINY), "n_layer": 2}), 1)
+    e.destroy()
+    with pytest.raises(ConfigError, match="made for a model with 2 blocks, this one has 4"):
+        first_step(with_protrain(base_config(), plan_file=str(small)))
 
 
 def test_train_batch_get_lr_and_torch_style_backward():

@@ -79,6 +79,11 @@ class ProTrainRuntime:
                              f"it was made for another model (delete the plan file to re-plan)")
         group_of = {p: gi for gi, g in enumerate(setup.param_groups) for p in g["params"]}
         params = [(n, named[n]) for n in param_names]
+        frozen = [n for n, p in params if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"the plan trains parameters {frozen[:3]}, which are frozen "
+                             f"(requires_grad=False) in this model; it was made before they were "
+                             f"frozen (delete the plan file to re-plan)")
         absent = [n for n, p in params if p not in group_of]
         if absent:
             raise ValueError(f"parameters {absent[:3]} are trainable but in no optimizer param group; "
