@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
+import tempfile
 import types
 import typing
 from pathlib import Path
@@ -61,12 +63,37 @@ def from_jsonable(tp: Any, data: Any) -> Any:
 
 
 def dump_json(obj: Any, path: str | Path) -> None:
-    """Write atomically: a crash mid-write never leaves a truncated file behind."""
+    """Write atomically: a crash or a power loss mid-write never leaves a truncated file
+    behind (the new text is on the drive before it replaces the old)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(to_jsonable(obj), indent=1) + "\n", encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(to_jsonable(obj), indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
+
+
+def unwritable(directory: str | Path) -> str | None:
+    """Why files cannot be written in ``directory`` (created if missing), or None when they
+    can. Tried for real: permission bits say nothing about read-only mounts or root."""
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return f"{d} exists and is not a directory"
+    except OSError as e:
+        return f"cannot create {d}: {e.strerror or e}"
+    if not d.is_dir():
+        return f"{d} is not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".protrain-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"cannot create files in {d}: {e.strerror or e}"
+    return None
 
 
 def load_json(tp: type[T], path: str | Path) -> T:

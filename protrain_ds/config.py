@@ -51,9 +51,13 @@ class ProTrainDSConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Memory limits, margins and knob pins for the search."""
     plan_file: str | None = None
-    """Load this plan if the file exists; otherwise save the chosen plan to it."""
+    """Load this plan if the file exists (refused, saying what changed, when it was made for
+    other parameters, blocks, dtype, micro-batch or sequence length); otherwise save the chosen
+    plan to it (its directory must be writable: checked at initialize)."""
     profile_cache_dir: str | None = None
-    """Cache measured model profiles here, keyed by model, batch shape, device and versions."""
+    """Cache measured model profiles here, keyed by the model's code and settings, the batch
+    shape, the device and versions (protrain/profile/cache.py). Created if missing; one that
+    cannot be written is reported at initialize and not used."""
     verbosity: int = 1
     """0: one summary line; 1: the plan table at start-up; 2: debug details."""
     progress: bool = True

@@ -16,8 +16,6 @@ Private DeepSpeed methods overridden here (checked by tests/test_ds_contract.py)
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
@@ -30,6 +28,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from protrain.config import ConfigError
 from protrain.plan import Plan
 from protrain.profile.blocks import find_blocks
+from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
 from protrain.profile.probe import probe_collective
 from protrain.runtime.collectives import DataParallel
@@ -60,6 +59,13 @@ class ProTrainEngine(DeepSpeedEngine):
                               "(Adam or AdamW) to the DeepSpeed config or pass one to initialize")
         if protrain_config.ssd_path:
             _check_ssd_path(protrain_config.ssd_path)
+        # Rank 0 plans (reads and writes these files): checked now, not after profiling. An
+        # unusable cache directory is reported and ignored.
+        if protrain_config.plan_file and self.global_rank == 0:
+            _check_plan_file(protrain_config.plan_file)
+        self._protrain_cache = ProfileCache(
+            protrain_config.profile_cache_dir if self.global_rank == 0 else None,
+            key_name="protrain.profile_cache_dir")
         params = [p for p in self.module.parameters() if p.requires_grad]
         if params:
             try:
@@ -379,12 +385,10 @@ class ProTrainEngine(DeepSpeedEngine):
     def _profile(self, blocks, inputs, kwargs) -> ModelProfile:
         from protrain.profile.tracer import profile_model
         cfg = self.protrain_config
-        cache = _profile_cache_path(cfg.profile_cache_dir, self.module, inputs, kwargs, self.device)
-        if cache is not None and cache.exists():
-            try:
-                return ModelProfile.load(cache)
-            except (ValueError, KeyError, TypeError):
-                pass
+        cache = self._protrain_cache.path(self.module, inputs, kwargs, self.device)
+        cached = self._protrain_cache.load(cache)
+        if cached is not None:
+            return cached
         micro_batch, seq = _batch_shape(inputs, kwargs)
         gas = self.gradient_accumulation_steps()
 
@@ -402,8 +406,7 @@ class ProTrainEngine(DeepSpeedEngine):
             device=self.device, name=type(self.module).__name__, micro_batch=micro_batch,
             seq_len=seq, progress=cfg.progress and self.global_rank == 0)
         held.clear()
-        if cache is not None:
-            profile.save(cache)
+        self._protrain_cache.save(cache, profile)
         return profile
 
     def _hardware(self):
@@ -458,6 +461,28 @@ def _check_ssd_path(path: str) -> None:
         raise ConfigError(f"protrain.ssd_path: {e}") from None
 
 
+def _check_plan_file(path: str) -> None:
+    """Refuse at initialize a plan file that can be neither read nor saved (after profiling
+    would be too late to say so)."""
+    from protrain.serde import unwritable
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"protrain.plan_file {path} is a directory; give a file path such as "
+                          f"{p / 'plan.json'}")
+    if p.exists():
+        try:
+            with open(p, "rb"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"protrain.plan_file {path}: cannot read it ({e.strerror or e}); fix its "
+                              f"permissions or point plan_file at another path") from None
+        return
+    why = unwritable(p.parent)
+    if why is not None:
+        raise ConfigError(f"protrain.plan_file {path}: the plan chosen at the first forward could "
+                          f"not be saved there ({why}); point plan_file at a writable directory")
+
+
 def _rng_state():
     return (torch.random.get_rng_state(),
             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
@@ -474,18 +499,3 @@ def _batch_shape(inputs, kwargs) -> tuple[int | None, int | None]:
         if isinstance(t, torch.Tensor) and t.dim() >= 2:
             return int(t.shape[0]), int(t.shape[1])
     return None, None
-
-
-def _profile_cache_path(directory, module, inputs, kwargs, device) -> Path | None:
-    if not directory:
-        return None
-    ident = {
-        "model": type(module).__name__,
-        "params": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()],
-        "inputs": [(k, list(t.shape), str(t.dtype)) for k, t in
-                   list(enumerate(inputs)) + list(kwargs.items()) if isinstance(t, torch.Tensor)],
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-    }
-    key = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return Path(directory) / f"profile-{key}.json"

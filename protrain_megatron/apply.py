@@ -148,7 +148,7 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
     t0 = time.perf_counter()
     # The decider's plan file decides for its group (the file may exist on its disk only).
     decider = decides_plan()
-    plan = _load(plan_file, len(layers), states, device_memory) if decider else None
+    plan = _load(plan_file, len(layers), states, device_memory, _sample_shape(sample)) if decider else None
     loaded = _from_decider(plan is not None)
     profile_seconds = 0.0
     failure = None
@@ -389,17 +389,35 @@ def _share(plan: Plan | None, failure: BaseException | None):
     return (plan if decides_plan() else (Plan.from_dict(d) if d is not None else None)), err
 
 
+def _sample_shape(sample) -> tuple[int | None, int | None]:
+    ids = sample.get("input_ids") if isinstance(sample, dict) else None
+    return (int(ids.shape[0]), int(ids.shape[1])) if ids is not None and ids.dim() == 2 else (None, None)
+
+
 def _load(plan_file: str | None, n_layers: int, states: MegatronStates,
-          device_memory: int | None) -> Plan | None:
-    """A saved plan, if it still describes this run (else say what changed and how to re-plan)."""
+          device_memory: int | None, shape: tuple[int | None, int | None]) -> Plan | None:
+    """A saved plan, if it still describes this run (else say what changed and how to re-plan).
+    Without one, the file's directory must be writable (said before profiling, not after)."""
     from pathlib import Path
-    if not plan_file or not Path(plan_file).exists():
+
+    from protrain.serde import unwritable
+    if not plan_file:
+        return None
+    if not Path(plan_file).exists():
+        why = unwritable(Path(plan_file).parent)
+        if why is not None:
+            raise ValueError(f"plan file {plan_file}: the plan could not be saved there ({why}); "
+                             f"point --protrain-plan-file at a writable directory")
         return None
     plan = Plan.load(plan_file)
     p = plan.prediction
     if len(plan.block_modes) != n_layers:
         raise ValueError(f"plan file {plan_file} is for {len(plan.block_modes)} layers, this rank runs "
                          f"{n_layers}; delete it to re-plan")
+    why = plan.differs_from(n_blocks=n_layers, param_bytes=plan.param_bytes, micro_batch=shape[0],
+                            seq_len=shape[1])
+    if why is not None:
+        raise ValueError(f"plan file {plan_file} does not fit this run: {why}; delete it to re-plan")
     if p.model_state_bytes != states.total_bytes:
         raise ValueError(f"plan file {plan_file} counted {fmt_bytes(p.model_state_bytes)} of model states "
                          f"per rank, this run has {fmt_bytes(states.total_bytes)} (another model, precision "

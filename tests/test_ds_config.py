@@ -92,6 +92,42 @@ def test_zero3_partitioned_parameters_and_pipeline_models_are_refused():
         init(with_protrain(base_config()), pipe)
 
 
+def test_unusable_plan_file_and_profile_cache_are_reported_at_initialize(tmp_path, monkeypatch, caplog):
+    """Not after profiling at the first forward with a raw OSError: a plan file that cannot be
+    saved is refused naming the key; a cache directory that cannot be written is reported
+    and not used (training goes on, profiling every time)."""
+    import errno
+    import tempfile
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):    # a read-only mount (root ignores permission bits)
+        if dir is not None and Path(dir) == readonly:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_mkstemp(*args, dir=dir, **kwargs)
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    for plan_file, words in [(readonly / "plan.json", "Read-only file system"),
+                             (a_file / "plan.json", "exists and is not a directory"),
+                             (tmp_path, "is a directory")]:
+        with pytest.raises(ConfigError) as e:
+            init(with_protrain(base_config(), plan_file=str(plan_file)))
+        assert f"protrain.plan_file {plan_file}" in str(e.value) and words in str(e.value), str(e.value)
+    for cache, words in [(a_file, "exists and is not a directory"), (readonly, "Read-only file system")]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="protrain"):
+            engine, *_ = init(with_protrain(base_config(), profile_cache_dir=str(cache)))
+        assert f"protrain.profile_cache_dir {cache} cannot be used" in caplog.text, caplog.text
+        assert words in caplog.text and "not be cached" in caplog.text
+        x, y = synthetic_batch(TINY, 2)
+        engine.backward(engine(x, y))          # profiles without the cache
+        engine.step()
+        engine.destroy()
+    assert a_file.read_text() == "x" and list(readonly.iterdir()) == []
+
+
 def test_replaced_knobs_are_reported(capsys):
     extra = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
                                    "offload_optimizer": {"device": "cpu"},

@@ -164,6 +164,65 @@ def test_a_plan_file_for_another_run_is_refused_saying_what_changed(tmp_path):
         first_step(with_protrain(base_config(), plan_file=str(small)))
 
 
+_NET = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return {forward}
+
+
+class Net(nn.Module):
+    def __init__(self, d=64, n=3):
+        super().__init__()
+        self.h = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x, y):
+        for block in self.h:
+            x = block(x)
+        return ((self.head(x).squeeze(-1) - y) ** 2).mean()
+"""
+
+
+def test_the_profile_cache_sees_a_changed_forward(tmp_path):
+    """Same class, same parameters, a forward that keeps 8x more activations: profiled again,
+    not served from the cache (the cache key covers the model's code); unchanged code hits it."""
+    import importlib.util
+    import deepspeed
+    cache, src = tmp_path / "cache", tmp_path / "net_under_test.py"
+    cfg = with_protrain(base_config(), profile_cache_dir=str(cache))
+
+    def run(forward: str):
+        src.write_text(_NET.format(forward=forward))
+        spec = importlib.util.spec_from_file_location("net_under_test", src)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        torch.manual_seed(0)
+        model = mod.Net()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        x, y = torch.randn(2, 16, 64), torch.randn(2, 16)
+        engine.backward(engine(x, y))
+        engine.step()
+        saved = sum(b.saved_bytes for b in engine.protrain_profile.blocks)
+        engine.destroy()
+        return saved, sorted(p.name for p in cache.iterdir())
+
+    lean, files = run("torch.tanh(self.fc(x))")
+    assert len(files) == 1
+    # eight tanh outputs saved per block instead of one
+    fat, files = run("sum(torch.tanh(self.fc(x) + i) for i in range(8)) / 8")
+    assert fat >= 7 * lean and len(files) == 2, (lean, fat, files)
+    again, files = run("torch.tanh(self.fc(x))")
+    assert again == lean and len(files) == 2          # the first entry, reused
+
+
 def test_train_batch_get_lr_and_torch_style_backward():
     import deepspeed
     from protrain.models import GPT, synthetic_batch

@@ -238,6 +238,11 @@ def test_plan_file_round_trip(model, sample, tmp_path):
     with pytest.raises(ValueError, match="above the device memory given now"):
         plan_activations(model, None, hardware=HW, plan_file=str(path), verbose=False,
                          device_memory=first.plan.prediction.peak_device_bytes)
+    longer = batch(seq=2 * SEQ)
+    with pytest.raises(ValueError, match=f"made for sequence length {SEQ}, this run's batches have {2 * SEQ}"):
+        plan_activations(model, longer, hardware=HW, plan_file=str(path), verbose=False)
+    with pytest.raises(ValueError, match="could not be saved there .*exists and is not a directory"):
+        plan_activations(model, sample, hardware=HW, plan_file=str(path / "plan.json"), verbose=False)
 
 
 def test_bad_input_is_refused_with_the_fix(model, sample):
