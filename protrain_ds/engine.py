@@ -34,6 +34,7 @@ from protrain.profile.probe import probe_collective
 from protrain.runtime.collectives import DataParallel
 from protrain.runtime.runtime import ProTrainRuntime
 from protrain.search import InfeasibleError, check_budgets, search
+from protrain.units import fmt_bytes
 
 from .config import ProTrainDSConfig
 from .optimizer import ProTrainOptimizer
@@ -266,7 +267,7 @@ class ProTrainEngine(DeepSpeedEngine):
                             print(f"ProTrain: SSD tier at {cfg.ssd_path} via {ssd['backend']}: write "
                                   f"{ssd['nvme_write_bandwidth'] / 1e9:.2f} GB/s, read "
                                   f"{ssd['nvme_read_bandwidth'] / 1e9:.2f} GB/s, "
-                                  f"{ssd['nvme_free_bytes'] / 2**30:.1f} GiB free", flush=True)
+                                  f"{fmt_bytes(ssd['nvme_free_bytes'])} free", flush=True)
                         hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
                     if dp.world > 1:
                         hw = replace(hw, collective_bandwidth=coll_bw,

@@ -58,7 +58,7 @@ def test_ssd_blocks_train_like_deepspeed_and_clean_up(tmp_path):
     # everything written came back, read from the drive or forwarded from memory
     assert st["ssd_read_bytes"] > 0
     rundir = acts.rundir.path
-    assert rundir.exists() and sorted(p.name for p in rundir.iterdir()) == ["block0000.act", "block0001.act"]
+    assert rundir.exists() and sorted(p.name for p in rundir.iterdir()) == [".lock", "block0000.act", "block0001.act"]
     engine.destroy()
     assert not rundir.exists() and list(tmp_path.iterdir()) == []
 
@@ -146,11 +146,28 @@ def test_unusable_paths_are_refused_before_training(tmp_path, monkeypatch):
         train(with_protrain(base_config(), ssd_path=str(tmp_path), **SSD_PLAN), UNTIED, 1)
     monkeypatch.undo()
     import shutil
+    from protrain.search import InfeasibleError
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=4096))
-    with pytest.raises((StorageConfigError, Exception), match=r"GiB free but .* need .* GiB"):
-        train(with_protrain(base_config(), ssd_path=str(tmp_path), ssd_min_bytes=0, **SSD_PLAN),
-              UNTIED, 1)
+
+    def free(n):
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=n))
+    cfg = with_protrain(base_config(), ssd_path=str(tmp_path), ssd_min_bytes=0, **SSD_PLAN)
+    free(4096)      # too little even for the start-up bandwidth probe: it says so
+    with pytest.raises(StorageConfigError, match=r"has 4.0 KiB free; the start-up bandwidth probe"):
+        train(cfg, UNTIED, 1)
+    # Less than the probe's usual 2 x 256 MiB, but what this plan needs (1 MiB): trains, with
+    # the probe's test file sized to the drive.
+    free(64 * 2**20)
+    _, _, engine = train(cfg, UNTIED, 1)
+    assert engine.protrain_plan.knobs.n_ssd == 2 and engine.protrain_plan.prediction.ssd_bytes < 2**21
+    engine.destroy()
+    # A plan that needs more than the drive has is refused as the plan's.
+    free(5 * 2**19)
+    with pytest.raises(InfeasibleError, match=r"writes .* MiB of activations to NVMe but the SSD path "
+                                              r"has 2.5 MiB free"):
+        train(with_protrain(base_config(train_micro_batch_size_per_gpu=8), ssd_path=str(tmp_path),
+                            ssd_min_bytes=0, **SSD_PLAN), UNTIED, 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]        # no run directory left
 
 
 def test_io_errors_stop_training_naming_file_and_offset(tmp_path, monkeypatch):
@@ -174,3 +191,86 @@ def test_verify_mode_catches_data_changed_on_the_drive(tmp_path):
     os.pwrite(f.fd, b"\xff" * 4096, 0)                          # the drive "changes" the data
     with pytest.raises(StorageIOError, match=r"block0000\.act at offset 0: .*checksum"):
         engine.backward(loss)
+
+
+def _holder(root, *, before="", after="") -> str:
+    """A process that makes a RunDirectory under ``root``, says READY and waits."""
+    return textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        {before}
+        from protrain.runtime.storage import RunDirectory
+        run = RunDirectory({str(root)!r}, 0)
+        (run.path / "block0000.act").write_bytes(b"x" * 4096)
+        print("READY", run.path, flush=True)
+        {after}
+        time.sleep(60)
+        """)
+
+
+def _start(code: str) -> tuple[subprocess.Popen, Path]:
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), line
+    return proc, Path(line.split()[1])
+
+
+@pytest.mark.parametrize("sig, handler", [("SIGHUP", "default"), ("SIGTERM", "SIG_IGN"),
+                                          ("SIGTERM", "the program's")])
+def test_signals_clean_up_without_overriding_the_program(sig, handler, tmp_path):
+    """The default action of SIGTERM / SIGHUP (terminate) skips atexit: the run directory is
+    removed first. A SIGTERM the program ignores, or handles itself, keeps the process (and so
+    its files, which it still uses) alive; they go at its exit."""
+    before = {"default": "", "SIG_IGN": "signal.signal(signal.SIGTERM, signal.SIG_IGN)",
+              "the program's": "signal.signal(signal.SIGTERM, lambda s, f: print('HANDLED', flush=True))"}
+    after = "time.sleep(1.0); print('EXISTS' if run.path.exists() else 'GONE', flush=True); sys.exit(0)" \
+        if handler != "default" else ""
+    proc, path = _start(_holder(tmp_path, before=before[handler], after=after))
+    assert path.exists()
+    proc.send_signal(getattr(signal, sig))
+    out = proc.communicate(timeout=60)[0]
+    if handler == "default":
+        assert proc.returncode == -getattr(signal, sig)
+    else:
+        assert proc.returncode == 0 and "EXISTS" in out, (proc.returncode, out)   # still running, files there
+        assert ("HANDLED" in out) == (handler == "the program's")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_directories_of_killed_processes_are_removed_by_the_next_run(tmp_path):
+    """kill -9 skips every handler: the run directory (here the start-up probe's, with its test
+    file) stays until the next RunDirectory under the same root removes it. A live run's
+    directory, and one of another host, are left alone."""
+    import socket
+    probe = textwrap.dedent(f"""
+        import sys, time, torch
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        from protrain.runtime import storage
+        from protrain.profile.probe import probe_storage
+        def stuck(*args):
+            print("READY probing", flush=True)
+            time.sleep(60)
+        storage.PosixStore._read = stuck
+        probe_storage({str(tmp_path)!r}, torch.device("cpu"), size_mib=8)
+        """)
+    killed = subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, text=True)
+    assert killed.stdout.readline().startswith("READY")
+    killed.kill()
+    killed.wait()
+    (left,) = tmp_path.iterdir()
+    assert (left / "probe.bin").stat().st_size == 8 * 2**20
+    alive, alive_path = _start(_holder(tmp_path))
+    # made by an older version (no lock file): removed if its process is gone from this host
+    dead_old = tmp_path / f"protrain-{socket.gethostname()}-{killed.pid}-0123abcd"
+    other_host = tmp_path / f"protrain-elsewhere-{killed.pid}-0123abcd"
+    for d in (dead_old, other_host):
+        d.mkdir()
+        (d / "block0000.act").write_bytes(b"x")
+    run = RunDirectory(tmp_path, 0)
+    assert sorted(tmp_path.iterdir()) == sorted([run.path, alive_path, other_host])
+    alive.kill()
+    alive.wait()
+    run.close()
+    again = RunDirectory(tmp_path, 0)
+    assert sorted(tmp_path.iterdir()) == sorted([again.path, other_host])
+    again.close()

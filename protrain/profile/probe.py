@@ -177,13 +177,28 @@ def probe_collective(dp, device: torch.device, size_mib: int = 64) -> float:
 
 def probe_storage(root, device: torch.device, size_mib: int = 256) -> dict:
     """NVMe figures of an SSD path with the backend the runtime will use: write and read
-    bandwidth (bytes/s, best of 2), whether it is GPUDirect Storage, the free bytes."""
+    bandwidth (bytes/s, best of 2), whether it is GPUDirect Storage, the free bytes. The test
+    file is ``size_mib`` or half the free space, whichever is smaller (a drive with little
+    room is measured less precisely rather than refused; the plan may need far less)."""
+    import logging
     import shutil
     from pathlib import Path
 
-    from ..runtime.storage import BlockFile, RunDirectory, choose_store
-    nbytes = size_mib * 2**20
-    run = RunDirectory(root, 2 * nbytes)
+    from ..runtime.storage import BlockFile, RunDirectory, StorageConfigError, choose_store
+    from ..units import fmt_bytes
+    run = RunDirectory(root, 0)
+    free = shutil.disk_usage(run.path).free
+    nbytes = min(size_mib * 2**20, free // 2 // 2**20 * 2**20)
+    if nbytes < _MIN_STORAGE_PROBE:
+        run.close()
+        raise StorageConfigError(
+            f"ssd_path {root} has {fmt_bytes(free)} free; the start-up bandwidth probe of the drive "
+            f"needs {fmt_bytes(2 * _MIN_STORAGE_PROBE)}, and the activations a plan puts there need "
+            f"space too: free space or choose another directory")
+    if nbytes < size_mib * 2**20:
+        logging.getLogger("protrain").warning(
+            "protrain: ssd_path %s has %s free: the drive's bandwidth is measured with a %s file "
+            "instead of %d MiB (less precise)", root, fmt_bytes(free), fmt_bytes(nbytes), size_mib)
     store = choose_store(device, run.path)
     try:
         f = BlockFile(Path(run.path) / "probe.bin", nbytes)
@@ -202,9 +217,14 @@ def probe_storage(root, device: torch.device, size_mib: int = 256) -> dict:
             store.read(f, 0, buf).result()
             best_r = min(best_r, time.perf_counter() - t0)
         f.close()
-        return {"nvme_write_bandwidth": nbytes / best_w, "nvme_read_bandwidth": nbytes / best_r,
-                "nvme_gds": bool(getattr(store, "gds", False)),
-                "nvme_free_bytes": shutil.disk_usage(root).free, "backend": store.name}
+        result = {"nvme_write_bandwidth": nbytes / best_w, "nvme_read_bandwidth": nbytes / best_r,
+                  "nvme_gds": bool(getattr(store, "gds", False)), "backend": store.name}
     finally:
         store.close()
         run.close()
+    result["nvme_free_bytes"] = shutil.disk_usage(root).free     # the test file removed
+    return result
+
+
+_MIN_STORAGE_PROBE = 2**20
+"""Smallest test file the storage probe writes (below it the timing says little)."""

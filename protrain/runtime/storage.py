@@ -12,15 +12,18 @@ only after the event of the stream that produced the data. Every error names the
 offset: a failed write or read stops training, it never yields a wrong gradient.
 
 Files live in a per-run directory (``RunDirectory``) removed at normal exit, on exceptions
-(``close``) and on SIGTERM; the root is checked before training (exists, writable, enough
-free space for what the plan needs).
+(``close``) and on SIGTERM / SIGHUP; one left by a killed process is removed by the next run
+on the same root. The root is checked before training (exists, writable, enough free space
+for what the plan needs).
 """
 from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import fcntl
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,6 +33,8 @@ import zlib
 from pathlib import Path
 
 import torch
+
+from ..units import fmt_bytes
 
 log = logging.getLogger("protrain")
 
@@ -46,15 +51,29 @@ class StorageConfigError(ValueError):
 
 
 # ---- the per-run directory ----------------------------------------------------------------
+_RUN_NAME = re.compile(r"^protrain-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+_LOCK = ".lock"
+
+
 class RunDirectory:
-    """``<root>/protrain-<host>-<pid>-<id>``: created now, removed by ``close()``, at
-    interpreter exit and on SIGTERM (the previous SIGTERM handler still runs afterwards)."""
+    """``<root>/protrain-<host>-<pid>-<id>``: created now, removed by ``close()``, at interpreter
+    exit, and on SIGTERM / SIGHUP when the process had the default handler for them (a handler
+    the program installed, or SIG_IGN, is left in place: the program decides whether it stops,
+    and a process that keeps running still needs its files).
+
+    A kill -9 (or a power loss) runs none of that: the directory stays, with the space its
+    files reserved. Each run therefore holds an exclusive lock on ``<dir>/.lock`` while it
+    lives (the kernel drops it when the process dies, however it dies), and every new
+    RunDirectory first removes the run directories under the same root whose lock nobody
+    holds."""
 
     _live: set["RunDirectory"] = set()
-    _handler_installed = False
-    _previous_handler = None
+    _handlers_installed = False
 
-    def __init__(self, root: str | os.PathLike, needed_bytes: int):
+    def __init__(self, root: str | os.PathLike, needed_bytes: int, *,
+                 purpose: str = "the plan's swapped-to-SSD activations"):
+        """``needed_bytes``: what ``purpose`` will write here (refused with both named when
+        the drive has less free)."""
         root = Path(root)
         if not root.exists():
             raise StorageConfigError(f"ssd_path {root} does not exist; create it or point ssd_path "
@@ -64,45 +83,109 @@ class RunDirectory:
         if not os.access(root, os.W_OK | os.X_OK):
             raise StorageConfigError(f"ssd_path {root} is not writable by this process; fix its "
                                      f"permissions or choose another directory")
+        remove_stale_runs(root)
         free = shutil.disk_usage(root).free
         if free < needed_bytes:
             raise StorageConfigError(
-                f"ssd_path {root} has {free / 2**30:.2f} GiB free but the plan's swapped-to-SSD "
-                f"activations need {needed_bytes / 2**30:.2f} GiB; free space, use a larger drive, "
-                f"or pin n_ssd lower")
-        self.path = root / f"protrain-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.path.mkdir()
+                f"ssd_path {root} has {fmt_bytes(free)} free but {purpose} need "
+                f"{fmt_bytes(needed_bytes)}; free space, use a larger drive, or pin n_ssd lower")
+        name = f"protrain-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Made under a name the cleanup does not match, locked, then renamed: a directory with
+        # the run name is never seen without its lock held.
+        making = root / f".{name}.new"
+        making.mkdir()
+        self._lock_fd = os.open(making / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self.path = root / name
+        making.rename(self.path)
+        self._owner = os.getpid()
         RunDirectory._live.add(self)
         RunDirectory._install_handlers()
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         RunDirectory._live.discard(self)
 
     @classmethod
     def _cleanup_all(cls) -> None:
+        # A forked child (a data-loader worker) inherits the handlers, not the directories.
         for d in list(cls._live):
-            d.close()
+            if d._owner == os.getpid():
+                d.close()
 
     @classmethod
     def _install_handlers(cls) -> None:
-        if cls._handler_installed:
+        if cls._handlers_installed:
             return
-        cls._handler_installed = True
+        cls._handlers_installed = True
         atexit.register(cls._cleanup_all)
-        if threading.current_thread() is threading.main_thread():
-            cls._previous_handler = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, cls._on_sigterm)
+        if threading.current_thread() is not threading.main_thread():
+            return          # signal handlers can only be set from the main thread
+        for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, cls._on_signal)
 
     @classmethod
-    def _on_sigterm(cls, signum, frame) -> None:
+    def _on_signal(cls, signum, frame) -> None:
+        """The default action (terminate) would skip atexit: clean up, then take it."""
         cls._cleanup_all()
-        prev = cls._previous_handler
-        if callable(prev):
-            prev(signum, frame)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def remove_stale_runs(root: Path) -> list[Path]:
+    """Remove the run directories under ``root`` left by processes that died without cleaning
+    up (kill -9, power loss, a signal that skipped the handlers); returns them. A directory is
+    stale when nobody holds its lock; one without a lock file (made by an older version) when
+    it was made on this host by a process that no longer exists."""
+    removed, freed = [], 0
+    host = socket.gethostname()
+    for d in root.iterdir():
+        name = d.name
+        if name.startswith(".") and name.endswith(".new"):      # killed while being made
+            name = name[1:-len(".new")]
+        m = _RUN_NAME.match(name)
+        if m is None or not d.is_dir():
+            continue
+        lock = d / _LOCK
+        if lock.exists():
+            try:
+                fd = os.open(lock, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue            # held: its process is alive
+            stale = True
         else:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            fd = None
+            stale = m["host"] == host and not _alive(int(m["pid"]))
+        if stale:
+            freed += sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+        if fd is not None:
+            os.close(fd)
+    if removed:
+        log.warning("protrain: removed %d run director%s under %s left by processes that ended "
+                    "without cleaning up (%s): %s", len(removed), "y" if len(removed) == 1 else "ies",
+                    root, fmt_bytes(freed), ", ".join(d.name for d in removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # ---- one file per swapped block ------------------------------------------------------------
