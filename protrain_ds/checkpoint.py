@@ -112,7 +112,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
                       partial / _states_file(dp.rank))
         if dp.rank == 0:
             _save_durable(_meta(engine, tag, dp.world, client_state), partial / META)
-    _settle(dp, tag, save_dir, attempt(f"writing {partial}", write_files))
+    _settle(dp, tag, save_dir, attempt("writing its files", write_files))
 
     # 3-5. Rank 0 certifies and publishes.
     error, published = None, []
@@ -143,11 +143,12 @@ def _meta(engine, tag: str, world: int, client_state) -> dict:
 
 def _repair(save_dir: Path) -> None:
     """Undo what saves killed before they finished left in ``save_dir``: their ``.partial``
-    directories (they only hold disk space: ``latest`` never names them), a ``.<tag>.old``
-    whose ``<tag>`` is back (removed), and one whose ``<tag>`` is missing (renamed back: it
-    is the last complete copy of that tag)."""
+    directories and ``latest``'s temporary file (removed: ``latest`` never names them), a
+    ``.<tag>.old`` whose ``<tag>`` is back (removed), and one whose ``<tag>`` is missing
+    (renamed back: it is the last complete copy of that tag)."""
     for p in save_dir.glob(".*.partial"):
         shutil.rmtree(p, ignore_errors=True)
+    (save_dir / f".{LATEST}.tmp").unlink(missing_ok=True)
     for old in save_dir.glob(".*.old"):
         final = save_dir / old.name[1:-len(".old")]
         if final.exists():
