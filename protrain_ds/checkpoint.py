@@ -413,6 +413,11 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
     meta = _load_meta(path, info)
     have = _param_shapes(engine)
     want = meta["params"]
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    if frozen & set(want):
+        raise CheckpointError(f"checkpoint {path} trained parameters {sorted(frozen & set(want))[:3]}, "
+                              f"which are frozen (requires_grad=False) in this run: resume with the "
+                              f"same trainable parameters")
     mismatch = [n for n in want if have.get(n) != want[n]] + sorted(set(have) - set(want))
     if mismatch:
         raise CheckpointError(f"checkpoint {path} was saved from another model: parameters "

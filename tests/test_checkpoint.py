@@ -122,6 +122,12 @@ def test_partial_corrupt_or_foreign_checkpoints_are_refused(tmp_path, monkeypatc
                                                                 vocab_size=256, block_size=64), 1)
     with pytest.raises(ck.CheckpointError, match="another model"):
         other.load_checkpoint(tmp_path, tag="good")
+    bias = engine.module.get_parameter("transformer.h.0.mlp.c_fc.bias")
+    bias.requires_grad_(False)
+    with pytest.raises(ck.CheckpointError, match=r"trained parameters \['transformer.h.0.mlp.c_fc.bias'\], "
+                                                 r"which are frozen"):
+        engine.load_checkpoint(tmp_path, tag="good")
+    bias.requires_grad_(True)
     engine.destroy()
     other.destroy()
 
