@@ -89,7 +89,8 @@ def cache_key(module: nn.Module, inputs, kwargs, device: torch.device) -> str:
         "torch": torch.__version__,
         "profiler": _file_hashes([Path(__file__).with_name(f) for f in _PROFILER_FILES]),
     }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    # Insertion order is deterministic (code order); sorting could fail on mixed key types.
+    return hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:16]
 
 
 def _code_fingerprint(module: nn.Module) -> str:
