@@ -57,6 +57,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = 1
 
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used or written; the message names the file and what is wrong."""
 
