@@ -191,19 +191,26 @@ class Net(nn.Module):
 """
 
 
-def test_the_profile_cache_sees_a_changed_forward(tmp_path):
+def test_the_profile_cache_sees_a_changed_forward(tmp_path, monkeypatch):
     """Same class, same parameters, a forward that keeps 8x more activations: profiled again,
     not served from the cache (the cache key covers the model's code); unchanged code hits it."""
     import importlib.util
+    import sys
     import deepspeed
     cache, src = tmp_path / "cache", tmp_path / "net_under_test.py"
     cfg = with_protrain(base_config(), profile_cache_dir=str(cache))
 
-    def run(forward: str):
+    def load(forward: str, *, imported: bool = True):
         src.write_text(_NET.format(forward=forward))
         spec = importlib.util.spec_from_file_location("net_under_test", src)
         mod = importlib.util.module_from_spec(spec)
+        if imported:            # as an import does: its source file is found and hashed
+            monkeypatch.setitem(sys.modules, "net_under_test", mod)
         spec.loader.exec_module(mod)
+        return mod
+
+    def run(forward: str):
+        mod = load(forward)
         torch.manual_seed(0)
         model = mod.Net()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -221,6 +228,12 @@ def test_the_profile_cache_sees_a_changed_forward(tmp_path):
     assert fat >= 7 * lean and len(files) == 2, (lean, fat, files)
     again, files = run("torch.tanh(self.fc(x))")
     assert again == lean and len(files) == 2          # the first entry, reused
+    # Classes without a findable source file (a notebook): their compiled code is the key.
+    from protrain.profile.cache import cache_key
+    x, y = torch.randn(2, 16, 64), torch.randn(2, 16)
+    keys = [cache_key(load(f, imported=False).Net(), (x, y), {}, torch.device("cpu"))
+            for f in ("torch.tanh(self.fc(x))", "torch.tanh(self.fc(x)) * 2", "torch.tanh(self.fc(x))")]
+    assert keys[0] != keys[1] and keys[0] == keys[2]
 
 
 def test_train_batch_get_lr_and_torch_style_backward():
