@@ -80,17 +80,21 @@ def test_search_under_a_tight_budget_picks_a_plan_that_really_fits(tmp_path):
     """Device memory just below what keeping every activation needs (margin included): the
     search must free memory, and the plan, run, must stay within the budget with its margin.
     (A search that took infeasible peaks, or ignored the margin, would keep everything.)"""
+    from dataclasses import replace
     s = shape("gated_residual")
     keep = plan_for(s, "NNNN")
     device = keep.prediction.peak_device_bytes          # fits only without the 10% margin
-    hw = HW.with_limits(device_memory=device)
+    # Copies so slow that keeping everything is the fastest plan by far: whatever frees memory
+    # costs time, so only the budget (with its margin) can make the search give it up.
+    hw = replace(HW, device_memory=device, h2d_bandwidth=1e3, d2h_bandwidth=1e3,
+                 nvme_write_bandwidth=0.0, nvme_read_bandwidth=0.0, nvme_free_bytes=0)
     plan = plan_for(s, hw=hw, pins=KnobPins(chunk_size=keep.knobs.chunk_size, n_persist=1))
-    assert plan.block_modes != keep.block_modes
+    assert plan.knobs.n_checkpoint > 0 and plan.prediction.iter_time > keep.prediction.iter_time
     m = run(s, plan, ssd_root=tmp_path)
     assert m.device_peak * (1 + plan.memory_margin) <= device
     assert abs(m.device_peak - plan.prediction.peak_device_bytes) <= 0.005 * m.device_peak
     # Host memory too small for what swapping would need: the plan recomputes instead.
-    swap_all = plan_for(s, "SSSS", hw=hw)
+    swap_all = plan_for(s, "SSSS")
     host = swap_all.prediction.host_bytes - 1
     tight = plan_for(s, hw=HW.with_limits(device_memory=device, host_memory=host),
                      pins=KnobPins(chunk_size=keep.knobs.chunk_size, n_persist=1, n_ssd=0,
@@ -154,3 +158,29 @@ def test_profile_round_trip_keeps_the_sharing_figures(shaped, tmp_path):
     loaded = ModelProfile.from_dict(old)
     assert all(p.kept_bytes == p.resaved_bytes == p.in_shared_bytes == 0 for p in loaded.parts)
     assert np.array_equal([p.saved_bytes for p in loaded.parts], [p.saved_bytes for p in shaped.profile.parts])
+
+
+def test_search_on_a_measured_profile_equals_brute_force_and_the_plan_runs(monkeypatch, tmp_path):
+    """The pruned search over a measured profile, in batches of 4 candidates, under a device
+    budget that takes NVMe, swap and recompute: it equals an exhaustive enumeration, and its
+    plan runs within the budget as predicted."""
+    from dataclasses import replace
+
+    import protrain.search as search_mod
+    from protrain.config import PlannerConfig
+    from test_search import brute_force
+    s = shape("relu_tail")
+    keep = plan_for(s, "NNNN")
+    total = s.profile.total_params * s.profile.param_bytes
+    hw = replace(HW, device_memory=int(keep.prediction.peak_device_bytes * 0.8),
+                 nvme_free_bytes=int(1.5 * max(keep.block_saved_bytes) * 1.1))
+    config = PlannerConfig(chunk_sizes=(total // 4, total // 2, total))
+    monkeypatch.setattr(search_mod, "_BATCH", 4)
+    plan = search_mod.search(s.profile, hw, config)
+    ref = brute_force(s.profile, hw, config)
+    got = (plan.prediction.step_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())
+    assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
+    assert plan.candidates_evaluated > 3 * 4 and plan.knobs.n_ssd + plan.knobs.n_swap > 0
+    m = run(s, plan, ssd_root=tmp_path)
+    assert m.device_peak * 1.1 <= hw.device_memory
+    assert abs(m.activation_peak - plan.prediction.activation_peak_bytes) <= 0.005 * m.activation_peak
