@@ -195,7 +195,9 @@ class HeapPeak(TorchDispatchMode):
     CPU: ``heap_bytes()`` read after every operator while ``sampling``. This counts
     the whole process (Python objects that malloc, other threads), so keep other work out of
     the measured span. CUDA: ``torch.cuda.max_memory_allocated`` (the caching allocator's
-    exact peak, transients inside kernels' workspaces included), no per-op sampling needed."""
+    exact peak, transients inside kernels' workspaces included), no per-op sampling needed.
+    Dispatch modes nest last-in first-out: a mode entered inside (the runtime's accounting)
+    must be left before this one exits; ``stop()`` ends the measured span earlier."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__()
