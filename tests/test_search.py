@@ -355,3 +355,26 @@ def _first_batch_search(prof, hw, config):
     _, g, j = best
     return (g.layout.chunk_bytes, int(g.n_persist[j]), int(acts.n_ckpt[g.a[j]]), int(acts.n_swap[g.a[j]]),
             int(acts.n_ssd[g.a[j]]))
+
+
+def test_a_tie_whose_bound_rounds_above_the_best_time_is_still_found(monkeypatch):
+    """A measured profile (the ReLU-tail shape, profiled on CPU) where two plans tie on time
+    and peak, and the lower bound of the one the tie-break prefers is summed to a rounding
+    error above the best time: the pruned search once stopped before simulating it (it
+    returned (n_swap, n_ssd) = (2, 0) where brute force keeps (1, 1))."""
+    import protrain.search as search_mod
+    from pathlib import Path
+    from protrain.profile.hardware import HardwareProfile
+    from protrain.profile.model_profile import ModelProfile
+    prof = ModelProfile.load(Path(__file__).parent / "data" / "relu_tail_tie_profile.json")
+    hw = HardwareProfile(name="cpu-test", source="measured", device_type="cpu", device_memory=2556115,
+                         host_memory=GiB, h2d_bandwidth=1e9, d2h_bandwidth=1e9, gpu_adam_rate=1e9,
+                         cpu_adam_rate=1e9, nvme_write_bandwidth=1e9, nvme_read_bandwidth=1e9,
+                         nvme_free_bytes=298214)
+    total = prof.total_params * prof.param_bytes
+    config = PlannerConfig(chunk_sizes=(total // 4, total // 2, total))
+    monkeypatch.setattr(search_mod, "_BATCH", 4)
+    plan = search(prof, hw, config)
+    ref = brute_force(prof, hw, config)
+    assert (plan.prediction.peak_device_bytes, plan.knobs.as_tuple()) == ref[1:]
+    assert (plan.knobs.n_swap, plan.knobs.n_ssd) == (1, 1)
