@@ -4,8 +4,10 @@ Builds a megatron-core GPTModel (local spec, SDPA core attention, learned positi
 it once, then for several pinned plans (keep all; all recomputed through Megatron's own
 config; half recomputed through ProTrain's hooks; all swapped; a mix) applies the plan and
 measures forward + backward: the activation peak and the median wall time over the timed
-iterations, next to the plan's predictions. On CUDA the peak is max_memory_allocated above the
-level before the step; on CPU it is the policy's own storage accounting.
+iterations, next to the plan's predictions. The activation peak is measured with two meters:
+the policy's own storage counter (CPU; the meter the profile was taken with) and the allocator
+(max_memory_allocated above the level before the step on CUDA; glibc's bytes in use, mallinfo2
+after every op, on CPU), which also sees allocator rounding and autograd's own bookkeeping.
 
     python bench/megatron_accuracy.py                                       # CPU, small model
     python bench/megatron_accuracy.py --layers 24 --hidden 2048 --heads 16 --seq 2048 --micro-batch 2   # GPU
@@ -63,17 +65,19 @@ def patch_cpu_rng():
 
 
 def measure(model, sample, applied, device, reps):
+    """(storage-counter peak or None on CUDA, allocator peak, median seconds). The allocator
+    peak is max_memory_allocated above the level before the step on CUDA, glibc's bytes in use
+    (mallinfo2 after every op) above that level on CPU; it runs in an iteration of its own, since
+    sampling every op slows it down."""
+    from protrain.profile.meter import HeapPeak
+
     def iteration():
         model(**sample).float().mean().backward()
     iteration()                                   # warm-up, gradients allocated
     model.zero_grad(set_to_none=False)
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
+    if device.type != "cuda":
         applied.policy.reset_peak()
+    times = []
     for _ in range(reps):
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -82,8 +86,12 @@ def measure(model, sample, applied, device, reps):
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else applied.policy.activation_peak()
-    return peak, statistics.median(times)
+    counted = applied.policy.activation_peak() if device.type != "cuda" else None
+    with HeapPeak(device) as heap:
+        iteration()
+        if counted is not None:
+            applied.policy.activation_peak()      # leaves its counting mode (modes nest LIFO)
+    return counted, heap.peak, statistics.median(times)
 
 
 def main() -> None:
@@ -123,22 +131,29 @@ def main() -> None:
         applied = plan_activations(model, None, profile=profile, pins=pins, prefer_native=native,
                                    accounting=not cuda, verbose=False)
         try:
-            peak, seconds = measure(model, sample, applied, device, a.reps)
+            how = applied.policy.how                # what is applied: read before close() undoes it
+            counted, heap, seconds = measure(model, sample, applied, device, a.reps)
         finally:
             applied.close()
         p = applied.plan.prediction
         predicted_time = p.fwd_time + p.bwd_time
+        pred = p.activation_peak_bytes
         rows.append({"plan": name, "modes": "".join(m.letter for m in applied.plan.block_modes),
-                     "how": applied.policy.how, "predicted_activation_peak": p.activation_peak_bytes,
-                     "measured_activation_peak": int(peak),
-                     "peak_error": (p.activation_peak_bytes - peak) / peak,
+                     "how": how, "predicted_activation_peak": pred,
+                     "measured_activation_peak": int(counted) if counted is not None else None,
+                     "peak_error": (pred - counted) / counted if counted else None,
+                     "allocator_activation_peak": int(heap), "allocator_peak_error": (pred - heap) / heap,
                      "predicted_fwd_bwd_s": predicted_time, "measured_fwd_bwd_s": seconds,
                      "time_error": (predicted_time - seconds) / seconds})
-    print(f"{'plan':<16} {'modes':<10} {'peak pred':>11} {'peak meas':>11} {'err':>7} "
+    print("activation peak: predicted, storage counter (CPU), allocator (mallinfo2 on CPU, "
+          "max_memory_allocated on CUDA)")
+    print(f"{'plan':<16} {'modes':<10} {'pred':>10} {'counter':>10} {'err':>7} {'allocator':>10} {'err':>7} "
           f"{'time pred':>10} {'time meas':>10} {'err':>7}")
     for r in rows:
-        print(f"{r['plan']:<16} {r['modes']:<10} {r['predicted_activation_peak'] / 2**20:>9.1f}Mi "
-              f"{r['measured_activation_peak'] / 2**20:>9.1f}Mi {r['peak_error']:>+7.1%} "
+        counter = (f"{r['measured_activation_peak'] / 2**20:>8.1f}Mi {r['peak_error']:>+7.1%}"
+                   if r["measured_activation_peak"] is not None else f"{'-':>10} {'-':>7}")
+        print(f"{r['plan']:<16} {r['modes']:<10} {r['predicted_activation_peak'] / 2**20:>8.1f}Mi {counter} "
+              f"{r['allocator_activation_peak'] / 2**20:>8.1f}Mi {r['allocator_peak_error']:>+7.1%} "
               f"{r['predicted_fwd_bwd_s'] * 1e3:>8.1f}ms {r['measured_fwd_bwd_s'] * 1e3:>8.1f}ms "
               f"{r['time_error']:>+7.1%}")
     dev = torch.cuda.get_device_name(0).replace(" ", "-") if cuda else "cpu"

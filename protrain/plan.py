@@ -118,7 +118,8 @@ class Plan(JsonValue):
     """The parameters in execution order (from the profile): with them a saved plan rebuilds
     its chunk layout without profiling again."""
     block_saved_bytes: tuple[int, ...] = ()
-    """Bytes each block saves for backward (sizes the host arenas of swapped blocks)."""
+    """Bytes each block copies off the device when offloaded: what it saves for backward,
+    including storages an earlier block saved first (sizes the host arenas of swapped blocks)."""
     micro_batch: int | None = None
     """Samples per micro-batch the plan was made for (None: unknown, e.g. an older plan file)."""
     seq_len: int | None = None

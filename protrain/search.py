@@ -18,7 +18,7 @@ import numpy as np
 from .block_mode import CKPT, SSD, SWAP, BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
 from .config import KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
-from .cost.memory import activation_walk, buffer_numel, predict_memory, state_bytes
+from .cost.memory import activation_walk, buffer_numel, offload_bytes, predict_memory, state_bytes
 from .cost.runtime import chunk_transfer_times, persistent_allreduce_time, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
 from .profile.hardware import HardwareProfile
@@ -73,7 +73,7 @@ def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile) -> int:
     budget = sum(p.fwd_time + p.bwd_time for p in profile.parts)
     total, n = 0.0, 0
     for b in profile.blocks:
-        total += b.saved_bytes / hw.nvme_write_bandwidth
+        total += offload_bytes(b) / hw.nvme_write_bandwidth
         if total > budget:
             break
         n += 1
@@ -104,7 +104,7 @@ def _activation_configs(profile: ModelProfile, config: PlannerConfig,
     nc, ns, nd = np.array(triples, dtype=np.int64).reshape(-1, 3).T
     # Layout (block_mode.layout_codes): SSD blocks first, then swapped ones, checkpoints
     # spread over the rest. Byte sums over those leading ranges are prefix-sum differences.
-    saved = np.array([b.saved_bytes for b in profile.blocks], dtype=np.int64)
+    saved = np.array([offload_bytes(b) for b in profile.blocks], dtype=np.int64)
     csum = np.concatenate([[0], np.cumsum(saved)])
     ssd, swap_host = csum[nd], csum[nd + ns] - csum[nd]
     # SSD and SWAP free the device alike and leave the same blocks to checkpoint: walk each
@@ -299,7 +299,10 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     evaluated = 0
     while pending.any():
         cand = np.flatnonzero(pending)
-        if lbs[cand].min() > best:
+        # A bound is summed in another order than the simulation: one a rounding error above
+        # the best time may still be a plan tied with it (ties go to the lower peak, then the
+        # smaller knobs), so it is simulated too.
+        if lbs[cand].min() > best * (1 + 1e-9):
             break
         if len(cand) > _BATCH:
             cand = cand[np.argpartition(lbs[cand], _BATCH - 1)[:_BATCH]]
@@ -471,7 +474,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         alternatives=tuple(alternatives), search_seconds=search_seconds,
         candidates_evaluated=int(evaluated), candidates_total=int(total),
         params=profile.params if profile.source == "measured" else (),
-        block_saved_bytes=tuple(b.saved_bytes for b in profile.blocks),
+        block_saved_bytes=tuple(offload_bytes(b) for b in profile.blocks),
         micro_batch=profile.micro_batch, seq_len=profile.seq_len)
 
 

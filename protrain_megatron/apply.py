@@ -259,6 +259,8 @@ def scale_profile(profile: ModelProfile, *, memory: float = 1.0, time: float = 1
     """Every activation figure times ``memory``, every compute time times ``time``."""
     m = lambda x: int(round(x * memory))  # noqa: E731
     parts = tuple(replace(p, in_bytes=m(p.in_bytes), saved_bytes=m(p.saved_bytes),
+                          kept_bytes=m(p.kept_bytes), resaved_bytes=m(p.resaved_bytes),
+                          in_shared_bytes=m(p.in_shared_bytes),
                           fwd_start=m(p.fwd_start), fwd_peak=m(p.fwd_peak), bwd_start=m(p.bwd_start),
                           bwd_peak=m(p.bwd_peak), fwd_time=p.fwd_time * time, bwd_time=p.bwd_time * time)
                   for p in profile.parts)

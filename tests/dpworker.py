@@ -55,14 +55,37 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
     if rank == 0:
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, "weights.pt"))
+    result["process_groups_left"] = leave(engine)
+    del engine
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    # Leave together: rank 0 hosts the rendezvous store, and a rank whose gloo threads still
-    # talk to it after it exited aborts ("terminate called without an active exception").
+
+
+def leave(engine) -> list[str]:
+    """Tear the process group down while the interpreter is fully alive; returns the DeepSpeed
+    globals still holding a process group afterwards (none, or the abort below can come back).
+
+    torch.distributed.destroy_process_group() alone leaves DeepSpeed's own references
+    (deepspeed.utils.groups._WORLD_GROUP, and the engine's group attributes): the gloo
+    ProcessGroup then survives into interpreter shutdown, where its worker threads may still
+    drop the last reference to a tensor of the last collective; that needs the GIL, Python
+    ends the thread inside a noexcept frame, and the rank aborts with "terminate called
+    without an active exception" (once in about ten 2-rank runs). DeepSpeed's
+    destroy_process_group releases its references; the engine's go with the engine."""
+    import gc
+
+    import deepspeed.comm as ds_comm
     import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    from deepspeed.utils import groups
+    if not dist.is_initialized():
+        return []
+    dist.barrier()                        # leave together: rank 0 hosts the rendezvous store
+    for name in [n for n, v in vars(engine).items() if isinstance(v, dist.ProcessGroup)]:
+        setattr(engine, name, None)
+    ds_comm.destroy_process_group()
+    gc.collect()                          # cycles holding a group go now, not at shutdown
+    return [n for n, v in vars(groups).items() if isinstance(v, dist.ProcessGroup)
+            or (isinstance(v, dict) and any(isinstance(x, dist.ProcessGroup) for x in v.values()))]
 
 
 def free_port() -> int:

@@ -1,4 +1,6 @@
 """Memory cost model: each term against hand-computed cases."""
+from dataclasses import replace
+
 import numpy as np
 
 from protrain.block_mode import CKPT, NONE, SWAP, BlockMode
@@ -102,3 +104,42 @@ def test_sharded_host_bytes_and_padded_buffers():
     assert int(model_state_host_bytes(layout, 1, sb, world=2)) == (50 + 31) * 14
     assert buffer_numel(layout, 3) == 102       # 100 padded to a multiple of 3
     assert int(model_state_device_bytes(layout, 1, 2, sb, world=3)) == 30 * 18 + 2 * 102 * 2
+
+
+def relu_tail_profile():
+    """Hand numbers for blocks whose output (5 bytes) is saved by the block (a ReLU) and by the
+    next block: each block owns 15 internal + 5 output bytes; b1 re-saves its input."""
+    parts = (
+        part("<pre>", "pre", numel=10, fs=0, fp=5, bs=5, bp=7),
+        replace(part("b0", "block", numel=10, inb=5, saved=25, fs=5, fp=30, bs=35, bp=45), kept_bytes=5),
+        replace(part("b1", "block", numel=10, inb=5, saved=20, fs=30, fp=55, bs=55, bp=58),
+                kept_bytes=5, resaved_bytes=5, in_shared_bytes=5),
+        part("<post>", "post", numel=0, inb=5, saved=10, fs=50, fp=65, bs=60, bp=70),
+    )
+    params = tuple(ParamRecord(f"p{i}", 10, (i,)) for i in range(3))
+    return ModelProfile("relu", "measured", "cpu", 2, params, parts)
+
+
+def relu_walk(modes):
+    act, where = activation_walk(relu_tail_profile(), np.array([modes]))
+    return int(act[0]), int(where[0])
+
+
+def test_a_checkpointed_block_cannot_free_what_the_next_block_saved():
+    # b0 CKPT frees its 15 internal bytes (25 saved - 5 kept output - 5 held input), not
+    # 25 - 5 = 20: post's backward 70 - 15 = 55.
+    assert relu_walk([CKPT, NONE]) == (55, 7)
+    # b1 CKPT: its input is b0's output (shared, live anyway): it frees 20 - 5 kept = 15, and
+    # its recompute bump, 55 - (20 - 0) + (55 - 30) = 60, is the peak (not 58 - 0).
+    assert relu_walk([NONE, CKPT]) == (60, 5)
+
+
+def test_adjacent_offloaded_blocks_free_and_copy_the_shared_storage():
+    # b0 SWAP alone frees 20, not its kept output; b1's backward with b0 prefetched:
+    # 58 - 20 + 20.
+    assert relu_walk([SWAP, NONE]) == (58, 5)
+    # Both swapped: b0 lets its output go too (b1 offloads it as well): X = 25 before b1;
+    # b1's backward: 58 - 25 + 25 (b0 prefetched) + 5 (b1's own copy of the shared input).
+    assert relu_walk([SWAP, SWAP]) == (63, 5)
+    # Host bytes count b1's copy of its re-saved input.
+    assert int(swap_host_bytes(relu_tail_profile(), np.array([[SWAP, SWAP]]))[0]) == 25 + 25

@@ -41,10 +41,22 @@ def test_explain_names_knobs_replaced_knobs_predictions_and_runner_ups(plan):
     assert all(a.iter_time >= p.prediction.iter_time for a in p.alternatives)
 
 
-def test_evaluate_replays_saved_knobs(plan):
+def test_evaluate_replays_saved_knobs(plan, tmp_path):
+    """A plan saved to JSON and loaded, replayed on a profile built again from scratch (another
+    object, not the one the search used) predicts the same; the search's own result holds by
+    construction, this does not."""
     p, prof, hw = plan
-    again = evaluate(prof, hw, p.knobs)
-    assert again.prediction == p.prediction
+    p.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    rebuilt = analytic_profile(replace(PRESETS["llama2-7b"], micro_batch=4),
+                               machine("h100-80gb").profile(host_memory=128 * GiB))
+    assert rebuilt is not prof
+    again = evaluate(rebuilt, hw, loaded.knobs)
+    assert again.prediction == loaded.prediction == p.prediction
+    assert again.block_modes == loaded.block_modes
+    # The replay does depend on the profile: another micro-batch predicts another peak.
+    other = analytic_profile(replace(PRESETS["llama2-7b"], micro_batch=2), hw)
+    assert evaluate(other, hw, loaded.knobs).prediction.peak_device_bytes < p.prediction.peak_device_bytes
     small = replace(hw, device_memory=20 * GiB)
     with pytest.raises(InfeasibleError, match="are available"):
         evaluate(prof, small, p.knobs, check_fit=True)

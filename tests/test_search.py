@@ -222,3 +222,159 @@ def test_the_planner_uses_the_ssd_tier_when_memory_is_tight_and_the_drive_keeps_
     with pytest.raises(InfeasibleError, match="needs an SSD path"):
         search(prof, replace(hw, nvme_write_bandwidth=0.0),
                PlannerConfig(chunk_sizes=(1 * MiB,), pins=KnobPins(n_ssd=1)))
+
+
+# ---- under pressure: budgets that decide the plan ------------------------------------------
+# An 8-block model on a slower device, with a fast GPUDirect drive that has room for 2.5
+# blocks: the unconstrained optimum puts two blocks on NVMe and keeps the rest; at 40% of its
+# device need it must also swap and recompute; a small host takes the swaps away again.
+PRESSURE = replace(SMALL, n_layers=8, micro_batch=8)
+
+
+def pressure_setup():
+    base = machine("rtx3090").profile(host_memory=4 * GiB)
+    hw = replace(base, device_memory=10**12, peak_flops=base.peak_flops / 10,
+                 nvme_write_bandwidth=1e12, nvme_read_bandwidth=1e12, nvme_gds=True)
+    prof = analytic_profile(PRESSURE, hw)
+    block = prof.blocks[0].saved_bytes
+    hw = replace(hw, nvme_free_bytes=int(2.5 * block * 1.1))
+    config = PlannerConfig(chunk_sizes=(1 * MiB,))
+    free = search(prof, hw, config)
+    return prof, hw, config, free, block
+
+
+@pytest.fixture(scope="module")
+def pressure():
+    return pressure_setup()
+
+
+# (device memory as a share of the unconstrained plan's need, swapped blocks the host holds
+# beyond the chunk states or None for 4 GiB, letters the optimum must contain)
+PRESSURE_CASES = [(0.4, None, "DSC"), (0.6, 3.5, "DSC"), (0.5, 1.5, "DSC")]
+
+
+def _pressure_hw(pressure, share, swaps):
+    prof, hw, config, free, block = pressure
+    hw = replace(hw, device_memory=int(free.prediction.peak_device_bytes * 1.1 * share))
+    if swaps is not None:
+        p = search(prof, hw, config)
+        hw = replace(hw, host_memory=p.prediction.host_bytes - p.prediction.swap_host_bytes + int(swaps * block))
+    return hw
+
+
+@pytest.mark.parametrize("case", range(len(PRESSURE_CASES)))
+def test_search_equals_brute_force_when_memory_decides(pressure, case, monkeypatch):
+    """Device, host and disk budgets decide: the optimum holds NVMe, swapped and checkpointed
+    blocks, differs from the unconstrained one, and equals brute force - also when the pruned
+    search must go through many batches (a batch of 8 here)."""
+    import protrain.search as search_mod
+    prof, _, config, free, _ = pressure
+    share, swaps, letters = PRESSURE_CASES[case]
+    hw = _pressure_hw(pressure, share, swaps)
+    monkeypatch.setattr(search_mod, "_BATCH", 8)
+    plan = search(prof, hw, config)
+    modes = "".join(m.letter for m in plan.block_modes)
+    assert set(letters) <= set(modes) and plan.knobs != free.knobs, modes
+    assert plan.candidates_evaluated > 2 * 8          # three batches or more were needed
+    assert plan.prediction.peak_device_bytes * 1.1 <= hw.device_memory
+    assert plan.prediction.host_bytes <= hw.host_memory
+    ref = brute_force(prof, hw, config)
+    got = (plan.prediction.step_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())
+    assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
+
+
+def test_budgets_just_above_and_below_a_plans_need(pressure):
+    """A plan is kept with exactly the memory it needs (its margin included) and given up one
+    byte below it, for the device, the host and the drive alike."""
+    prof, _, config, _, _ = pressure
+    hw = _pressure_hw(pressure, 0.6, 3.5)
+    plan = search(prof, hw, config)
+    p = plan.prediction
+    assert p.swap_host_bytes > 0 and p.ssd_bytes > 0 and plan.knobs.n_checkpoint > 0
+    need_dev = int(np.ceil(p.peak_device_bytes * (1 + config.memory_margin)))
+    need_disk = int(np.ceil(p.ssd_bytes * (1 + config.memory_margin)))
+    exact = replace(hw, device_memory=need_dev, host_memory=p.host_bytes, nvme_free_bytes=need_disk)
+    assert search(prof, exact, config).knobs == plan.knobs
+    for short in (dict(device_memory=need_dev - 1), dict(host_memory=p.host_bytes - 1),
+                  dict(nvme_free_bytes=need_disk - 1)):
+        tight = replace(exact, **short)
+        other = search(prof, tight, config)
+        q = other.prediction
+        assert other.knobs != plan.knobs, short
+        assert q.peak_device_bytes * (1 + config.memory_margin) <= tight.device_memory
+        assert q.host_bytes <= tight.host_memory
+        assert q.ssd_bytes * (1 + config.memory_margin) <= tight.nvme_free_bytes
+        assert q.step_time >= p.step_time
+        if "device_memory" in short:   # ...and it is the next best plan, not any plan that fits
+            ref = brute_force(prof, tight, config)
+            assert (q.peak_device_bytes, other.knobs.as_tuple()) == ref[1:], short
+
+
+def test_search_past_the_first_batch_equals_evaluating_every_candidate():
+    """More candidates than one batch of the real size (2048): the pruned search equals one
+    that simulates every candidate, and the best plan was not in the first batch."""
+    import protrain.search as search_mod
+    base = machine("rtx3090").profile(host_memory=4 * GiB)
+    hw = replace(base, device_memory=10**12, peak_flops=base.peak_flops / 20, nvme_write_bandwidth=1e12,
+                 nvme_read_bandwidth=1e12, nvme_gds=True, nvme_free_bytes=10 * GiB)
+    prof = analytic_profile(replace(SMALL, n_layers=12, micro_batch=8), hw)
+    config = PlannerConfig(chunk_sizes=(1 * MiB, 2 * MiB))
+    plan = search(prof, hw, config)
+    assert plan.candidates_total > 2 * search_mod._BATCH and plan.candidates_evaluated > search_mod._BATCH
+    first_only = _first_batch_search(prof, hw, config)
+    k = plan.knobs
+    # a search stopping after one batch gets it wrong
+    assert first_only != (k.chunk_size, k.n_persist, k.n_checkpoint, k.n_swap, k.n_ssd)
+    import unittest.mock
+    with unittest.mock.patch.object(search_mod, "_BATCH", 10**9):
+        every = search(prof, hw, config)
+    assert every.candidates_evaluated >= every.candidates_total
+    assert every.knobs == plan.knobs and every.prediction == plan.prediction
+
+
+def _first_batch_search(prof, hw, config):
+    """The best knobs among the first _BATCH candidates in lower-bound order (what a search
+    that stopped after its first batch would see)."""
+    import protrain.search as search_mod
+    budget = hw.device_memory / (1 + config.memory_margin)
+    acts = search_mod._activation_configs(prof, config, hw)
+    rows = []
+    for cap in chunk_capacities(prof, config.chunk_sizes):
+        g = search_mod._grid(prof, hw, config, acts, cap, budget, {})
+        rows += [(lb, g, j) for j, lb in enumerate(g.lower_bound)]
+    rows.sort(key=lambda r: r[0])
+    first = rows[:search_mod._BATCH]
+    best = None
+    for g in {id(r[1]): r[1] for r in first}.values():
+        idx = np.array([j for _, h, j in first if h is g])
+        t = search_mod._simulate_points(prof, hw, config, acts, g, idx)
+        for j, tj in zip(idx, t):
+            key = plan_key(float(tj), int(g.peak[j]), (g.layout.chunk_bytes, int(g.n_persist[j])))
+            if best is None or key < best[0]:
+                best = (key, g, j)
+    _, g, j = best
+    return (g.layout.chunk_bytes, int(g.n_persist[j]), int(acts.n_ckpt[g.a[j]]), int(acts.n_swap[g.a[j]]),
+            int(acts.n_ssd[g.a[j]]))
+
+
+def test_a_tie_whose_bound_rounds_above_the_best_time_is_still_found(monkeypatch):
+    """A measured profile (the ReLU-tail shape, profiled on CPU) where two plans tie on time
+    and peak, and the lower bound of the one the tie-break prefers is summed to a rounding
+    error above the best time: the pruned search once stopped before simulating it (it
+    returned (n_swap, n_ssd) = (2, 0) where brute force keeps (1, 1))."""
+    import protrain.search as search_mod
+    from pathlib import Path
+    from protrain.profile.hardware import HardwareProfile
+    from protrain.profile.model_profile import ModelProfile
+    prof = ModelProfile.load(Path(__file__).parent / "data" / "relu_tail_tie_profile.json")
+    hw = HardwareProfile(name="cpu-test", source="measured", device_type="cpu", device_memory=2556115,
+                         host_memory=GiB, h2d_bandwidth=1e9, d2h_bandwidth=1e9, gpu_adam_rate=1e9,
+                         cpu_adam_rate=1e9, nvme_write_bandwidth=1e9, nvme_read_bandwidth=1e9,
+                         nvme_free_bytes=298214)
+    total = prof.total_params * prof.param_bytes
+    config = PlannerConfig(chunk_sizes=(total // 4, total // 2, total))
+    monkeypatch.setattr(search_mod, "_BATCH", 4)
+    plan = search(prof, hw, config)
+    ref = brute_force(prof, hw, config)
+    assert (plan.prediction.peak_device_bytes, plan.knobs.as_tuple()) == ref[1:]
+    assert (plan.knobs.n_swap, plan.knobs.n_ssd) == (1, 1)

@@ -4,15 +4,22 @@ Peak device memory = model states (constant all iteration: persistent chunks and
 buffers) + the highest point of an execution-order walk over activations. The walk starts from
 the keep-all profile and subtracts what the block modes free:
 
-    X_k = sum over blocks j < k of freed_j,  freed = {NONE: 0, CKPT: saved - in, SWAP/SSD: saved}
+    X_k = sum over blocks j < k of freed_j,  freed = {NONE: 0, CKPT: own - held, SWAP/SSD: own'}
+    own  = saved - kept   (a block's saved storages but those a later part saves too)
+    own' = own, or saved when the next block offloads the kept storages as well
+    held = in - in_shared (the input CKPT holds, unless an earlier part keeps it live anyway)
 
-- forward of part k:   fwd_peak_k - X_k  (+ saved_{k-1} while the previous block's swap-out
+- forward of part k:   fwd_peak_k - X_k  (+ flight_{k-1} while the previous block's swap-out
   is still in flight; the runtime allows one block in flight);
-- backward of NONE/SWAP part k:  bwd_peak_k - X_k  (+ saved_{k-1} while the next swapped block
-  is prefetched, one block ahead);
+- backward of NONE/SWAP part k:  bwd_peak_k - X_k  (+ flight_{k-1} while the next swapped block
+  is prefetched, one block ahead; storages still on the device are handed back as is);
+      flight = own' + resaved if the block before offloaded them too (each offloaded block
+      copies what it saved, re-saved storages included, and brings back its own copies), and
+      + resaved_k when k and k-1 are both offloaded (both copies are back at k's backward);
 - backward of a CKPT part k: max(recompute bump, backward):
-      recompute = bwd_start_k - X_k - saved_k + in_k + (fwd_peak_k - fwd_start_k)
+      recompute = bwd_start_k - X_k - (saved_k - held_k) + (fwd_peak_k - fwd_start_k)
       backward  = bwd_peak_k - X_k
+  (by its own backward the later parts are done: every saved storage but the input is gone);
   the checkpoint-input chain is in X_k: every earlier CKPT block still holds its input.
 
 The profile's peaks come from the device allocator on CUDA, so intra-op transients (workspaces)
@@ -105,38 +112,57 @@ def activation_walk(profile: ModelProfile, block_modes) -> tuple[np.ndarray, np.
     fp = np.array([p.fwd_peak for p in parts], dtype=np.int64)
     bs = np.array([p.bwd_start for p in parts], dtype=np.int64)
     bp = np.array([p.bwd_peak for p in parts], dtype=np.int64)
+    kept = np.array([p.kept_bytes for p in parts], dtype=np.int64)
+    resaved = np.array([p.resaved_bytes for p in parts], dtype=np.int64)
+    held = inb - np.array([p.in_shared_bytes for p in parts], dtype=np.int64)
 
     offl = (m == SWAP) | (m == SSD)       # host and NVMe offload leave the device alike
-    freed = np.where(m == CKPT, saved - inb, 0) + np.where(offl, saved, 0)
+    prev_offl = np.zeros_like(offl)
+    prev_offl[:, 1:] = offl[:, :-1]
+    next_offl = np.zeros_like(offl)
+    next_offl[:, :-1] = offl[:, 1:]
+    # Kept storages stay while the next part holds them; an offloading next part lets go too.
+    own = saved - kept
+    own_offl = saved - np.where(next_offl, 0, kept)
+    freed = np.where(m == CKPT, own - held, 0) + np.where(offl, own_offl, 0)
     # X_k: what earlier blocks' modes freed (exclusive prefix sum).
     x = np.cumsum(freed, axis=1) - freed
     # One offloaded block may be in flight: its write-out during the next part's forward, its
-    # prefetch during the next (in backward order) part's backward.
+    # prefetch during the next (in backward order) part's backward. Its copies include the
+    # storages it re-saved, which are gone from the device if their owner offloaded them.
     prev_swapped = np.zeros_like(freed)
-    prev_swapped[:, 1:] = np.where(offl[:, :-1], saved[:-1], 0)
+    prev_swapped[:, 1:] = np.where(offl, own_offl + np.where(prev_offl, resaved, 0), 0)[:, :-1]
 
     fwd = fp - x + prev_swapped
     bwd_keep = bp - x
-    recompute = bs - x - saved + inb + (fp - fs)
-    bwd = np.where(m == CKPT, np.maximum(recompute, bwd_keep), bwd_keep) + prev_swapped
+    recompute = bs - x - (saved - held) + (fp - fs)
+    # Two offloaded blocks in a row both bring back the storages they share (each its copy).
+    twice = np.where(offl & prev_offl, resaved, 0)
+    bwd = np.where(m == CKPT, np.maximum(recompute, bwd_keep), bwd_keep) + prev_swapped + twice
     walk = np.stack([fwd, bwd], axis=2).reshape(m.shape[0], -1)
     where = walk.argmax(axis=1)
     return np.maximum(walk.max(axis=1), 0), where
 
 
+def offload_bytes(part) -> int:
+    """Bytes a SWAP / SSD part copies off the device: every storage it saved, including those
+    an earlier part saved first (each offloaded block keeps its own copies)."""
+    return part.saved_bytes + part.resaved_bytes
+
+
 def ssd_bytes(profile: ModelProfile, block_modes) -> np.ndarray:
     """Bytes the SSD blocks write per iteration (and the disk space they need)."""
     m = part_modes(profile, block_modes)
-    saved = np.array([p.saved_bytes for p in profile.parts], dtype=np.int64)
-    return np.where(m == SSD, saved, 0).sum(axis=1)
+    copied = np.array([offload_bytes(p) for p in profile.parts], dtype=np.int64)
+    return np.where(m == SSD, copied, 0).sum(axis=1)
 
 
 def swap_host_bytes(profile: ModelProfile, block_modes) -> np.ndarray:
     """Pinned host bytes holding the swapped blocks' activations (all of them by the end of
     forward)."""
     m = part_modes(profile, block_modes)
-    saved = np.array([p.saved_bytes for p in profile.parts], dtype=np.int64)
-    return np.where(m == SWAP, saved, 0).sum(axis=1)
+    copied = np.array([offload_bytes(p) for p in profile.parts], dtype=np.int64)
+    return np.where(m == SWAP, copied, 0).sum(axis=1)
 
 
 # ---- one plan, explained ----------------------------------------------------------------
@@ -176,5 +202,5 @@ def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n
 
 
 __all__ = ["StateBytes", "state_bytes", "model_state_device_bytes",
-           "model_state_host_bytes", "activation_walk", "swap_host_bytes", "ssd_bytes", "MemoryPrediction",
+           "model_state_host_bytes", "activation_walk", "offload_bytes", "swap_host_bytes", "ssd_bytes", "MemoryPrediction",
            "predict_memory", "NONE", "CKPT", "SWAP"]

@@ -39,7 +39,7 @@ from ..block_mode import CKPT, SSD, SWAP
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from .layout import ChunkLayout
-from .memory import part_modes
+from .memory import offload_bytes, part_modes
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +114,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     parts = profile.parts
     rows = np.arange(k_plans)
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
-    saved = np.array([p.saved_bytes for p in parts], dtype=np.float64)
+    saved = np.array([offload_bytes(p) for p in parts], dtype=np.float64)   # what SWAP / SSD copy
     bad = (nbuf < 1) & (npers < n_chunks)
     if bad.any():
         raise ValueError("a plan with non-persistent chunks needs at least one buffer")

@@ -62,6 +62,18 @@ class PartProfile:
     """Live activation bytes when the part's backward starts."""
     bwd_peak: int
     """Highest live activation bytes during the part's backward."""
+    kept_bytes: int = 0
+    """Of ``saved_bytes``, the storages a later part saves as well (a block's output when its
+    last op saves it - ReLU saves its result - and the next block saves its input). The later
+    part holds them until its backward, so this part's mode cannot free them before then."""
+    resaved_bytes: int = 0
+    """Storages this part saves that an earlier part saved first (so they are in that part's
+    ``saved_bytes``, not here): the block's input after a ReLU tail. SWAP / SSD copy them once
+    more, for this block (the copies are per block), so they count in its host / disk bytes."""
+    in_shared_bytes: int = 0
+    """``in_bytes`` when an earlier part saved the block's input first (it is then in that
+    part's ``saved_bytes`` and live until that part's backward, whatever this block's mode),
+    else 0. CKPT holds the input; it costs nothing extra when it is shared."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ really freed.
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -48,6 +49,50 @@ class _PartStats:
     fwd_peak: int = 0
     bwd_start: int = 0
     bwd_peak: int = 0
+    kept_bytes: int = 0
+    resaved_bytes: int = 0
+    in_shared_bytes: int = 0
+
+
+class _SaveLedger:
+    """Who saved what in the memory pass: each saved storage's first saver (its owner, whose
+    ``saved_bytes`` count it) and every later part that saved it too, and each part's input.
+    From these, per part: ``kept_bytes`` (owned storages a later part also saves),
+    ``resaved_bytes`` (storages it saves that an earlier part owns) and ``in_shared_bytes`` (an
+    input an earlier part owns). Saved storages live until backward,
+    so during forward an address names one storage; inputs are checked by identity, as an
+    input nobody saved may die and its address be reused."""
+
+    def __init__(self):
+        self.owner: dict[int, tuple[int, int]] = {}      # ptr -> (first saving part, bytes)
+        self.savers: dict[int, set[int]] = {}            # ptr -> every part that saved it
+        self.inputs: dict[int, tuple[int, weakref.ref]] = {}   # part -> (ptr, its storage)
+
+    def saved(self, part: int, ptr: int, nbytes: int) -> bool:
+        """Note a save; True the first time this storage is saved (its owner is ``part``)."""
+        self.savers.setdefault(ptr, set()).add(part)
+        if ptr in self.owner:
+            return False
+        self.owner[ptr] = (part, nbytes)
+        return True
+
+    def entered(self, part: int, x: torch.Tensor) -> None:
+        ptr = storage_ptr(x)
+        if ptr:
+            self.inputs[part] = (ptr, weakref.ref(x.untyped_storage()))
+
+    def finish(self, stats) -> None:
+        """At the end of forward (every saved storage still alive)."""
+        for ptr, (part, nbytes) in self.owner.items():
+            later = [q for q in self.savers[ptr] if q > part]
+            if later:
+                stats[part].kept_bytes += nbytes
+            for q in later:
+                stats[q].resaved_bytes += nbytes
+        for part, (ptr, ref) in self.inputs.items():
+            owner = self.owner.get(ptr)
+            if ref() is not None and owner is not None and owner[0] < part:
+                stats[part].in_shared_bytes = stats[part].in_bytes
 
 
 class _ParamStreamer:
@@ -230,7 +275,8 @@ class _Tracer:
                 fwd_time=s.fwd_time / slowdown, bwd_time=s.bwd_time / slowdown,
                 in_bytes=s.in_bytes, saved_bytes=s.saved_bytes, fwd_start=s.fwd_start,
                 fwd_peak=max(s.fwd_peak, s.fwd_start), bwd_start=s.bwd_start,
-                bwd_peak=max(s.bwd_peak, s.bwd_start)))
+                bwd_peak=max(s.bwd_peak, s.bwd_start), kept_bytes=s.kept_bytes,
+                resaved_bytes=s.resaved_bytes, in_shared_bytes=s.in_shared_bytes))
         return ModelProfile(
             name=name, source="measured", device=str(self.device),
             param_bytes=self.params[0].element_size(), params=tuple(records), parts=tuple(parts),
@@ -241,7 +287,8 @@ class _Tracer:
         return [names.get(b, f"block{i}") for i, b in enumerate(self.blocks)]
 
     # ---- one iteration with the requested instrumentation ------------------------------
-    def _pass(self, *, hooks: bool, timing: bool = False, stats=None, on_boundary=None):
+    def _pass(self, *, hooks: bool, timing: bool = False, stats=None, on_boundary=None,
+              ledger: _SaveLedger | None = None):
         """Run forward + backward. Returns the timing marks [(phase, part, clock mark)]."""
         self.rng.restore()
         marks: list[tuple[str, int, object]] = []
@@ -264,6 +311,10 @@ class _Tracer:
                 self._refresh_param_ptrs()
             if phase == "fwd" and x is not None and stats is not None and part > 0:
                 stats[part].in_bytes = storage_bytes(x)
+                if ledger is not None:
+                    ledger.entered(part, x)
+            if phase == "bwd" and ledger is not None and part == self.n_parts - 1:
+                ledger.finish(stats)
             self.state = (phase, part)
             if timing:
                 marks.append((phase, part, self.clock.mark()))
@@ -278,7 +329,7 @@ class _Tracer:
                 stack.enter_context(part_boundaries(self.blocks, boundary))
             if self.streamer is not None or on_boundary is not None:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
-                    *self._saved_hooks(stats if on_boundary is not None else None)))
+                    *self._saved_hooks(stats if ledger is not None else None, ledger)))
             stack.enter_context(drop_param_grads(self.params))
             if hooks:
                 boundary("fwd", 0)
@@ -354,7 +405,7 @@ class _Tracer:
         recorder = OpRecorder(self.registry, self.meter, on_op, self.param_of_ptr, on_param_use)
         try:
             with recorder:
-                self._pass(hooks=True, stats=stats, on_boundary=on_boundary)
+                self._pass(hooks=True, stats=stats, on_boundary=on_boundary, ledger=_SaveLedger())
         finally:
             self.registry = None
             self.meter = None
@@ -367,23 +418,22 @@ class _Tracer:
                 self.param_of_ptr[p.untyped_storage().data_ptr()] = i
 
     # ---- hooks -------------------------------------------------------------------------
-    def _saved_hooks(self, stats):
+    def _saved_hooks(self, stats, ledger: _SaveLedger | None = None):
         """One pack/unpack pair (saved-tensor hooks do not nest) that
         - counts, per part, the distinct storages autograd saves in forward that this
           iteration allocated (parameters and pre-existing tensors such as the batch are not
-          activations), when ``stats`` is given;
+          activations), and notes every saver in ``ledger``, when ``stats`` is given;
         - replaces saved references to streamed parameters by placeholders, so dropping a
           block's device copy really frees it; unpacking takes the copy loaded for backward."""
-        counted: set[int] = set()
         streamer = self.streamer
 
         def pack(t):
             ptr = storage_ptr(t)
             idx = self.param_of_ptr.get(ptr) if t.device == self.device else None
-            if stats is not None and idx is None and self.state[0] == "fwd" and ptr not in counted \
+            if stats is not None and idx is None and self.state[0] == "fwd" \
                     and self.registry is not None and self.registry.contains(t):
-                counted.add(ptr)
-                stats[self.state[1]].saved_bytes += storage_bytes(t)
+                if ledger.saved(self.state[1], ptr, storage_bytes(t)):
+                    stats[self.state[1]].saved_bytes += storage_bytes(t)
             if streamer is not None and idx is not None and self.params[idx] in streamer.home:
                 return ("protrain-param", self.params[idx], t.size(), t.stride(), t.storage_offset())
             return t
