@@ -73,7 +73,10 @@ def test_heap_gap_is_a_per_operator_constant_not_a_share(monkeypatch):
         gaps.append(m.heap_peak - m.activation_peak)
         peaks.append(m.activation_peak)
     assert peaks[1] > 4 * peaks[0]
-    assert 0 < gaps[1] < 1.5 * gaps[0] and gaps[1] < 0.02 * peaks[1], (gaps, peaks)
+    # The gap is a few tens of KB that wanders by ~10 KB between runs (malloc's own state), so
+    # the test bounds its growth against the activations' growth rather than its ratio.
+    assert 0 < gaps[1] < 0.02 * peaks[1], (gaps, peaks)
+    assert gaps[1] - gaps[0] < 0.02 * (peaks[1] - peaks[0]), (gaps, peaks)
 
 
 def test_search_under_a_tight_budget_picks_a_plan_that_really_fits(tmp_path):
