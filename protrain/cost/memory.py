@@ -4,7 +4,8 @@ Peak device memory = model states (constant all iteration: persistent chunks and
 buffers) + the highest point of an execution-order walk over activations. The walk starts from
 the keep-all profile and subtracts what the block modes free:
 
-    X_k = sum over blocks j < k of freed_j,  freed = {NONE: 0, CKPT: saved - in, SWAP/SSD: saved}
+    X_k = sum over blocks j < k of freed_j,
+    freed = {NONE: 0, CKPT: saved - in, SELECTIVE: saved - sel_saved, SWAP/SSD: saved}
 
 - forward of part k:   fwd_peak_k - X_k  (+ saved_{k-1} while the previous block's swap-out
   is still in flight; the runtime allows one block in flight);
@@ -14,6 +15,9 @@ the keep-all profile and subtracts what the block modes free:
       recompute = bwd_start_k - X_k - saved_k + in_k + (fwd_peak_k - fwd_start_k)
       backward  = bwd_peak_k - X_k
   the checkpoint-input chain is in X_k: every earlier CKPT block still holds its input.
+- a SELECTIVE part the same: its recompute rebuilds everything but what it kept, so it ends
+  at the keep-all level too (the kept attention outputs are not allocated again); the same
+  bound holds.
 
 The profile's peaks come from the device allocator on CUDA, so intra-op transients (workspaces)
 and inter-op deltas (allocations outside hooked ops) are already inside fwd_peak / bwd_peak.
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_mode import CKPT, NONE, SSD, SWAP, BlockMode
+from ..block_mode import CKPT, NONE, SEL, SSD, SWAP, BlockMode
 from ..profile.model_profile import ModelProfile
 from .layout import ChunkLayout
 
@@ -105,9 +109,11 @@ def activation_walk(profile: ModelProfile, block_modes) -> tuple[np.ndarray, np.
     fp = np.array([p.fwd_peak for p in parts], dtype=np.int64)
     bs = np.array([p.bwd_start for p in parts], dtype=np.int64)
     bp = np.array([p.bwd_peak for p in parts], dtype=np.int64)
+    sel = np.array([p.sel_saved_bytes for p in parts], dtype=np.int64)
 
     offl = (m == SWAP) | (m == SSD)       # host and NVMe offload leave the device alike
-    freed = np.where(m == CKPT, saved - inb, 0) + np.where(offl, saved, 0)
+    freed = np.where(m == CKPT, saved - inb, 0) + np.where(offl, saved, 0) + \
+        np.where(m == SEL, saved - sel, 0)
     # X_k: what earlier blocks' modes freed (exclusive prefix sum).
     x = np.cumsum(freed, axis=1) - freed
     # One offloaded block may be in flight: its write-out during the next part's forward, its
@@ -118,7 +124,8 @@ def activation_walk(profile: ModelProfile, block_modes) -> tuple[np.ndarray, np.
     fwd = fp - x + prev_swapped
     bwd_keep = bp - x
     recompute = bs - x - saved + inb + (fp - fs)
-    bwd = np.where(m == CKPT, np.maximum(recompute, bwd_keep), bwd_keep) + prev_swapped
+    rec = (m == CKPT) | (m == SEL)
+    bwd = np.where(rec, np.maximum(recompute, bwd_keep), bwd_keep) + prev_swapped
     walk = np.stack([fwd, bwd], axis=2).reshape(m.shape[0], -1)
     where = walk.argmax(axis=1)
     return np.maximum(walk.max(axis=1), 0), where
