@@ -247,8 +247,7 @@ class ProTrainEngine(DeepSpeedEngine):
                     "(Hugging Face partitions at load time when it sees stage 3)")
         dp = DataParallel()
         planner = _planner_config(self, dp)
-        coll_bw = probe_collective(dp, self.device) if dp.world > 1 else 0.0
-        a2a_bw = probe_alltoall(dp, self.device) if dp.world > 1 else 0.0
+        coll_bw, a2a_bw = _probe_links(dp, self.device)
         t0 = time.perf_counter()
         profile_seconds = 0.0
         plan, loaded, error, failure = None, False, None, None
@@ -475,6 +474,20 @@ def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821
     return replace(cfg, grad_accumulation_steps=engine.gradient_accumulation_steps(),
                    cpu_optim_overlap=not (clip > 0 or engine.fp16_enabled()),
                    data_parallel_size=dp.world)
+
+
+_LINKS: dict = {}
+
+
+def _probe_links(dp: DataParallel, device) -> tuple[float, float]:
+    """(all-gather, all-to-all) bandwidth between the ranks, measured once per process and
+    world (every rank takes part: an engine built again in the same job does not re-measure)."""
+    if dp.world == 1:
+        return 0.0, 0.0
+    key = (dp.world, str(device))
+    if key not in _LINKS:
+        _LINKS[key] = (probe_collective(dp, device), probe_alltoall(dp, device))
+    return _LINKS[key]
 
 
 def _ranks_per_node(dp: DataParallel) -> int:

@@ -9,9 +9,21 @@ import sys
 
 def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      ACCELERATE_USE_DEEPSPEED="true")
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     sys.path.insert(0, os.path.dirname(__file__))
+    result = train(rank, world, spec, out_dir)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def train(rank: int, world: int, spec: dict, out_dir: str) -> dict:
+    """One Trainer run in this (already launched) rank; returns the logged losses and the
+    gradients of every optimizer step."""
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     import torch
     import transformers
     from spworker import llama, samples
@@ -51,21 +63,16 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
           "zero_optimization": {"stage": 0},
           "protrain": {"enabled": True, "device_memory": "4GiB", "progress": False, "verbosity": 0,
                        **spec.get("protrain", {})}}
-    path = os.path.join(out_dir, "ds.json")
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(ds, f)
-    else:
-        import time
-        while not os.path.exists(path):
-            time.sleep(0.05)
+    path = os.path.join(out_dir, f"ds{rank}.json")
+    with open(path, "w") as f:
+        json.dump(ds, f)
     torch.manual_seed(0)
     model = llama(spec)
     per_device = spec["global_batch"] // world
     args = transformers.TrainingArguments(
         output_dir=os.path.join(out_dir, "out"), max_steps=spec["steps"],
         per_device_train_batch_size=per_device, logging_steps=1, learning_rate=1e-3,
-        weight_decay=0.0, max_grad_norm=0.0, report_to="none", save_strategy="no", deepspeed=path,
+        weight_decay=0.0, max_grad_norm=1.0, report_to="none", save_strategy="no", deepspeed=path,
         use_cpu=True, disable_tqdm=True, dataloader_drop_last=True, seed=0, data_seed=0,
         lr_scheduler_type="constant", ddp_backend="gloo")
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(),
@@ -79,12 +86,11 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
               "grads": grads, "engine": type(engine).__name__,
               "sp": engine.protrain_plan.knobs.sequence_parallel}
     engine.destroy()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if rank == 0:
+        torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
+                   os.path.join(out_dir, f"weights-{spec.get('name', 'trainer')}.pt"))
+    ChunkOptimizer._update = update
+    return result
 
 
 def launch(world: int, spec: dict, out_dir: str) -> list[dict]:

@@ -66,6 +66,12 @@ def run_rank(rank: int, world: int, port: int, runs: list[dict], out_dir: str) -
     for spec in runs:
         grads.clear()
         try:
+            if spec.get("trainer"):
+                import sptrainer
+                ChunkOptimizer._update = update
+                results[spec["name"]] = sptrainer.train(rank, world, spec, out_dir)
+                ChunkOptimizer._update = recording
+                continue
             results[spec["name"]] = _train(rank, world, spec, grads, out_dir)
         except Exception as e:  # noqa: BLE001 - reported to the test, which names the run
             results[spec["name"]] = {"error": f"{type(e).__name__}: {e}"}
@@ -149,7 +155,10 @@ def _train(rank, world, spec, grads, out_dir) -> dict:
             lo = rank * share + micro * mb
             x, y = ids[lo:lo + mb], labels[lo:lo + mb]
             if spec["model"]["kind"] == "llama":
-                out = engine(input_ids=x, labels=y)
+                extra = {}
+                if spec.get("num_items"):   # the Trainer's loss: a sum over the global batch's count
+                    extra["num_items_in_batch"] = (labels[:, 1:] != -100).sum()
+                out = engine(input_ids=x, labels=y, **extra)
                 loss = out.loss
             else:   # the built-in GPT takes next-token targets
                 loss = engine(x, torch.where(y == -100, y, torch.roll(x, -1, 1)))

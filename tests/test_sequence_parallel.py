@@ -10,7 +10,6 @@ them one after another (tests/spworker.py) and the tests share the launches."""
 import pytest
 import torch
 
-import sptrainer
 from spworker import full_grads, launch
 
 SEQ = 32
@@ -38,6 +37,8 @@ def two(tmp_path_factory, ckpt_dir):
         _run("ck2", 2, 2, 1, start=2, protrain=dict(OFFLOADED, sequence_parallel=1),
              load=str(ckpt_dir / "a"), save=str(ckpt_dir / "b")),
         _run("ck3", 2, 2, 1, start=3, protrain=dict(OFFLOADED, sequence_parallel=2), load=str(ckpt_dir / "b")),
+        # the Hugging Face Trainer with the "protrain" key in its DeepSpeed JSON
+        _run("trainer", 2, 4, 3, trainer=True, protrain=dict(sequence_parallel=2)),
     ]
     return launch(2, runs, str(tmp_path_factory.mktemp("sp_two")))
 
@@ -58,8 +59,8 @@ def ref(tmp_path_factory):
             _run("auto", 2, 2, 2, gas=2, seq=128, protrain={}),
             _run("ck", 2, 2, 4, gas=2, protrain={}),
             _run("four", 2, 4, 2, gas=4, protrain={}),
-            # the Trainer's loss: the token-weighted mean over the whole global batch
-            _run("trainer", 2, 4, 3, protrain={})]
+            # the Trainer's loss: summed over the whole global batch, over its valid targets
+            _run("trainer", 2, 4, 3, num_items=True, protrain={})]
     return launch(1, runs, str(tmp_path_factory.mktemp("sp_ref")))
 
 
@@ -114,16 +115,16 @@ def test_four_ranks_p4_and_p2_times_data_parallel(four, ref):
     _same_training(four["p2dp2"], ref["four"])
 
 
-def test_hugging_face_trainer_with_sequence_parallelism(tmp_path, ref):
-    pytest.importorskip("accelerate")
-    spec = dict(model=dict(kind="llama", kv_heads=2, layers=2), seq=SEQ, global_batch=4, steps=3,
-                protrain=dict(sequence_parallel=2))
-    runs = sptrainer.launch(2, spec, str(tmp_path))
+def test_hugging_face_trainer_with_sequence_parallelism(two, ref):
+    runs = two["trainer"]
     assert all(r["engine"] == "ProTrainEngine" and r["sp"] == 2 for r in runs)
     reference = ref["trainer"]
-    # The Trainer logs the loss of the whole global batch (averaged over ranks).
+    # The Trainer logs the loss of the whole global batch (averaged over ranks) and scales the
+    # loss by the world size before backward: the engine learnt that factor at the first step.
+    assert runs[0]["losses"] == runs[1]["losses"]
     assert runs[0]["losses"] == pytest.approx(reference[0]["losses"], rel=1e-5)
     g_run, g_ref = full_grads(runs), full_grads(reference)
+    assert len(g_run) == len(g_ref) == 3
     for a, b in zip(g_run, g_ref):
         for name in b:
             assert float((a[name] - b[name]).abs().max() / b[name].abs().max()) <= 1e-5, name
