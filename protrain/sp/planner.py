@@ -77,7 +77,8 @@ def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
             plans[p] = search(per_rank, hw, cfg)
         except InfeasibleError as e:
             failures[p] = e
-    why = _reasons(degrees, plans, failures, a2a, profile, world, seq_len, unsupported)
+    why = _reasons(degrees, plans, failures, a2a, profile, world, seq_len, unsupported,
+                   pinned=config.pins.sequence_parallel is not None)
     if not plans:
         last = failures[max(failures)]
         raise InfeasibleError("no sequence-parallel degree fits: " + "; ".join(why) + "."
@@ -92,7 +93,8 @@ def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
                    search_seconds=sum(x.search_seconds for x in plans.values()))
 
 
-def _reasons(degrees, plans, failures, a2a, profile, world, seq_len, unsupported) -> list[str]:
+def _reasons(degrees, plans, failures, a2a, profile, world, seq_len, unsupported,
+             pinned: bool = False) -> list[str]:
     """One line per degree tried, and why the others were not."""
     best = min(plans, key=lambda p: (plans[p].prediction.step_time, p)) if plans else None
     out = []
@@ -110,7 +112,7 @@ def _reasons(degrees, plans, failures, a2a, profile, world, seq_len, unsupported
         out.append(line + (" - chosen" if p == best else ""))
     if unsupported and world > 1:
         out.append(f"sequence parallelism off: {unsupported}")
-    elif len(degrees) == 1 and world > 1 and degrees[0] == 1:
+    elif len(degrees) == 1 and world > 1 and degrees[0] == 1 and not pinned:
         shape = sp_shape(profile, world, seq_len)
         others = [p for p in range(2, world + 1) if world % p == 0]
         if others:
