@@ -97,7 +97,7 @@ def _train(args, system, seq, steps, rank):
                      budget=budget, peak=rt.device_peak(), predicted_peak=plan.prediction.peak_device_bytes,
                      activation_peak=rt.accounting.activation_peak,
                      predicted_activation_peak=plan.prediction.activation_peak_bytes,
-                     predicted_step=plan.prediction.step_time, loss=float(out.loss))
+                     predicted_step=plan.prediction.step_time, loss=out.loss.item())
         return facts, times
     finally:
         engine.destroy()

@@ -192,9 +192,12 @@ class Plan(JsonValue):
                    f"{modes_string(self.block_modes)}")
         budget = self.device_memory
         if p.grad_accumulation_steps > 1:
+            sp = k.sequence_parallel
+            per = (f" (each micro-batch is {sp} sequence-parallel sub-steps of 1/{sp} of its "
+                   f"tokens per rank)" if sp > 1 else "")
             out.append(f"  predicted optimizer step {fmt_seconds(p.step_time)} = "
                        f"{p.grad_accumulation_steps - 1} x {fmt_seconds(p.micro_step_time)} "
-                       f"accumulating + the boundary micro-step below")
+                       f"accumulating + the boundary micro-step below{per}")
         out.append(
             f"  predicted: iteration {fmt_seconds(p.iter_time)} (forward {fmt_seconds(p.fwd_time)}, "
             f"backward {fmt_seconds(p.bwd_time)}, device Adam {fmt_seconds(p.gpu_optim_time)}, "

@@ -381,6 +381,9 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     """The fastest plan for ``profile`` on ``hw`` within ``config``'s budgets and pins.
     Raises InfeasibleError (with what would fit) when nothing does."""
     config = config or PlannerConfig()
+    if (config.pins.sequence_parallel or 1) > 1:
+        raise ValueError("search() plans one rank's profile as it is; a sequence-parallel degree "
+                         "is chosen by protrain.sp.planner.search_sequence_parallel")
     t0 = time.perf_counter()
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     budget = hw.device_memory / (1.0 + config.memory_margin)
@@ -440,23 +443,33 @@ def search(profile: ModelProfile, hw: HardwareProfile,
         peak_low = peak_now - spare * np.array([unit[owner[i]] for i in at_best], dtype=np.int64)
         best_peak = int(peak_now.min()) if len(at_best) else 0
         order = [k for k in np.argsort(peak_low, kind="stable") if spare[k] > 0]
-        for lo in range(0, len(order), 256):
-            batch = [k for k in order[lo:lo + 256] if peak_low[k] <= best_peak]
+        for lo in range(0, len(order), 512):
+            batch = [k for k in order[lo:lo + 512] if peak_low[k] <= best_peak]
             if not batch:
                 break
             for gi in sorted({int(owner[at_best[k]]) for k in batch}):
                 g = grids[gi]
-                rows = [(int(at_best[k]), nb) for k in batch if owner[at_best[k]] == gi
-                        for nb in range(int(g.n_buffer_min[local[at_best[k]]]),
-                                        int(g.n_buffer[local[at_best[k]]]))]
-                idx = np.array([local[i] for i, _ in rows])
-                nbs = np.array([nb for _, nb in rows])
-                t = _simulate_points(profile, hw, config, acts, g, idx, n_buffer=nbs)
-                evaluated += len(rows)
-                for (i, nb), ti in zip(rows, t):
-                    if ti == best and (i not in refined or nb < refined[i][0]):
-                        j = local[i]
-                        refined[i] = (nb, int(g.peak[j] - (g.n_buffer[j] - nb) * unit[gi]))
+                pts = [int(at_best[k]) for k in batch if owner[at_best[k]] == gi]
+                # Bisect each point's fewest buffers that keep the best time (the time never
+                # rises with buffers): one batched simulation per halving.
+                low = {i: int(g.n_buffer_min[local[i]]) for i in pts}
+                high = {i: int(g.n_buffer[local[i]]) for i in pts}
+                while True:
+                    rows = [(i, (low[i] + high[i]) // 2) for i in pts if low[i] < high[i]]
+                    if not rows:
+                        break
+                    t = _simulate_points(profile, hw, config, acts, g, np.array([local[i] for i, _ in rows]),
+                                         n_buffer=np.array([nb for _, nb in rows]))
+                    evaluated += len(rows)
+                    for (i, nb), ti in zip(rows, t):
+                        if ti == best:
+                            high[i] = nb
+                        else:
+                            low[i] = nb + 1
+                for i in pts:
+                    j = local[i]
+                    if high[i] < g.n_buffer[j]:
+                        refined[i] = (high[i], int(g.peak[j] - (g.n_buffer[j] - high[i]) * unit[gi]))
                         best_peak = min(best_peak, refined[i][1])
 
     def knobs_of(i: int) -> Knobs:

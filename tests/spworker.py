@@ -168,6 +168,13 @@ def _train(rank, world, spec, grads, out_dir) -> dict:
     if spec.get("save"):
         engine.save_checkpoint(spec["save"])
     result = {"losses": losses, "grads": [list(g) for g in grads]}
+    if spec.get("eval"):        # evaluation forwards (no gradient) on step 0's micro-batches
+        engine.eval()
+        ids, labels = samples(spec, 0)
+        with torch.no_grad():
+            result["eval"] = [engine(input_ids=ids[lo:lo + mb], labels=labels[lo:lo + mb]).loss.item()
+                              for lo in range(rank * share, (rank + 1) * share, mb)]
+        engine.train()
     plan = getattr(engine, "protrain_plan", None)
     if plan is not None:
         rt = engine.protrain_runtime

@@ -29,7 +29,8 @@ def ckpt_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, ckpt_dir):
     runs = [
-        _run("gqa", 2, 2, 2, protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_selective=1)),
+        _run("gqa", 2, 2, 2, eval=True,
+             protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_selective=1)),
         _run("mha", 4, 4, 2, gas=2, protrain=dict(OFFLOADED, sequence_parallel=2, n_swap=1)),
         _run("auto", 2, 2, 2, seq=128, budget_between=(1, 2), protrain=dict(accounting=True)),
         # a checkpoint saved at P=2, loaded at P=1 (data parallel), saved, loaded at P=2 again
@@ -54,7 +55,7 @@ def four(tmp_path_factory):
 def ref(tmp_path_factory):
     """One rank, the same samples: a rank's share of the global batch becomes that many
     micro-batches of gradient accumulation (DeepSpeed averages them, as data parallel does)."""
-    runs = [_run("gqa", 2, 2, 2, gas=2, protrain={}),
+    runs = [_run("gqa", 2, 2, 2, gas=2, eval=True, protrain={}),
             _run("mha", 4, 4, 2, gas=4, protrain={}),
             _run("auto", 2, 2, 2, gas=2, seq=128, protrain={}),
             _run("ck", 2, 2, 4, gas=2, protrain={}),
@@ -86,6 +87,9 @@ def test_two_ranks_train_like_one_rank_on_the_same_samples(two, ref, case):
     assert runs[0]["offloaded"] > 0
     assert runs[0]["modes"] == {"gqa": "CA", "mha": "SN"}[case]
     _same_training(runs, ref[case], gas=2 if case == "mha" else 1)
+    if case == "gqa":        # evaluation forwards (no_grad, eval mode) give each rank its loss
+        got = [r["eval"] for r in runs]
+        assert [x for g in got for x in g] == pytest.approx(ref[case][0]["eval"], rel=1e-5)
 
 
 def test_auto_picks_the_degree_that_fits_and_says_why(two, ref):
