@@ -119,8 +119,9 @@ class SequenceParallelForward:
                 out = None          # only the last sub-step's output is returned
         if sum(m.calls for m in self.modes) == 0:
             raise SequenceParallelError("sequence parallelism: the model's blocks never called "
-                                        "torch.nn.functional.scaled_dot_product_attention; set "
-                                        "protrain.sequence_parallel to 1")
+                                        "torch.nn.functional.scaled_dot_product_attention; load a "
+                                        "Hugging Face model with attn_implementation=\"sdpa\", or "
+                                        "set protrain.sequence_parallel to 1")
         mine = values[self.rank]
         if train:
             mine = self._anchored(mine, factor)

@@ -30,8 +30,9 @@ def ckpt_dir(tmp_path_factory):
 def two(tmp_path_factory, ckpt_dir):
     runs = [
         _run("gqa", 2, 2, 2, eval=True,
-             protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_selective=1)),
-        _run("mha", 4, 4, 2, gas=2, protrain=dict(OFFLOADED, sequence_parallel=2, n_swap=1)),
+             protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_selective=1, n_swap=0)),
+        _run("mha", 4, 4, 2, gas=2, protrain=dict(OFFLOADED, sequence_parallel=2, n_swap=1,
+                                                  n_checkpoint=0, n_selective=0)),
         _run("auto", 2, 2, 2, seq=128, budget_between=(1, 2), protrain=dict(accounting=True)),
         # a checkpoint saved at P=2, loaded at P=1 (data parallel), saved, loaded at P=2 again
         _run("ck1", 2, 2, 2, protrain=dict(OFFLOADED, sequence_parallel=2), save=str(ckpt_dir / "a")),
@@ -46,7 +47,8 @@ def two(tmp_path_factory, ckpt_dir):
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    runs = [_run("p4", 2, 4, 2, protrain=dict(OFFLOADED, sequence_parallel=4, n_checkpoint=1)),
+    runs = [_run("p4", 2, 4, 2, protrain=dict(OFFLOADED, sequence_parallel=4, n_checkpoint=1,
+                                              n_swap=0, n_selective=0)),
             _run("p2dp2", 2, 4, 2, protrain=dict(OFFLOADED, sequence_parallel=2, n_selective=2))]
     return launch(4, runs, str(tmp_path_factory.mktemp("sp_four")))
 

@@ -157,3 +157,25 @@ def test_plan_command_plans_long_sequences_over_ranks(capsys):
     assert cli(["plan", "--model", "llama3-8b", "--world", "8", "--seq", "131072",
                 "--pin", "sequence_parallel=3"]) == 2
     assert "P must divide the world size (8 ranks)" in capsys.readouterr().err
+
+
+def test_deepspeed_sequence_parallel_size_is_taken_as_the_pin():
+    from protrain_ds.config import ProTrainDSConfig, strip_replaced_knobs
+    on = {"protrain": {"enabled": True}}
+    assert ProTrainDSConfig.from_ds_config(on).planner.pins.sequence_parallel is None       # auto
+    cfg = ProTrainDSConfig.from_ds_config(dict(on, sequence_parallel_size=4))
+    assert cfg.planner.pins.sequence_parallel == 4
+    assert ProTrainDSConfig.from_ds_config(
+        {"protrain": {"enabled": True, "sequence_parallel": 2}}).planner.pins.sequence_parallel == 2
+    with pytest.raises(ConfigError, match="sequence_parallel_size = 4 and protrain.sequence_parallel = 2 "
+                                          "disagree"):
+        ProTrainDSConfig.from_ds_config({"sequence_parallel_size": 4,
+                                         "protrain": {"enabled": True, "sequence_parallel": 2}})
+    with pytest.raises(ConfigError, match=r"protrain.sequence_parallel = 0: must be a whole number >= 1"):
+        ProTrainDSConfig.from_ds_config({"protrain": {"enabled": True, "sequence_parallel": 0}})
+    with pytest.raises(ConfigError, match="profile_seq_len"):
+        ProTrainDSConfig.from_ds_config({"protrain": {"enabled": True, "profile_seq_len": "long"}})
+    # DeepSpeed itself does not see it (it would build its own sequence-parallel groups).
+    clean, overridden = strip_replaced_knobs(dict(on, sequence_parallel_size=4))
+    assert "sequence_parallel_size" not in clean
+    assert any("sequence_parallel_size=4 (taken as protrain.sequence_parallel)" in o for o in overridden)

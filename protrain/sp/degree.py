@@ -41,7 +41,8 @@ def broken_constraints(degree: int, shape: SPShape) -> list[str]:
         out.append(f"P must divide the world size ({shape.world} ranks)")
     if shape.heads <= 0:
         out.append("the model's blocks call no attention operator ProTrain can split "
-                   "(torch.nn.functional.scaled_dot_product_attention)")
+                   "(torch.nn.functional.scaled_dot_product_attention; Hugging Face models: load "
+                   "with attn_implementation=\"sdpa\")")
     else:
         if shape.heads % p:
             out.append(f"P must divide the attention head count ({shape.heads} heads)")
