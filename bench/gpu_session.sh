@@ -53,7 +53,7 @@ ssd_dir=${PROTRAIN_SSD_DIR:-/tmp/protrain-ssd}
 case "$stage" in
   tests)
     python3 -c "import pytest" 2>/dev/null || { echo "no pytest: add its wheels to .whl (see the header)"; exit 2; }
-    python3 -m pytest -q -rs tests/test_gpu_profiler.py tests/test_gpu_engine.py tests/test_gpu_storage.py
+    python3 -m pytest -q -rs tests/test_gpu_profiler.py tests/test_gpu_engine.py tests/test_gpu_storage.py tests/test_gpu_selective.py
     ;;
   ds)
     python3 bench/ds_compare.py --layers 40 --hidden 3072 --heads 24 --micro-batch 4 --seq 1024 --steps 6 --warmup 2

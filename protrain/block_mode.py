@@ -1,5 +1,6 @@
 """BlockMode: what happens to one transformer block's saved activations, and the layout rule
-that turns the counts the search picks (n_swap, n_checkpoint) into per-block modes."""
+that turns the counts the search picks (n_ssd, n_swap, n_checkpoint, n_selective) into
+per-block modes."""
 from __future__ import annotations
 
 import enum
@@ -16,6 +17,11 @@ class BlockMode(str, enum.Enum):
     SSD = "ssd"
     """Write saved tensors to NVMe in forward (SSDTrain; GPUDirect Storage when available),
     read them back one block ahead of the block's backward."""
+    SELECTIVE = "selective"
+    """Long-context selective checkpointing (AutoSP): keep the block input, the attention
+    operator's outputs and the sequence-parallel all-to-all outputs; recompute everything else
+    (projections, norms, MLP) at the start of the block's backward. Attention (s^2 FLOPs) and
+    collectives are never re-run (protrain.runtime.selective)."""
 
     @property
     def code(self) -> int:
@@ -23,23 +29,29 @@ class BlockMode(str, enum.Enum):
 
     @property
     def letter(self) -> str:
-        return {"none": "N", "ckpt": "C", "swap": "S", "ssd": "D"}[self.value]
+        return {"none": "N", "ckpt": "C", "swap": "S", "ssd": "D", "selective": "A"}[self.value]
 
 
-_CODES = {BlockMode.NONE: 0, BlockMode.CKPT: 1, BlockMode.SWAP: 2, BlockMode.SSD: 3}
-NONE, CKPT, SWAP, SSD = 0, 1, 2, 3  # integer codes used by the vectorized cost models
+_CODES = {BlockMode.NONE: 0, BlockMode.CKPT: 1, BlockMode.SWAP: 2, BlockMode.SSD: 3,
+          BlockMode.SELECTIVE: 4}
+NONE, CKPT, SWAP, SSD, SEL = 0, 1, 2, 3, 4  # integer codes used by the vectorized cost models
+RECOMPUTED = (CKPT, SEL)
+"""Codes of the modes that recompute (part of) the block in backward."""
 
 
 def layout_block_modes(n_blocks: int, n_swap: int, n_checkpoint: int,
-                       n_ssd: int = 0) -> tuple[BlockMode, ...]:
+                       n_ssd: int = 0, n_selective: int = 0) -> tuple[BlockMode, ...]:
     """ProTrain's block layout, with SSDTrain's tier in front: offload early (the copies hide
     behind the later blocks' compute and are needed last in backward) - first the SSD blocks
-    (the slowest path gets the most time), then the swapped ones -, checkpoint interleaved
-    over the remaining blocks (recompute spread out, prefetches overlap it), and keep the
-    last blocks (freed first in backward, so keeping them costs the least)."""
-    if min(n_swap, n_checkpoint, n_ssd) < 0 or n_swap + n_checkpoint + n_ssd > n_blocks:
-        raise ValueError(f"n_ssd={n_ssd} + n_swap={n_swap} + n_checkpoint={n_checkpoint} must be "
-                         f"between 0 and the number of blocks ({n_blocks})")
+    (the slowest path gets the most time), then the swapped ones -, recompute interleaved
+    over the remaining blocks (recompute spread out, prefetches overlap it; of the recomputed
+    blocks the full checkpoints come first, then the selective ones), and keep the last blocks
+    (freed first in backward, so keeping them costs the least)."""
+    counts = (n_swap, n_checkpoint, n_ssd, n_selective)
+    if min(counts) < 0 or sum(counts) > n_blocks:
+        raise ValueError(f"n_ssd={n_ssd} + n_swap={n_swap} + n_checkpoint={n_checkpoint} + "
+                         f"n_selective={n_selective} must be between 0 and the number of blocks "
+                         f"({n_blocks})")
     modes = [BlockMode.NONE] * n_blocks
     for i in range(n_ssd):
         modes[i] = BlockMode.SSD
@@ -47,8 +59,9 @@ def layout_block_modes(n_blocks: int, n_swap: int, n_checkpoint: int,
         modes[i] = BlockMode.SWAP
     first = n_ssd + n_swap
     rest = n_blocks - first
-    for k in range(n_checkpoint):
-        modes[first + (k * rest) // n_checkpoint] = BlockMode.CKPT
+    n_rec = n_checkpoint + n_selective
+    for k in range(n_rec):
+        modes[first + (k * rest) // n_rec] = BlockMode.CKPT if k < n_checkpoint else BlockMode.SELECTIVE
     return tuple(modes)
 
 
@@ -63,19 +76,25 @@ def modes_string(modes) -> str:
     return "".join(m.letter for m in modes)
 
 
-def layout_codes(n_blocks: int, n_swap, n_checkpoint, n_ssd) -> "np.ndarray":
-    """``layout_block_modes`` for many (n_swap, n_checkpoint, n_ssd) at once, as a
+def layout_codes(n_blocks: int, n_swap, n_checkpoint, n_ssd, n_selective=None) -> "np.ndarray":
+    """``layout_block_modes`` for many (n_swap, n_checkpoint, n_ssd, n_selective) at once, as a
     [K, n_blocks] int8 matrix of mode codes (the search builds tens of thousands)."""
     import numpy as np
-    ns, nc, nd = (np.asarray(x, dtype=np.int64)[:, None] for x in (n_swap, n_checkpoint, n_ssd))
+    if n_selective is None:
+        n_selective = np.zeros(len(np.atleast_1d(n_swap)), dtype=np.int64)
+    ns, nc, nd, nl = (np.asarray(x, dtype=np.int64)[:, None]
+                      for x in (n_swap, n_checkpoint, n_ssd, n_selective))
     j = np.arange(n_blocks, dtype=np.int64)[None, :]
     codes = np.where(j < nd, SSD, np.where(j < nd + ns, SWAP, NONE)).astype(np.int8)
     first = nd + ns
     rest = np.maximum(n_blocks - first, 1)
     jr = j - first                                   # index among the non-offloaded blocks
-    # checkpoints sit at first + floor(k * rest / nc), k < nc: count those at or before jr
+    nr = nc + nl                                     # recomputed blocks
+    # recomputed blocks sit at first + floor(k * rest / nr), k < nr: count those at or before jr
     def upto(x):
-        return np.minimum(nc, -((-(x + 1) * nc) // rest))
-    is_ckpt = (jr >= 0) & (upto(jr) - upto(jr - 1) > 0) & (nc > 0)
-    codes[is_ckpt] = CKPT
+        return np.minimum(nr, -((-(x + 1) * nr) // np.maximum(rest, 1)))
+    k = upto(jr)                                      # recompute slots up to and including jr
+    is_rec = (jr >= 0) & (k - upto(jr - 1) > 0) & (nr > 0)
+    codes[is_rec & (k - 1 < nc)] = CKPT
+    codes[is_rec & (k - 1 >= nc)] = SEL
     return codes

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="enable the SSD activation tier with this NVMe read/write bandwidth")
     h.add_argument("--nvme-free", type=_size, default=None, help="free space on the SSD (default 1TiB)")
     h.add_argument("--gds", action="store_true", help="the SSD path supports GPUDirect Storage")
+    h.add_argument("--world", type=int, default=1, metavar="N",
+                   help="ranks of the launch (one GPU each): model states are sharded over them and "
+                        "the planner chooses the Ulysses sequence-parallel degree P among them")
     s = p.add_argument_group("search")
     s.add_argument("--pin", type=_pin, action="append", default=[], metavar="KNOB=VALUE",
                    help=f"fix a knob ({', '.join(KNOB_NAMES)}); repeatable")
@@ -122,6 +125,9 @@ def _config(args) -> PlannerConfig:
 def _cmd_plan(args) -> int:
     from .search import InfeasibleError, search
     t0 = time.perf_counter()
+    if args.world < 1:
+        print(f"protrain: error: --world {args.world}: must be at least 1", file=sys.stderr)
+        return 2
     config = _config(args)
     try:
         profile, hw = _measured(args) if args.measure else _analytic(args)
@@ -129,7 +135,11 @@ def _cmd_plan(args) -> int:
         print(f"protrain: error: {e}", file=sys.stderr)
         return 2
     try:
-        plan = search(profile, hw, config)
+        if args.world > 1 or config.pins.sequence_parallel is not None:
+            from .sp.planner import search_sequence_parallel
+            plan = search_sequence_parallel(profile, hw, replace(config, data_parallel_size=args.world))
+        else:
+            plan = search(profile, hw, config)
     except InfeasibleError as e:
         print(f"protrain: no plan fits {profile.describe()} on {hw.name}:\n  {e}", file=sys.stderr)
         return EXIT_INFEASIBLE

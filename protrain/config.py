@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 from .units import MiB, parse_bytes
 
-KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "n_ssd")
+KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "n_ssd",
+              "n_selective", "sequence_parallel")
 MAX_COUNT = 2**31 - 1
 """Largest count a setting takes (chunks, blocks, steps, ranks): the search holds them in int64
 arrays and multiplies them by sizes."""
@@ -39,6 +40,12 @@ class KnobPins:
     """Number of blocks recomputed in backward instead of keeping their activations."""
     n_ssd: int | None = None
     """Number of blocks whose saved activations go to NVMe (needs an SSD path)."""
+    n_selective: int | None = None
+    """Number of blocks under long-context selective checkpointing (attention outputs kept,
+    the rest recomputed in backward)."""
+    sequence_parallel: int | None = None
+    """Ulysses sequence-parallel degree P (ranks that split each sequence); None: the planner
+    chooses among the degrees the world size, head counts and sequence length allow."""
 
     def pinned(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in KNOB_NAMES if getattr(self, k) is not None}
@@ -149,6 +156,11 @@ def _pins_from_dict(data: Mapping[str, Any], where: str) -> KnobPins:
             continue
         if key == "chunk_size":
             kwargs[key] = _size(v, f"{where}.{key}", positive=True)
+        elif key == "sequence_parallel":
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number >= 1 (1 turns "
+                                  f"sequence parallelism off), or \"auto\" to let the planner choose")
+            kwargs[key] = v
         else:
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
                 raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number from 0 to {MAX_COUNT}, or \"auto\" "

@@ -106,10 +106,12 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits, or the mean cross-entropy loss when ``targets`` is given."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None):
+        """Logits, or the mean cross-entropy loss when ``targets`` is given. ``position_ids``
+        (default 0..s-1) place a slice of a longer sequence (sequence parallelism)."""
         _, s = idx.shape
-        pos = torch.arange(s, device=idx.device)
+        pos = torch.arange(s, device=idx.device) if position_ids is None else position_ids
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)

@@ -13,7 +13,8 @@ from .units import fmt_bytes, fmt_seconds
 
 @dataclass(frozen=True, slots=True)
 class Knobs:
-    """ProTrain's five knobs."""
+    """ProTrain's knobs, with SSDTrain's NVMe tier and AutoSP's two (sequence parallelism and
+    selective checkpointing)."""
 
     chunk_size: int
     """Chunk capacity in bytes."""
@@ -27,10 +28,18 @@ class Knobs:
     """Blocks recomputed in backward (interleaved over the non-swapped blocks)."""
     n_ssd: int = 0
     """Blocks whose saved activations go to NVMe (the very first ones)."""
+    n_selective: int = 0
+    """Blocks under long-context selective checkpointing: attention outputs kept, the rest
+    recomputed in backward (placed with the checkpointed blocks, after them)."""
+    sequence_parallel: int = 1
+    """Ulysses sequence-parallel degree P: each sequence is split over P ranks, which hold 1/P
+    of its tokens outside attention and 1/P of the heads inside it. The predictions are per
+    rank; the runtime runs the P micro-batches of its group one after another."""
 
     def as_tuple(self) -> tuple[int, ...]:
+        """The knobs the inner search chooses, in its tie-break order (P is chosen outside)."""
         return (self.chunk_size, self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint,
-                self.n_ssd)
+                self.n_ssd, self.n_selective)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +160,11 @@ class Plan(JsonValue):
         n = len(self.block_modes)
         # Usually ProTrain's layout rule; a framework adapter may re-arrange the same counts
         # (Megatron's native recompute checkpoints the first blocks).
-        if not same_counts(self.block_modes, layout_block_modes(n, k.n_swap, k.n_checkpoint, k.n_ssd)):
+        if not same_counts(self.block_modes, layout_block_modes(n, k.n_swap, k.n_checkpoint, k.n_ssd,
+                                                                k.n_selective)):
             raise ValueError(f"Plan.block_modes {modes_string(self.block_modes)} do not hold "
-                             f"n_ssd={k.n_ssd}, n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint} blocks")
+                             f"n_ssd={k.n_ssd}, n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint}, "
+                             f"n_selective={k.n_selective} blocks")
 
 
     # ---- explanation ----------------------------------------------------------------------
@@ -182,6 +193,14 @@ class Plan(JsonValue):
         if k.n_ssd or "n_ssd" in self.pinned:
             rows.append(("n_ssd", f"{k.n_ssd}{pin('n_ssd')}", f"{k.n_ssd}/{n_blocks} blocks to NVMe "
                          f"({fmt_bytes(p.ssd_bytes)} per iteration)", "none (SSDTrain)"))
+        if k.n_selective or "n_selective" in self.pinned or k.sequence_parallel > 1:
+            rows.append(("n_selective", f"{k.n_selective}{pin('n_selective')}",
+                         f"{k.n_selective}/{n_blocks} blocks keep attention outputs, recompute the rest",
+                         "AutoSP's long-context checkpointing (DS autosp pass: fixed threshold)"))
+        if k.sequence_parallel > 1 or "sequence_parallel" in self.pinned:
+            rows.append(("sequence_parallel", f"{k.sequence_parallel}{pin('sequence_parallel')}",
+                         f"each sequence split over {k.sequence_parallel} rank(s) (Ulysses)",
+                         "DS sequence_parallel_size"))
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
         w2 = max(len(r[2]) for r in rows)
@@ -189,12 +208,16 @@ class Plan(JsonValue):
                f"  machine: {self.machine}",
                f"  {'knob':<{w0}}  {'value':<{w1}}  {'meaning':<{w2}}  replaces"]
         out += [f"  {a:<{w0}}  {b:<{w1}}  {m:<{w2}}  {r}" for a, b, m, r in rows]
-        out.append(f"  block modes (N keep, C checkpoint, S swap, D NVMe): {modes_string(self.block_modes)}")
+        out.append(f"  block modes (N keep, C checkpoint, S swap, D NVMe, A selective): "
+                   f"{modes_string(self.block_modes)}")
         budget = self.device_memory
         if p.grad_accumulation_steps > 1:
+            sp = k.sequence_parallel
+            per = (f" (each micro-batch is {sp} sequence-parallel sub-steps of 1/{sp} of its "
+                   f"tokens per rank)" if sp > 1 else "")
             out.append(f"  predicted optimizer step {fmt_seconds(p.step_time)} = "
                        f"{p.grad_accumulation_steps - 1} x {fmt_seconds(p.micro_step_time)} "
-                       f"accumulating + the boundary micro-step below")
+                       f"accumulating + the boundary micro-step below{per}")
         out.append(
             f"  predicted: iteration {fmt_seconds(p.iter_time)} (forward {fmt_seconds(p.fwd_time)}, "
             f"backward {fmt_seconds(p.bwd_time)}, device Adam {fmt_seconds(p.gpu_optim_time)}, "
@@ -208,11 +231,12 @@ class Plan(JsonValue):
                    f"(swapped activations {fmt_bytes(p.swap_host_bytes)}); per iteration H2D "
                    f"{fmt_bytes(p.h2d_bytes)}, D2H {fmt_bytes(p.d2h_bytes)}")
         if self.alternatives:
-            out.append("  runner-ups:  chunk      persist buffer ckpt swap  ssd  iteration   peak        host")
+            out.append("  runner-ups:  chunk      persist buffer ckpt swap  ssd  sel  iteration   peak        host")
             for a in self.alternatives:
                 ak = a.knobs
                 out.append(f"               {fmt_bytes(ak.chunk_size):<10} {ak.n_persist:<7} "
                            f"{ak.n_buffer:<6} {ak.n_checkpoint:<4} {ak.n_swap:<5} {ak.n_ssd:<4} "
+                           f"{ak.n_selective:<4} "
                            f"{fmt_seconds(a.iter_time):<11} {fmt_bytes(a.peak_device_bytes):<11} "
                            f"{fmt_bytes(a.host_bytes)}")
         out.append(f"  search: {self.candidates_total} feasible candidates, {self.candidates_evaluated} "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .block_mode import CKPT, SSD, SWAP, BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
+from .block_mode import CKPT, SEL, SSD, SWAP, BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
 from .config import KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
 from .cost.memory import activation_walk, buffer_numel, offload_bytes, predict_memory, state_bytes
@@ -26,6 +26,13 @@ from .profile.model_profile import ModelProfile
 from .units import fmt_bytes
 
 _BATCH = 2048
+EXACT_SIMULATIONS = 8192
+"""Simulations after which the search accepts a plan within ``TIE_TOLERANCE`` of the best
+unsimulated bound instead of simulating every near-tie. Models whose step is bound by one
+resource (CPU Adam on a 70B model) have tens of thousands of plans within a few milliseconds
+of each other; below this count the answer is exactly the brute-force one."""
+TIE_TOLERANCE = 1e-4
+"""Relative time the unsimulated plans may still gain when the search stops early."""
 
 
 class InfeasibleError(RuntimeError):
@@ -46,13 +53,15 @@ def plan_key(iter_time: float, peak: int, knobs: tuple) -> tuple:
 
 @dataclass
 class _ActivationConfigs:
-    """Every (n_checkpoint, n_swap, n_ssd) the search may use, with what depends only on them.
-    The block layouts themselves are built only for the configurations simulated."""
+    """Every (n_checkpoint, n_swap, n_ssd, n_selective) the search may use, with what depends
+    only on them. The block layouts themselves are built only for the configurations
+    simulated."""
 
     n_blocks: int
     n_ckpt: np.ndarray
     n_swap: np.ndarray
     n_ssd: np.ndarray
+    n_sel: np.ndarray
     act_peak: np.ndarray       # [A] bytes
     swap_host: np.ndarray      # [A] bytes
     ssd: np.ndarray            # [A] bytes written to NVMe per iteration
@@ -61,7 +70,7 @@ class _ActivationConfigs:
 
     def codes(self, a: np.ndarray) -> np.ndarray:
         """[len(a), n_blocks] mode codes of configurations ``a``."""
-        return layout_codes(self.n_blocks, self.n_swap[a], self.n_ckpt[a], self.n_ssd[a])
+        return layout_codes(self.n_blocks, self.n_swap[a], self.n_ckpt[a], self.n_ssd[a], self.n_sel[a])
 
 
 def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile) -> int:
@@ -80,44 +89,88 @@ def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile) -> int:
     return n
 
 
-def _activation_configs(profile: ModelProfile, config: PlannerConfig,
-                        hw: HardwareProfile) -> _ActivationConfigs:
+def activation_counts(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile) -> np.ndarray:
+    """[A, 4] rows (n_checkpoint, n_swap, n_ssd, n_selective) the search enumerates.
+
+    With the selective mode available (profile.has_selective), the blocks that are neither
+    offloaded nor recomputed, the full checkpoints and the selective ones are never all three
+    present: per block the three trade memory for time along a line (keep > selective >
+    checkpoint in memory, the reverse in time), so the best split of a memory budget over
+    them needs at most two kinds - the vertex of the linear program with the block count and
+    the memory as its constraints. This keeps the search about three times its size without
+    the mode instead of n times."""
     n = profile.n_blocks
     pins = config.pins
     if pins.n_ssd is not None:
         if pins.n_ssd and hw.nvme_write_bandwidth <= 0:
             raise InfeasibleError(f"pinned n_ssd={pins.n_ssd} needs an SSD path for activations "
                                   f"(protrain.ssd_path); set one or pin n_ssd to 0")
-        ssds = [pins.n_ssd]
+        ssds = np.array([pins.n_ssd])
     else:
-        ssds = range(min(n, max_ssd_blocks(profile, hw)) + 1)
-    ckpts = [pins.n_checkpoint] if pins.n_checkpoint is not None else range(n + 1)
-    triples = []
-    for nd in ssds:
-        for nc in ckpts:
-            swaps = [pins.n_swap] if pins.n_swap is not None else range(n - nc - nd + 1)
-            triples += [(nc, ns, nd) for ns in swaps if nc + ns + nd <= n]
-    if not triples:
+        ssds = np.arange(min(n, max_ssd_blocks(profile, hw)) + 1)
+    if pins.n_selective is not None:
+        if pins.n_selective and not profile.has_selective:
+            raise InfeasibleError(
+                f"pinned n_selective={pins.n_selective}: the selective mode keeps the attention "
+                f"operator's outputs, and the profiler saw no attention operator "
+                f"(torch.nn.functional.scaled_dot_product_attention) in the model's blocks; pin "
+                f"n_selective to 0 or leave it on auto")
+        sels = np.array([pins.n_selective])
+    else:
+        sels = np.arange(n + 1) if profile.has_selective else np.array([0])
+    ckpts = np.array([pins.n_checkpoint]) if pins.n_checkpoint is not None else np.arange(n + 1)
+    nd, nc, nl = (x.ravel() for x in np.meshgrid(ssds, ckpts, sels, indexing="ij"))
+    ok = nd + nc + nl <= n
+    nd, nc, nl = nd[ok], nc[ok], nl[ok]
+    if pins.n_swap is not None:
+        ns = np.full(len(nd), pins.n_swap)
+    else:
+        room = n - nd - nc - nl + 1                       # n_swap in 0..room-1
+        rep = np.repeat(np.arange(len(nd)), room)
+        ns = np.arange(len(rep)) - np.repeat(np.cumsum(room) - room, room)
+        nd, nc, nl = nd[rep], nc[rep], nl[rep]
+    keep = n - nd - nc - nl - ns
+    ok = (keep >= 0) & ((nl == 0) | (nc == 0) | (keep == 0) | (pins.n_selective is not None)
+                        | (pins.n_checkpoint is not None))
+    out = np.stack([nc, ns, nd, nl], axis=1)[ok].astype(np.int64)
+    if not len(out):
         raise InfeasibleError(
-            f"pinned n_checkpoint={pins.n_checkpoint}, n_swap={pins.n_swap} and n_ssd={pins.n_ssd} "
-            f"add up to more than the model's {n} blocks; lower them or leave one on auto")
-    nc, ns, nd = np.array(triples, dtype=np.int64).reshape(-1, 3).T
-    # Layout (block_mode.layout_codes): SSD blocks first, then swapped ones, checkpoints
+            f"pinned n_checkpoint={pins.n_checkpoint}, n_swap={pins.n_swap}, n_ssd={pins.n_ssd} and "
+            f"n_selective={pins.n_selective} add up to more than the model's {n} blocks; lower them "
+            f"or leave one on auto")
+    return out
+
+
+_WALK_BATCH = 4096
+
+
+def _activation_configs(profile: ModelProfile, config: PlannerConfig,
+                        hw: HardwareProfile) -> _ActivationConfigs:
+    n = profile.n_blocks
+    nc, ns, nd, nl = activation_counts(profile, config, hw).T
+    # Layout (block_mode.layout_codes): SSD blocks first, then swapped ones, recomputed blocks
     # spread over the rest. Byte sums over those leading ranges are prefix-sum differences.
     saved = np.array([offload_bytes(b) for b in profile.blocks], dtype=np.int64)
     csum = np.concatenate([[0], np.cumsum(saved)])
     ssd, swap_host = csum[nd], csum[nd + ns] - csum[nd]
-    # SSD and SWAP free the device alike and leave the same blocks to checkpoint: walk each
-    # (n_checkpoint, n_offloaded) once.
-    pairs, back = np.unique(np.stack([nc, ns + nd], axis=1), axis=0, return_inverse=True)
+    # SSD and SWAP free the device alike and leave the same blocks to recompute: walk each
+    # (n_checkpoint, n_selective, n_offloaded) once, in batches (long models have many).
+    triples, back = np.unique(np.stack([nc, ns + nd, nl], axis=1), axis=0, return_inverse=True)
     back = back.reshape(-1)
-    pair_codes = layout_codes(n, pairs[:, 1], pairs[:, 0], np.zeros(len(pairs), dtype=np.int64))
-    pair_peak, _ = activation_walk(profile, pair_codes)
     fwd = np.array([b.fwd_time for b in profile.blocks])
-    recompute = ((pair_codes == CKPT).astype(np.float64) @ fwd)[back] if n else np.zeros(len(nc))
+    sel_t = np.array([b.sel_recompute_time for b in profile.blocks])
+    peak = np.empty(len(triples), dtype=np.int64)
+    rec = np.zeros(len(triples))
+    for lo in range(0, len(triples), _WALK_BATCH):
+        t = triples[lo:lo + _WALK_BATCH]
+        codes = layout_codes(n, t[:, 1], t[:, 0], np.zeros(len(t), dtype=np.int64), t[:, 2])
+        peak[lo:lo + len(t)] = activation_walk(profile, codes)[0]
+        if n:
+            rec[lo:lo + len(t)] = (codes == CKPT).astype(np.float64) @ fwd + \
+                (codes == SEL).astype(np.float64) @ sel_t
     return _ActivationConfigs(
-        n_blocks=n, n_ckpt=nc, n_swap=ns, n_ssd=nd, act_peak=pair_peak[back],
-        swap_host=swap_host, ssd=ssd, recompute=recompute,
+        n_blocks=n, n_ckpt=nc, n_swap=ns, n_ssd=nd, n_sel=nl, act_peak=peak[back],
+        swap_host=swap_host, ssd=ssd, recompute=rec[back],
         fwd_write=_forward_write_bound(profile, hw, csum, ns, nd))
 
 
@@ -155,6 +208,11 @@ class _Grid:
     peak: np.ndarray
     host: np.ndarray
     lower_bound: np.ndarray
+    fwd_lb: np.ndarray
+    """Parts of the lower bound, for ``_refine_cpu_bound``: forward, the device's backward and
+    optimizer, and the accumulation micro-steps."""
+    dev_lb: np.ndarray
+    tail_lb: np.ndarray
 
 
 def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budget: float,
@@ -191,7 +249,11 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
         # Persistent chunks alone must fit, which bounds the range long before n_chunks.
         hi = int(np.searchsorted(persist, budget, side="right")) - 1
         nps = np.arange(lo, max(lo, min(hi, nch)) + 1)
-    a_idx, np_idx = (x.ravel() for x in np.meshgrid(np.arange(len(acts.act_peak)), nps, indexing="ij"))
+    # Activation configurations that fit next to the fewest persistent chunks and on the drive
+    # (exact: more chunks or buffers only add); long sequences leave few.
+    fits = np.flatnonzero((acts.act_peak + persist[nps[0]] <= budget)
+                          & (acts.ssd <= hw.nvme_free_bytes / (1.0 + config.memory_margin)))
+    a_idx, np_idx = (x.ravel() for x in np.meshgrid(fits, nps, indexing="ij"))
     rem = budget - acts.act_peak[a_idx] - persist[np_idx]
     nbmin = nbmin_table[np_idx]
     if pins.n_buffer is not None:
@@ -240,11 +302,61 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     else:
         cpu_lb = bwd_lb + adam
     lb = fwd_lb + np.maximum(bwd_lb + gpu, cpu_lb)
+    tail = np.zeros(len(lb))
     if config.grad_accumulation_steps > 1:
         # A micro-step without the optimizer ends with backward's compute (cost.runtime does
         # not wait for the last gradient copies there), so the D2H queue is no bound on it.
-        lb = lb + (config.grad_accumulation_steps - 1) * (fwd_lb + bwd_lb)
-    return _Grid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb)
+        tail = (config.grad_accumulation_steps - 1) * (fwd_lb + bwd_lb)
+        lb = lb + tail
+    return _Grid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, bwd_lb + gpu, tail)
+
+
+def _refine_cpu_bound(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
+                      acts: _ActivationConfigs, grid: _Grid, idx: np.ndarray) -> np.ndarray:
+    """A tighter lower bound for points ``idx`` of ``grid`` when CPU Adam overlaps backward,
+    computed only for the points about to be simulated (it needs their block layouts).
+
+    CPU Adam steps the offloaded chunks one at a time in the order their gradients complete
+    (descending index), so for every offloaded chunk c the CPU is busy until at least the
+    backward (with its recompute) of the parts from c's first user on, plus c's gradient
+    offload, plus Adam over c and every offloaded chunk below it. Near the optimum of a
+    CPU-bound model thousands of plans differ by less than the slack of the coarse bound
+    (which counts only the last chunk and no recompute); this one tells them apart."""
+    if not config.cpu_optim_overlap or not len(idx):
+        return grid.lower_bound[idx]
+    layout = grid.layout
+    nch = layout.n_chunks
+    _, t_down, t_adam = chunk_transfer_times(layout, profile, hw, config.data_parallel_size)
+    codes = acts.codes(grid.a[idx])
+    fwd = np.array([b.fwd_time for b in profile.blocks])
+    sel = np.array([b.sel_recompute_time for b in profile.blocks])
+    per_part = np.tile(np.array([p.bwd_time for p in profile.parts]), (len(idx), 1))
+    per_part[:, list(profile.block_part_indices)] += np.where(codes == CKPT, fwd, 0.0) + \
+        np.where(codes == SEL, sel, 0.0)
+    done = np.cumsum(per_part[:, ::-1], axis=1)[:, ::-1]         # backward until part p is done
+    adam_upto = np.concatenate([[0.0], np.cumsum(t_adam)])       # sum over chunks below c
+    chain = done[:, list(layout.chunk_first_part)] + t_down + adam_upto[1:]
+    chain = np.maximum.accumulate(chain[:, ::-1], axis=1)[:, ::-1]   # max over chunks >= c
+    chain = np.concatenate([chain, np.full((len(idx), 1), -np.inf)], axis=1)
+    npi = grid.n_persist[idx]
+    cpu = np.where(npi < nch, chain[np.arange(len(idx)), npi] - adam_upto[npi], 0.0)
+    refined = grid.fwd_lb[idx] + np.maximum(grid.dev_lb[idx], cpu) + grid.tail_lb[idx]
+    return np.maximum(grid.lower_bound[idx], refined)
+
+
+def _in_bound_order(lbs: np.ndarray):
+    """Batches of point indices in increasing lower bound: the first few batches from a
+    partial sort (the search usually stops there), the rest from a full one."""
+    head = min(len(lbs), 16 * _BATCH)
+    first = np.argpartition(lbs, head - 1)[:head] if head < len(lbs) else np.arange(len(lbs))
+    first = first[np.argsort(lbs[first], kind="stable")]
+    for lo in range(0, len(first), _BATCH):
+        yield first[lo:lo + _BATCH]
+    if head < len(lbs):
+        rest = np.setdiff1d(np.arange(len(lbs)), first, assume_unique=True)
+        rest = rest[np.argsort(lbs[rest], kind="stable")]
+        for lo in range(0, len(rest), _BATCH):
+            yield rest[lo:lo + _BATCH]
 
 
 def _state_bytes(profile: ModelProfile, config: PlannerConfig):
@@ -269,6 +381,9 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     """The fastest plan for ``profile`` on ``hw`` within ``config``'s budgets and pins.
     Raises InfeasibleError (with what would fit) when nothing does."""
     config = config or PlannerConfig()
+    if (config.pins.sequence_parallel or 1) > 1:
+        raise ValueError("search() plans one rank's profile as it is; a sequence-parallel degree "
+                         "is chosen by protrain.sp.planner.search_sequence_parallel")
     t0 = time.perf_counter()
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     budget = hw.device_memory / (1.0 + config.memory_margin)
@@ -294,54 +409,79 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     owner = np.concatenate([np.full(len(g.lower_bound), i) for i, g in enumerate(grids)])
     local = np.concatenate([np.arange(len(g.lower_bound)) for g in grids])
     times = np.full(total, np.inf)
-    pending = np.ones(total, dtype=bool)
     best = np.inf
     evaluated = 0
-    while pending.any():
-        cand = np.flatnonzero(pending)
-        # A bound is summed in another order than the simulation: one a rounding error above
-        # the best time may still be a plan tied with it (ties go to the lower peak, then the
-        # smaller knobs), so it is simulated too.
-        if lbs[cand].min() > best * (1 + 1e-9):
+    early = None
+    # A bound is summed in another order than the simulation: one a rounding error above the
+    # best time may still be a plan tied with it (ties go to the lower peak, then the smaller
+    # knobs), so it is simulated too.
+    tie = 1 + 1e-9
+    for take in _in_bound_order(lbs):
+        lowest = lbs[take[0]]
+        if lowest > best * tie:
             break
-        if len(cand) > _BATCH:
-            cand = cand[np.argpartition(lbs[cand], _BATCH - 1)[:_BATCH]]
-        take = cand[np.argsort(lbs[cand], kind="stable")]
+        if evaluated >= EXACT_SIMULATIONS and lowest >= best * (1 - TIE_TOLERANCE):
+            early = (total - int(np.isfinite(times).sum()), (best - lowest) / best)
+            break
         for gi in np.unique(owner[take]):
             sel = take[owner[take] == gi]
-            times[sel] = _simulate_points(profile, hw, config, acts, grids[gi], local[sel])
-        pending[take] = False
-        evaluated += len(take)
-        best = min(best, times[take].min())
+            lbs[sel] = _refine_cpu_bound(profile, hw, config, acts, grids[gi], local[sel])
+            sel = sel[lbs[sel] <= best * tie]     # best only falls: the others can never win
+            if len(sel):
+                times[sel] = _simulate_points(profile, hw, config, acts, grids[gi], local[sel])
+                evaluated += len(sel)
+                best = min(best, times[sel].min())
 
     # Ties at the best time: the fewest buffers that keep it (time never rises with buffers).
-    # All tied points of a chunk size are re-simulated in one batch, one row per buffer count.
+    # Tied points are refined in order of the lowest peak they could reach (their fewest
+    # buffers), a batch at a time, one row per buffer count, until none can beat the lowest
+    # peak found: a bound-limited dominant resource ties thousands of plans exactly.
     refined: dict[int, tuple[int, int]] = {}
     if config.pins.n_buffer is None:
-        tied = [i for i in np.flatnonzero(times == best)
-                if grids[owner[i]].n_buffer[local[i]] > grids[owner[i]].n_buffer_min[local[i]]]
-        for gi in sorted({int(owner[i]) for i in tied}):
-            g = grids[gi]
-            rows = [(i, nb) for i in tied if owner[i] == gi
-                    for nb in range(int(g.n_buffer_min[local[i]]), int(g.n_buffer[local[i]]))]
-            if not rows:
-                continue
-            idx = np.array([local[i] for i, _ in rows])
-            nbs = np.array([nb for _, nb in rows])
-            t = _simulate_points(profile, hw, config, acts, g, idx, n_buffer=nbs)
-            evaluated += len(rows)
-            for (i, nb), ti in zip(rows, t):
-                if ti == best and (i not in refined or nb < refined[i][0]):
+        sbuf = _state_bytes(profile, config).buffer
+        unit = [sbuf * buffer_numel(g.layout, config.data_parallel_size) for g in grids]
+        at_best = np.flatnonzero(times == best)
+        peak_now = np.array([grids[owner[i]].peak[local[i]] for i in at_best], dtype=np.int64)
+        spare = np.array([grids[owner[i]].n_buffer[local[i]] - grids[owner[i]].n_buffer_min[local[i]]
+                          for i in at_best], dtype=np.int64)
+        peak_low = peak_now - spare * np.array([unit[owner[i]] for i in at_best], dtype=np.int64)
+        best_peak = int(peak_now.min()) if len(at_best) else 0
+        order = [k for k in np.argsort(peak_low, kind="stable") if spare[k] > 0]
+        for lo in range(0, len(order), 512):
+            batch = [k for k in order[lo:lo + 512] if peak_low[k] <= best_peak]
+            if not batch:
+                break
+            for gi in sorted({int(owner[at_best[k]]) for k in batch}):
+                g = grids[gi]
+                pts = [int(at_best[k]) for k in batch if owner[at_best[k]] == gi]
+                # Bisect each point's fewest buffers that keep the best time (the time never
+                # rises with buffers): one batched simulation per halving.
+                low = {i: int(g.n_buffer_min[local[i]]) for i in pts}
+                high = {i: int(g.n_buffer[local[i]]) for i in pts}
+                while True:
+                    rows = [(i, (low[i] + high[i]) // 2) for i in pts if low[i] < high[i]]
+                    if not rows:
+                        break
+                    t = _simulate_points(profile, hw, config, acts, g, np.array([local[i] for i, _ in rows]),
+                                         n_buffer=np.array([nb for _, nb in rows]))
+                    evaluated += len(rows)
+                    for (i, nb), ti in zip(rows, t):
+                        if ti == best:
+                            high[i] = nb
+                        else:
+                            low[i] = nb + 1
+                for i in pts:
                     j = local[i]
-                    refined[i] = (nb, int(g.peak[j] - (g.n_buffer[j] - nb) * _state_bytes(
-                        profile, config).buffer * buffer_numel(g.layout, config.data_parallel_size)))
+                    if high[i] < g.n_buffer[j]:
+                        refined[i] = (high[i], int(g.peak[j] - (g.n_buffer[j] - high[i]) * unit[gi]))
+                        best_peak = min(best_peak, refined[i][1])
 
     def knobs_of(i: int) -> Knobs:
         g, j = grids[owner[i]], local[i]
         nb = refined.get(i, (int(g.n_buffer[j]),))[0]
         return Knobs(chunk_size=g.layout.chunk_bytes, n_persist=int(g.n_persist[j]), n_buffer=nb,
                      n_swap=int(acts.n_swap[g.a[j]]), n_checkpoint=int(acts.n_ckpt[g.a[j]]),
-                     n_ssd=int(acts.n_ssd[g.a[j]]))
+                     n_ssd=int(acts.n_ssd[g.a[j]]), n_selective=int(acts.n_sel[g.a[j]]))
 
     def peak_of(i: int) -> int:
         g, j = grids[owner[i]], local[i]
@@ -360,19 +500,25 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     order = sorted(head, key=lambda i: plan_key(times[i], peak_of(i), knobs_of(i).as_tuple())) + \
         order[len(head):]
     chosen = knobs_of(order[0])
-    alternatives, seen = [], {(chosen.chunk_size, chosen.n_checkpoint, chosen.n_swap, chosen.n_ssd)}
+    shape = lambda k: (k.chunk_size, k.n_checkpoint, k.n_swap, k.n_ssd, k.n_selective)  # noqa: E731
+    alternatives, seen = [], {shape(chosen)}
     for i in order[1:]:
         if len(alternatives) >= config.runner_ups:
             break
         k = knobs_of(i)
-        if (k.chunk_size, k.n_checkpoint, k.n_swap, k.n_ssd) in seen:
+        if shape(k) in seen:
             continue
-        seen.add((k.chunk_size, k.n_checkpoint, k.n_swap, k.n_ssd))
+        seen.add(shape(k))
         g, j = grids[owner[i]], local[i]
         alternatives.append(Alternative(knobs=k, iter_time=float(times[i]),
                                         peak_device_bytes=peak_of(i), host_bytes=int(g.host[j])))
-    return evaluate(profile, hw, chosen, config, alternatives=tuple(alternatives),
+    plan = evaluate(profile, hw, chosen, config, alternatives=tuple(alternatives),
                     search_seconds=time.perf_counter() - t0, evaluated=evaluated, total=total)
+    if early is not None:
+        plan = replace(plan, notes=plan.notes + (
+            f"search stopped after {evaluated} simulations: the {early[0]} candidates not simulated "
+            f"could be at most {early[1]:.4%} faster",))
+    return plan
 
 
 def check_budgets(total_params: int, largest_param: int, param_bytes: int,
@@ -412,12 +558,16 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     config = config or PlannerConfig()
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     layout = build_layout(profile, knobs.chunk_size // profile.param_bytes)
-    modes = layout_block_modes(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint, knobs.n_ssd)
+    modes = layout_block_modes(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint, knobs.n_ssd,
+                               knobs.n_selective)
     if block_modes is not None:
         if len(block_modes) != profile.n_blocks or not same_counts(block_modes, modes):
             raise ValueError(f"block_modes {modes_string(block_modes)} do not match the knobs {knobs} "
                              f"for {profile.n_blocks} blocks")
         modes = tuple(block_modes)
+    if knobs.n_selective and not profile.has_selective:
+        raise InfeasibleError(f"n_selective={knobs.n_selective}: the profile has no selective-mode "
+                              f"measurements (no attention operator seen in the blocks); use 0")
     if not layout.min_persist <= knobs.n_persist <= layout.n_chunks:
         raise InfeasibleError(f"n_persist={knobs.n_persist} must be between {layout.min_persist} "
                               f"and the {layout.n_chunks} chunks of this layout")

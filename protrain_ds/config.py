@@ -29,6 +29,8 @@ _OWN_KEYS = {
     "ssd_path": "directory on an NVMe drive for activations the plan puts on SSD (enables the tier)",
     "ssd_verify": "checksum every activation read back from the SSD (slower; for debugging)",
     "ssd_min_bytes": "tensors smaller than this stay on the device instead of going to SSD",
+    "profile_seq_len": "profile the first N tokens of each sequence and scale the profile to the "
+                       "batch's length (linear parts by s, attention by s^2)",
 }
 _PLANNER_KEYS = {f.name for f in dataclasses.fields(PlannerConfig)} | set(KNOB_NAMES)
 _DERIVED = {"grad_accumulation_steps": "gradient_accumulation_steps",
@@ -72,6 +74,10 @@ class ProTrainDSConfig:
     ssd_min_bytes: int = 2**20
     """Saved tensors (storages) smaller than this stay on the device: their I/O would cost
     more than the memory saved."""
+    profile_seq_len: int | None = None
+    """Profile the first N tokens of the first batch's sequences and scale the profile to the
+    full length (protrain.sp.scaling: linear parts by s, attention by s^2): faster at very long
+    sequences. None: the whole sequence (halved while it runs out of device memory)."""
 
     @classmethod
     def from_ds_config(cls, ds_config: dict | None) -> "ProTrainDSConfig":
@@ -106,11 +112,27 @@ class ProTrainDSConfig:
             from protrain.config import _size
             kwargs["ssd_min_bytes"] = _size(data.pop("ssd_min_bytes"), f"{SECTION}.ssd_min_bytes",
                                             positive=False)
+        if data.get("profile_seq_len") is not None:
+            v = data.pop("profile_seq_len")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{SECTION}.profile_seq_len = {v!r}: must be a whole number of "
+                                  f"tokens >= 1")
+            kwargs["profile_seq_len"] = v
+        data.pop("profile_seq_len", None)
         for key in ("progress", "accounting", "ssd_verify"):
             v = data.pop(key, cls.__dataclass_fields__[key].default)
             if not isinstance(v, bool):
                 raise ConfigError(f"{SECTION}.{key} = {v!r}: must be true or false")
             kwargs[key] = v
+        sp = (ds_config or {}).get("sequence_parallel_size")
+        if sp is not None and sp != 1:
+            if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+                raise ConfigError(f"sequence_parallel_size = {sp!r}: must be a whole number >= 1")
+            mine = data.get("sequence_parallel")
+            if mine not in (None, "auto") and mine != sp:
+                raise ConfigError(f"sequence_parallel_size = {sp} and {SECTION}.sequence_parallel = "
+                                  f"{mine!r} disagree; keep one")
+            data["sequence_parallel"] = sp      # DeepSpeed's own setting pins the degree
         kwargs["planner"] = PlannerConfig.from_dict(data, where=SECTION)
         return cls(**kwargs)
 
@@ -147,6 +169,9 @@ def strip_replaced_knobs(ds_config: dict) -> tuple[dict, list[str]]:
         else:
             overridden.append(f"zero_optimization.{key}={json.dumps(value)} (ignored)")
     cfg["zero_optimization"] = {"stage": 0}
+    sp = cfg.pop("sequence_parallel_size", None)
+    if sp not in (None, 1):
+        overridden.append(f"sequence_parallel_size={json.dumps(sp)} (taken as protrain.sequence_parallel)")
     for key in REPLACED_SECTIONS:
         if key in cfg:
             overridden.append(f"{key}={json.dumps(cfg.pop(key))}")
@@ -160,9 +185,10 @@ def refuse_conflicts(ds_config: dict) -> None:
         raise ConfigError("autotuning and protrain both tune memory: DeepSpeed's autotuner "
                           "relaunches the job per trial and does not know ProTrain's knobs. "
                           "Disable one of them (autotuning.enabled=false or protrain.enabled=false)")
-    for key in ("data_parallel_size", "sequence_parallel_size"):
-        if (ds_config.get(key) or 1) > 1:
-            raise ConfigError(f"{key}={ds_config[key]} with protrain is not supported yet")
+    if (ds_config.get("data_parallel_size") or 1) > 1:
+        raise ConfigError(f"data_parallel_size={ds_config['data_parallel_size']} with protrain is not "
+                          f"supported: ProTrain uses every rank (sequence_parallel sets how many "
+                          f"share a sequence)")
     if ds_config.get("torch_autocast", {}).get("enabled"):
         raise ConfigError("torch_autocast with protrain is not supported: use the bf16 or fp16 "
                           "section (parameters are kept in the training dtype in chunks)")

@@ -30,7 +30,7 @@ from protrain.plan import Plan
 from protrain.profile.blocks import find_blocks
 from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
-from protrain.profile.probe import probe_collective
+from protrain.profile.probe import probe_alltoall, probe_collective
 from protrain.runtime.collectives import DataParallel
 from protrain.runtime.runtime import ProTrainRuntime
 from protrain.search import InfeasibleError, check_budgets, search
@@ -38,6 +38,7 @@ from protrain.units import fmt_bytes
 
 from .config import ProTrainDSConfig
 from .optimizer import ProTrainOptimizer
+from .sequence_parallel import SequenceParallelForward, model_takes, unsupported_reason
 
 log = logging.getLogger("protrain")
 
@@ -52,6 +53,7 @@ class ProTrainEngine(DeepSpeedEngine):
         self.protrain_profile: ModelProfile | None = None
         self._protrain_margin = 0.0
         self._protrain_redo = None
+        self._protrain_sp: SequenceParallelForward | None = None
         super().__init__(*args, dont_change_device=True, **kwargs)
         # Gradients live in chunks, not in .grad: DeepSpeed's own all-reduce has nothing to do.
         self.enable_backward_allreduce = False
@@ -109,8 +111,11 @@ class ProTrainEngine(DeepSpeedEngine):
 
     # ---- training ----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        kwargs = _no_kv_cache(self.module, kwargs)
         if self.protrain_runtime is None:
             self._protrain_setup(inputs, kwargs)
+        if self._protrain_sp is not None:
+            return self._protrain_sp.forward(inputs, kwargs)
         # What redoing this micro-batch after an out-of-memory error needs.
         self._protrain_redo = (inputs, kwargs, _rng_state())
         try:
@@ -172,12 +177,13 @@ class ProTrainEngine(DeepSpeedEngine):
         # Park every parameter on the host before the new chunks take the device.
         rt.close(to_host=True)
         self.protrain_runtime = None
+        self._protrain_close_sp()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         profile = self.protrain_profile
         if profile is None:
             inputs, kwargs, rng = self._protrain_redo
-            profile = self._profile(find_blocks(self.module)[1], inputs, kwargs)
+            profile, _ = self._profile(find_blocks(self.module)[1], inputs, kwargs)
             _set_rng_state(rng)
             self.protrain_profile = profile
         old = self.protrain_plan
@@ -215,6 +221,7 @@ class ProTrainEngine(DeepSpeedEngine):
         if self.protrain_runtime is not None:
             self.protrain_runtime.close()
             self.protrain_runtime = None
+        self._protrain_close_sp()
         super().destroy()
 
     def __del__(self):
@@ -247,7 +254,7 @@ class ProTrainEngine(DeepSpeedEngine):
                     "(Hugging Face partitions at load time when it sees stage 3)")
         dp = DataParallel()
         planner = _planner_config(self, dp)
-        coll_bw = probe_collective(dp, self.device) if dp.world > 1 else 0.0
+        coll_bw, a2a_bw = _probe_links(dp, self.device)
         t0 = time.perf_counter()
         profile_seconds = 0.0
         plan, loaded, error, failure = None, False, None, None
@@ -257,7 +264,7 @@ class ProTrainEngine(DeepSpeedEngine):
                 plan = self._load_plan(planner, blocks, inputs, kwargs)
                 loaded = plan is not None
                 if plan is None:
-                    profile = self._profile(blocks, inputs, kwargs)
+                    profile, ce_calls = self._profile(blocks, inputs, kwargs)
                     profile_seconds = time.perf_counter() - t0
                     hw = self._hardware()
                     if cfg.ssd_path:
@@ -270,9 +277,23 @@ class ProTrainEngine(DeepSpeedEngine):
                                   f"{fmt_bytes(ssd['nvme_free_bytes'])} free", flush=True)
                         hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
                     if dp.world > 1:
-                        hw = replace(hw, collective_bandwidth=coll_bw,
+                        hw = replace(hw, collective_bandwidth=coll_bw, alltoall_bandwidth=a2a_bw,
                                      host_memory=hw.host_memory // _ranks_per_node(dp))
-                    plan = search(profile, hw, planner)
+                    seq = _batch_shape(inputs, kwargs)[1]
+                    if dp.world == 1 and seq == profile.seq_len:
+                        plan = search(profile, hw, planner)
+                    else:
+                        # Other lengths per rank: a second, shorter profile separates what
+                        # grows with the sequence from what does not (protrain.sp.scaling).
+                        from protrain.sp.planner import search_sequence_parallel
+                        second = self._profile(blocks, inputs, kwargs,
+                                               length=profile.seq_len // 2)[0] \
+                            if profile.seq_len and profile.seq_len >= 2 else None
+                        why = unsupported_reason(self.module) or (
+                            None if ce_calls else "the model computes no cross_entropy loss in "
+                            "forward (pass the labels), which sequence shards need")
+                        plan = search_sequence_parallel(profile, hw, planner, seq_len=seq,
+                                                        unsupported=why, second=second)
                     self.protrain_profile = profile
                     if cfg.plan_file:
                         plan.save(cfg.plan_file)
@@ -302,18 +323,30 @@ class ProTrainEngine(DeepSpeedEngine):
                                                         if cfg.plan_file else ""), flush=True)
         elif self.global_rank == 0 and cfg.verbosity == 0:
             k = plan.knobs
-            print(f"ProTrain: plan {k.as_tuple()} predicted {plan.prediction.iter_time:.3f} s/iter, "
+            sp = f", sequence_parallel={k.sequence_parallel}" if k.sequence_parallel > 1 else ""
+            print(f"ProTrain: plan {k.as_tuple()}{sp} predicted {plan.prediction.iter_time:.3f} s/iter, "
                   f"peak {plan.prediction.peak_device_bytes / 2**30:.2f} GiB", flush=True)
         self._protrain_build_runtime(plan, dp)
 
     def _protrain_build_runtime(self, plan: Plan, dp: DataParallel | None = None) -> None:
-        """Put the model's parameters into the plan's chunks and hook up the runtime."""
+        """Put the model's parameters into the plan's chunks and hook up the runtime (and, with
+        P > 1, Ulysses attention in the blocks and the gather-and-rotate forward)."""
         _, blocks = find_blocks(self.module)
+        plan = self._protrain_launchable(plan)
         self.protrain_plan = plan
+        setup = self.optimizer.runtime_setup()
+        is_boundary = self.is_gradient_accumulation_boundary
+        self._protrain_close_sp()
+        p = plan.knobs.sequence_parallel
+        if p > 1:
+            self._protrain_sp = SequenceParallelForward(self, p, blocks)
+            is_boundary = self._protrain_sp.is_boundary
+            # The P sub-steps of a micro-batch accumulate like micro-batches (as planned).
+            setup = replace(setup, grad_accumulation_steps=setup.grad_accumulation_steps * p)
         self.protrain_runtime = ProTrainRuntime(
             self.module, blocks, plan, plan.layout(), [r.name for r in plan.params], self.device,
-            self.optimizer.runtime_setup(), swap_bytes=plan.block_saved_bytes,
-            is_boundary=self.is_gradient_accumulation_boundary,
+            setup, swap_bytes=plan.block_saved_bytes,
+            is_boundary=is_boundary,
             accounting=self.protrain_config.accounting, dp=dp or DataParallel(),
             ssd_root=self.protrain_config.ssd_path, ssd_verify=self.protrain_config.ssd_verify,
             ssd_min_bytes=self.protrain_config.ssd_min_bytes)
@@ -322,6 +355,29 @@ class ProTrainEngine(DeepSpeedEngine):
         if backend and self.global_rank == 0 and self.protrain_config.verbosity >= 1:
             print(f"ProTrain: {plan.knobs.n_ssd} block(s) on NVMe via {backend} in "
                   f"{self.protrain_runtime.activations.rundir.path}", flush=True)
+
+    def _protrain_close_sp(self) -> None:
+        if self._protrain_sp is not None:
+            self._protrain_sp.close()
+            self._protrain_sp = None
+
+    def _protrain_launchable(self, plan: Plan) -> Plan:
+        """``plan`` with a sequence-parallel degree this launch can run: a loaded plan (plan
+        file, checkpoint) may come from another world size; a pinned degree wins. The other
+        knobs are kept (delete the plan file to re-plan them)."""
+        from protrain.sp.degree import broken_constraints
+        world = DataParallel().world
+        p = plan.knobs.sequence_parallel
+        pin = self.protrain_config.planner.pins.sequence_parallel
+        want = pin if pin is not None else p
+        if world % want:
+            want = max(d for d in range(1, min(want, world) + 1) if world % d == 0)
+        if want == p:
+            return plan
+        if self.global_rank == 0:
+            print(f"ProTrain: the plan was made for sequence_parallel={p}; this launch of {world} "
+                  f"rank(s) runs it with sequence_parallel={want}", flush=True)
+        return replace(plan, knobs=replace(plan.knobs, sequence_parallel=want))
 
     # ---- checkpoints (DeepSpeed's signatures; see checkpoint.py) ---------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006
@@ -383,32 +439,54 @@ class ProTrainEngine(DeepSpeedEngine):
                               f"memory, above protrain.device_memory; delete it to re-plan")
         return plan
 
-    def _profile(self, blocks, inputs, kwargs) -> ModelProfile:
+    def _profile(self, blocks, inputs, kwargs, length: int | None = None) -> tuple[ModelProfile, int]:
+        """The measured profile on this batch, and how many cross_entropy calls its forward
+        made (sequence shards need the loss inside the model). At ``length`` or
+        ``profile_seq_len`` (or, when the batch's sequence runs out of device memory, at halves
+        of it) the first tokens are profiled and protrain.sp.scaling rescales the profile to
+        the full sequence."""
         from protrain.profile.tracer import profile_model
+        from protrain.sp.batch import LossProbe, truncate
         cfg = self.protrain_config
-        cache = self._protrain_cache.path(self.module, inputs, kwargs, self.device)
+        micro_batch, seq = _batch_shape(inputs, kwargs)
+        length = min(length or cfg.profile_seq_len or seq, seq) if seq else None
+        cache = self._protrain_cache.path(self.module, inputs, kwargs, self.device, length)
         cached = self._protrain_cache.load(cache)
         if cached is not None:
-            return cached
-        micro_batch, seq = _batch_shape(inputs, kwargs)
+            return cached, 1
         gas = self.gradient_accumulation_steps()
+        probe = LossProbe()
+        while True:
+            a, k = truncate(inputs, kwargs, length) if length and length != seq else (inputs, kwargs)
+            held = []
 
-        held = []
+            def step(m):
+                # What a training step does with the output: the script keeps it (logits
+                # included) through backward, engine.backward divides the loss by the
+                # accumulation steps and applies the loss scale; so the profiled iteration
+                # allocates what a training iteration does.
+                with probe:
+                    held[:] = [m(*a, **k)]
+                return self.optimizer.scale_if_loss(_loss_of(held[0]) / gas)
 
-        def step(m):
-            # What a training step does with the loss: the script keeps it, engine.backward
-            # divides it by the accumulation steps and applies the loss scale; so the profiled
-            # iteration allocates what a training iteration does.
-            held[:] = [_loss_of(m(*inputs, **kwargs))]
-            return self.optimizer.scale_if_loss(held[0] / gas)
-
-        profile = profile_model(
-            self.module, step, blocks=blocks,
-            device=self.device, name=type(self.module).__name__, micro_batch=micro_batch,
-            seq_len=seq, progress=cfg.progress and self.global_rank == 0)
+            try:
+                profile = profile_model(
+                    self.module, step, blocks=blocks,
+                    device=self.device, name=type(self.module).__name__, micro_batch=micro_batch,
+                    seq_len=length, progress=cfg.progress and self.global_rank == 0)
+                break
+            except torch.OutOfMemoryError:
+                held.clear()
+                if not length or length < 256:
+                    raise
+                length //= 2
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                print(f"ProTrain: profiling at sequence {length * 2} ran out of device memory; "
+                      f"profiling at {length} and scaling to {seq}", flush=True)
         held.clear()
         self._protrain_cache.save(cache, profile)
-        return profile
+        return profile, probe.calls
 
     def _hardware(self):
         from protrain.profile.probe import probe_hardware
@@ -421,6 +499,20 @@ def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821
     return replace(cfg, grad_accumulation_steps=engine.gradient_accumulation_steps(),
                    cpu_optim_overlap=not (clip > 0 or engine.fp16_enabled()),
                    data_parallel_size=dp.world)
+
+
+_LINKS: dict = {}
+
+
+def _probe_links(dp: DataParallel, device) -> tuple[float, float]:
+    """(all-gather, all-to-all) bandwidth between the ranks, measured once per process and
+    world (every rank takes part: an engine built again in the same job does not re-measure)."""
+    if dp.world == 1:
+        return 0.0, 0.0
+    key = (dp.world, str(device))
+    if key not in _LINKS:
+        _LINKS[key] = (probe_collective(dp, device), probe_alltoall(dp, device))
+    return _LINKS[key]
 
 
 def _ranks_per_node(dp: DataParallel) -> int:
@@ -493,6 +585,14 @@ def _set_rng_state(state) -> None:
     torch.random.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
+
+
+def _no_kv_cache(module, kwargs: dict) -> dict:
+    """Training forwards of a model that can keep a KV cache (Hugging Face ``use_cache``) run
+    without it: a recomputed block would append its keys to the cache again."""
+    if module.training and "use_cache" not in kwargs and model_takes(module, "use_cache"):
+        return dict(kwargs, use_cache=False)
+    return kwargs
 
 
 def _batch_shape(inputs, kwargs) -> tuple[int | None, int | None]:

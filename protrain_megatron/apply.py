@@ -63,7 +63,7 @@ class AppliedPlan:
             else:
                 runs.append([number, number, mode])
         word = {BlockMode.NONE: "keep", BlockMode.CKPT: "recompute", BlockMode.SWAP: "swap to host",
-                BlockMode.SSD: "NVMe"}
+                BlockMode.SSD: "NVMe", BlockMode.SELECTIVE: "selective recompute"}
         layers = ", ".join(f"{a}{'-' + str(b) if b != a else ''} {word[m]}" for a, b, m in runs)
         k = self.plan.knobs
         out = [f"ProTrain activation plan for {self.plan.model} ({len(table)} layers on this rank)",
@@ -136,6 +136,13 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
         pins = replace(pins, n_swap=0, n_ssd=0)
         prefer_native = True
         notes.append(f"{native_only}: swap and NVMe off, recompute through Megatron's own (first layers)")
+    if pins.n_selective is None or native_only:
+        # The selective mode runs through the layer hooks (protrain.runtime.selective); until
+        # the Megatron adapter weighs it (with context parallelism, issue 13) it is offered
+        # only when pinned.
+        if (pins.n_selective or 0) > 0:
+            raise ValueError(f"pin n_selective={pins.n_selective}: {native_only}; pin it to 0")
+        pins = replace(pins, n_selective=0)
     if ssd_path is None:
         if (pins.n_ssd or 0) > 0:
             raise ValueError(f"pin n_ssd={pins.n_ssd} needs an SSD path (ssd_path / --protrain-ssd-path)")

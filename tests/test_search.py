@@ -26,8 +26,9 @@ def small_hw(**over):
 
 
 def brute_force(profile, hw, config):
-    """Every combination of the five knobs, each simulated: the reference the search must
-    match exactly (same preference order: time, then peak, then knobs)."""
+    """Every combination of the knobs, each simulated: the reference the search must match
+    exactly (same preference order: time, then peak, then knobs). Kept, checkpointed and
+    selective blocks are never all three present (the search's documented space)."""
     budget = hw.device_memory / (1 + config.memory_margin)
     gas = config.grad_accumulation_steps
     world = config.data_parallel_size
@@ -38,23 +39,28 @@ def brute_force(profile, hw, config):
     caps = ([pins.chunk_size // profile.param_bytes] if pins.chunk_size else
             chunk_capacities(profile, config.chunk_sizes))
     n_ssd_max = min(n, max_ssd_blocks(profile, hw))
+    sels = range(n + 1) if profile.has_selective else [0]
     for cap in caps:
         layout = build_layout(profile, cap)
         nch = layout.n_chunks
         rows = []
         for np_ in range(layout.min_persist, nch + 1):
             nbs = [0] if np_ == nch else range(layout.min_buffers(np_), nch - np_ + 1)
-            for nb, nc, nd in itertools.product(nbs, range(n + 1), range(n_ssd_max + 1)):
-                for ns in range(n - nc - nd + 1):
-                    knobs = dict(n_persist=np_, n_buffer=nb, n_checkpoint=nc, n_swap=ns, n_ssd=nd)
+            for nb, nc, nd, nl in itertools.product(nbs, range(n + 1), range(n_ssd_max + 1), sels):
+                for ns in range(n - nc - nd - nl + 1):
+                    knobs = dict(n_persist=np_, n_buffer=nb, n_checkpoint=nc, n_swap=ns, n_ssd=nd,
+                                 n_selective=nl)
                     if any(getattr(pins, k) is not None and getattr(pins, k) != v
                            for k, v in knobs.items()):
                         continue
-                    modes = layout_block_modes(n, ns, nc, nd)
+                    if min(n - nc - nd - nl - ns, nc, nl) > 0 and pins.n_selective is None \
+                            and pins.n_checkpoint is None:
+                        continue
+                    modes = layout_block_modes(n, ns, nc, nd, nl)
                     mem = predict_memory(profile, layout, np_, nb, modes, sb, world)
                     if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory and \
                             mem.ssd_bytes <= hw.nvme_free_bytes / (1 + config.memory_margin):
-                        rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes, nd))
+                        rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes, nd, nl))
         if not rows:
             continue
         args = (profile, layout, hw, [r[0] for r in rows], [r[1] for r in rows],
@@ -63,7 +69,7 @@ def brute_force(profile, hw, config):
         if gas > 1:
             t = t + (gas - 1) * simulate(*args, optimizer_step=False, world=world).iter_time
         for r, ti in zip(rows, t):
-            key = plan_key(ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3], r[6]))
+            key = plan_key(ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3], r[6], r[7]))
             if best is None or key < best:
                 best = key
     return best
@@ -106,8 +112,9 @@ def test_search_equals_brute_force(case, gas, overlap, world, ssd):
                                                       (2, True, 4, "compat"), (1, True, 1, "none")])
 def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world, ssd):
     """The search stops once no lower bound beats the best time: each bound (compute, copy
-    queues, activation writes, the CPU optimizer after the first gradient) must hold for
-    every feasible point, not only near the optimum."""
+    queues, activation writes, the CPU optimizer after the first gradient, and after every
+    chunk's gradient with the recompute before it) must hold for every feasible point, not
+    only near the optimum."""
     import protrain.search as search_mod
     shape, dev, host, sizes = CASES[case]
     hw = small_hw(device_memory=dev, host_memory=host, **SSD[ssd])
@@ -128,6 +135,9 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
         idx = np.arange(len(grid.lower_bound))
         t = search_mod._simulate_points(prof, hw, config, acts, grid, idx)
         assert (grid.lower_bound <= t * (1 + 1e-12)).all()
+        # ... and the per-chunk CPU-optimizer bound refined just before simulating
+        refined = search_mod._refine_cpu_bound(prof, hw, config, acts, grid, idx)
+        assert (refined <= t * (1 + 1e-12)).all()
         checked += len(idx)
     assert checked > 0
 

@@ -4,10 +4,12 @@ Peak device memory = model states (constant all iteration: persistent chunks and
 buffers) + the highest point of an execution-order walk over activations. The walk starts from
 the keep-all profile and subtracts what the block modes free:
 
-    X_k = sum over blocks j < k of freed_j,  freed = {NONE: 0, CKPT: own - held, SWAP/SSD: own'}
+    X_k = sum over blocks j < k of freed_j,
+    freed = {NONE: 0, CKPT: own - held, SELECTIVE: own - held - attn, SWAP/SSD: own'}
     own  = saved - kept   (a block's saved storages but those a later part saves too)
     own' = own, or saved when the next block offloads the kept storages as well
     held = in - in_shared (the input CKPT holds, unless an earlier part keeps it live anyway)
+    attn = sel_saved - in (the attention outputs the selective mode keeps)
 
 - forward of part k:   fwd_peak_k - X_k  (+ flight_{k-1} while the previous block's swap-out
   is still in flight; the runtime allows one block in flight);
@@ -21,6 +23,9 @@ the keep-all profile and subtracts what the block modes free:
       backward  = bwd_peak_k - X_k
   (by its own backward the later parts are done: every saved storage but the input is gone);
   the checkpoint-input chain is in X_k: every earlier CKPT block still holds its input.
+- a SELECTIVE part the same: its recompute rebuilds everything but what it kept, so it ends
+  at the keep-all level too (the kept attention outputs are not allocated again); the same
+  bound holds.
 
 The profile's peaks come from the device allocator on CUDA, so intra-op transients (workspaces)
 and inter-op deltas (allocations outside hooked ops) are already inside fwd_peak / bwd_peak.
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_mode import CKPT, NONE, SSD, SWAP, BlockMode
+from ..block_mode import CKPT, NONE, SEL, SSD, SWAP, BlockMode
 from ..profile.model_profile import ModelProfile
 from .layout import ChunkLayout
 
@@ -115,6 +120,7 @@ def activation_walk(profile: ModelProfile, block_modes) -> tuple[np.ndarray, np.
     kept = np.array([p.kept_bytes for p in parts], dtype=np.int64)
     resaved = np.array([p.resaved_bytes for p in parts], dtype=np.int64)
     held = inb - np.array([p.in_shared_bytes for p in parts], dtype=np.int64)
+    attn = np.maximum(np.array([p.sel_saved_bytes for p in parts], dtype=np.int64) - inb, 0)
 
     offl = (m == SWAP) | (m == SSD)       # host and NVMe offload leave the device alike
     prev_offl = np.zeros_like(offl)
@@ -124,7 +130,8 @@ def activation_walk(profile: ModelProfile, block_modes) -> tuple[np.ndarray, np.
     # Kept storages stay while the next part holds them; an offloading next part lets go too.
     own = saved - kept
     own_offl = saved - np.where(next_offl, 0, kept)
-    freed = np.where(m == CKPT, own - held, 0) + np.where(offl, own_offl, 0)
+    freed = np.where(m == CKPT, own - held, 0) + np.where(offl, own_offl, 0) + \
+        np.where(m == SEL, own - held - attn, 0)
     # X_k: what earlier blocks' modes freed (exclusive prefix sum).
     x = np.cumsum(freed, axis=1) - freed
     # One offloaded block may be in flight: its write-out during the next part's forward, its
@@ -138,7 +145,8 @@ def activation_walk(profile: ModelProfile, block_modes) -> tuple[np.ndarray, np.
     recompute = bs - x - (saved - held) + (fp - fs)
     # Two offloaded blocks in a row both bring back the storages they share (each its copy).
     twice = np.where(offl & prev_offl, resaved, 0)
-    bwd = np.where(m == CKPT, np.maximum(recompute, bwd_keep), bwd_keep) + prev_swapped + twice
+    rec = (m == CKPT) | (m == SEL)
+    bwd = np.where(rec, np.maximum(recompute, bwd_keep), bwd_keep) + prev_swapped + twice
     walk = np.stack([fwd, bwd], axis=2).reshape(m.shape[0], -1)
     where = walk.argmax(axis=1)
     return np.maximum(walk.max(axis=1), 0), where

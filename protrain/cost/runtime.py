@@ -21,7 +21,9 @@ backward, parts in reverse, chunks in reverse:
 - a SWAP block's activations are prefetched (H2D) when the next part's backward starts; they
   share the copy engine with chunk uploads, in issue order - this is how swapping competes
   with parameter prefetch for PCIe;
-- a CKPT block first recomputes its forward (all its chunks resident), then runs backward;
+- a CKPT block first recomputes its forward (all its chunks resident), then runs backward; a
+  SELECTIVE block recomputes its forward without attention and all-to-alls
+  (PartProfile.sel_recompute_time);
 - when the first part using a chunk has finished backward, the chunk's gradient is complete:
   non-persistent chunks go D2H, then to CPU Adam (one chunk at a time), overlapping backward;
 - persistent chunks are updated by the device's fused Adam after backward (T_gpu_optim).
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_mode import CKPT, SSD, SWAP
+from ..block_mode import CKPT, SEL, SSD, SWAP
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from .layout import ChunkLayout
@@ -212,13 +214,15 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         start = comp.copy()
         m = modes[p]
         comp = np.where((m == SWAP) | (m == SSD), np.maximum(comp, swap_in_end[p]), comp)
+        redo = np.where(m == CKPT, part.fwd_time, np.where(m == SEL, part.sel_recompute_time, 0.0))
+        rec = (m == CKPT) | (m == SEL)
         if chunks:
             all_ready = avail[list(chunks)].max(axis=0)
-            comp = np.where(m == CKPT, np.maximum(comp, all_ready) + part.fwd_time, comp)
+            comp = np.where(rec, np.maximum(comp, all_ready) + redo, comp)
             for c, share in zip(reversed(chunks), reversed(layout.part_chunk_share[p])):
                 comp = np.maximum(comp, avail[c]) + part.bwd_time * share
         else:
-            comp = np.where(m == CKPT, comp + part.fwd_time, comp) + part.bwd_time
+            comp = np.where(rec, comp + redo, comp) + part.bwd_time
         # Prefetch the previous block's swapped activations, issued as this part starts.
         if p >= 1 and parts[p - 1].kind == "block":
             sw = modes[p - 1] == SWAP

@@ -157,7 +157,12 @@ def analytic_profile(shape: ModelShape, hw: HardwareProfile) -> ModelProfile:
         bwd_transient = 3 * sbf
     matmul_params = sum(n for name, n in shape.block_params() if "weight" in name and "ln" not in name
                         and "norm" not in name)
-    block_fwd = (2 * tokens * matmul_params + 2 * b * s * s * h) / rate  # causal attention: half of 4bs^2h
+    attn_fwd = 2 * b * s * s * h / rate               # causal attention: half of 4bs^2h
+    block_fwd = 2 * tokens * matmul_params / rate + attn_fwd
+    # Selective mode (BlockMode.SELECTIVE) keeps the block input and flash attention's outputs
+    # (its output and the fp32 log-sum-exp per head and token).
+    sel_saved = sbh + sbh + b * shape.heads * s * 4
+    attn_io = 2 * sbh + 2 * s * b * kv * a            # q, output; k, v (GQA: kv_dim wide)
     largest_block_param = max(n for _, n in shape.block_params())
 
     # Parameters in execution order.
@@ -195,7 +200,9 @@ def analytic_profile(shape: ModelShape, hw: HardwareProfile) -> ModelProfile:
         parts.append(PartProfile(f"{prefix}.{i}", "block", block_numel, fwd_time=block_fwd,
                                  bwd_time=2 * block_fwd, in_bytes=sbh, saved_bytes=saved,
                                  fwd_start=start, fwd_peak=start + saved + sbf,
-                                 bwd_start=0, bwd_peak=0))
+                                 bwd_start=0, bwd_peak=0, attn_fwd_time=attn_fwd,
+                                 attn_bwd_time=2 * attn_fwd, attn_io_bytes=attn_io,
+                                 sel_saved_bytes=sel_saved))
         live = start + saved
     logits = s * b * v
     post_saved = norm_saved + sbh + logits * 4
@@ -225,4 +232,5 @@ def analytic_profile(shape: ModelShape, hw: HardwareProfile) -> ModelProfile:
     parts = list(reversed(out))
     return ModelProfile(name=shape.name, source="analytic", device="analytic",
                         param_bytes=shape.dtype_bytes, params=tuple(params), parts=tuple(parts),
-                        micro_batch=b, seq_len=s)
+                        micro_batch=b, seq_len=s, heads=shape.heads,
+                        kv_heads=shape.kv_heads or shape.heads)

@@ -52,10 +52,13 @@ class ProfileCache:
                 self.directory = None
         self.key_name = key_name
 
-    def path(self, module: nn.Module, inputs, kwargs, device: torch.device) -> Path | None:
+    def path(self, module: nn.Module, inputs, kwargs, device: torch.device,
+             length: int | None = None) -> Path | None:
+        """Where the profile of ``module`` on this batch lives (``length``: the profiled prefix
+        of the sequence, when shorter than the batch's)."""
         if self.directory is None:
             return None
-        return self.directory / f"profile-{cache_key(module, inputs, kwargs, device)}.json"
+        return self.directory / f"profile-{cache_key(module, inputs, kwargs, device, length)}.json"
 
     def load(self, path: Path | None) -> ModelProfile | None:
         if path is None or not path.exists():
@@ -75,8 +78,10 @@ class ProfileCache:
                         "again next time", path, e)
 
 
-def cache_key(module: nn.Module, inputs, kwargs, device: torch.device) -> str:
+def cache_key(module: nn.Module, inputs, kwargs, device: torch.device,
+              length: int | None = None) -> str:
     ident = {
+        "profiled_length": length,
         "model": f"{type(module).__module__}.{type(module).__qualname__}",
         "code": _code_fingerprint(module),
         "settings": [(name, _settings(m)) for name, m in module.named_modules()],

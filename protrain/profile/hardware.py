@@ -38,6 +38,10 @@ class HardwareProfile(JsonValue):
     collective_bandwidth: float = 0.0
     """Per-rank bandwidth of all-gather / reduce-scatter between data-parallel ranks, bytes/s
     (time = bytes * (world - 1) / world / bandwidth). 0 when unknown (one rank)."""
+    alltoall_bandwidth: float = 0.0
+    """Per-rank all-to-all bandwidth between the ranks of a sequence-parallel group, bytes/s
+    (time = bytes * (P - 1) / P / bandwidth, the convention of collective_bandwidth). 0:
+    unknown; the planner then uses collective_bandwidth."""
     nvme_write_bandwidth: float = 0.0
     """Write bandwidth of the SSD path for activations, bytes/s (0: no SSD tier)."""
     nvme_read_bandwidth: float = 0.0

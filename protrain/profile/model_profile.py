@@ -74,6 +74,29 @@ class PartProfile:
     """``in_bytes`` when an earlier part saved the block's input first (it is then in that
     part's ``saved_bytes`` and live until that part's backward, whatever this block's mode),
     else 0. CKPT holds the input; it costs nothing extra when it is shared."""
+    attn_fwd_time: float = 0.0
+    """Of ``fwd_time``: time inside the attention operator (scaled_dot_product_attention). It
+    grows with s^2 where the rest grows with s; 0 when the part calls no attention."""
+    attn_bwd_time: float = 0.0
+    """Of ``bwd_time``: time inside the attention operator's backward."""
+    attn_io_bytes: int = 0
+    """Bytes of the attention operator's query, key, value and output tensors: what Ulysses'
+    all-to-alls exchange per direction (before the 1/P sharding)."""
+    sel_saved_bytes: int = 0
+    """Bytes the selective mode (BlockMode.SELECTIVE) keeps for backward: the block input and
+    the outputs of the attention operator (and, under sequence parallelism, of the all-to-alls).
+    0: not measured (the block calls no attention), so the mode is not offered."""
+    comm_fwd_time: float = 0.0
+    """Of ``fwd_time``: all-to-all time (sequence parallelism; 0 without it). The selective mode
+    does not re-run it."""
+    comm_bwd_time: float = 0.0
+    """Of ``bwd_time``: all-to-all time of the backward."""
+
+    @property
+    def sel_recompute_time(self) -> float:
+        """Backward's extra time under the selective mode: the forward without attention and
+        without the all-to-alls (whose outputs are kept)."""
+        return max(self.fwd_time - self.attn_fwd_time - self.comm_fwd_time, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +141,13 @@ class ModelProfile(JsonValue):
     """Hooked iteration time over plain iteration time; part times are already divided by it."""
     ops: tuple[OpRecord, ...] = field(default=())
     """Per-operator memory records (CUDA only; empty elsewhere)."""
+    heads: int = 0
+    """Attention (query) heads seen by the attention operator; 0: unknown or no attention."""
+    kv_heads: int = 0
+    """Key/value heads seen by the attention operator (GQA when below ``heads``)."""
+    sequence_parallel: int = 1
+    """The sequence-parallel degree the figures are per rank for (1: as measured on one rank;
+    more: derived by protrain.sp.scaling)."""
 
     # ---- derived views -------------------------------------------------------------------
     @property
@@ -144,9 +174,15 @@ class ModelProfile(JsonValue):
         """Highest live activation bytes of the traced iteration itself."""
         return max([p.fwd_peak for p in self.parts] + [p.bwd_peak for p in self.parts] + [0])
 
+    @property
+    def has_selective(self) -> bool:
+        """Whether every block's selective-mode bytes were measured (the mode can be planned)."""
+        return self.n_blocks > 0 and all(b.sel_saved_bytes > 0 for b in self.blocks)
+
     def describe(self) -> str:
+        sp = f", per rank of {self.sequence_parallel} (sequence parallel)" if self.sequence_parallel > 1 else ""
         return (f"{self.name}: {self.n_blocks} blocks, {self.total_params / 1e9:.3g} B params "
-                f"({self.param_bytes}-byte), micro-batch {self.micro_batch}, seq {self.seq_len}, "
+                f"({self.param_bytes}-byte), micro-batch {self.micro_batch}, seq {self.seq_len}{sp}, "
                 f"{self.source} on {self.device}")
 
 

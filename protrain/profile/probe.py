@@ -228,3 +228,24 @@ def probe_storage(root, device: torch.device, size_mib: int = 256) -> dict:
 
 _MIN_STORAGE_PROBE = 2**20
 """Smallest test file the storage probe writes (below it the timing says little)."""
+
+
+def probe_alltoall(dp, device: torch.device, size_mib: int = 32) -> float:
+    """Per-rank all-to-all bandwidth over the data-parallel group, bytes/s (every rank must
+    call it; time = bytes * (world - 1) / world / bandwidth, the convention the sequence-
+    parallel cost term uses). Ulysses attention's all-to-alls run within groups of P of these
+    ranks; one figure over the whole group stands for every P."""
+    if dp.world == 1:
+        return 0.0
+    import torch.distributed as dist
+    n = size_mib * 2**20 // dp.world * dp.world
+    send = torch.zeros(n, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    sync = _sync(device)
+
+    def once():
+        dist.all_to_all_single(recv, send, group=dp.group)
+    dist.barrier(group=dp.group)
+    t = _best_time(once, 3, sync)
+    t = dp.broadcast_object(t)          # every rank plans with rank 0's figure
+    return n * (dp.world - 1) / dp.world / t

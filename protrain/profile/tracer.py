@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..runtime.boundaries import part_boundaries
+from .attention import AttentionTimer, KeptBytes
 from .blocks import find_blocks
 from .meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from .model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
@@ -55,8 +56,8 @@ class _PartStats:
 
 
 class _SaveLedger:
-    """Who saved what in the memory pass: each saved storage's first saver (its owner, whose
-    ``saved_bytes`` count it) and every later part that saved it too, and each part's input.
+    """Who saved what in the memory pass: each saved storage's owner (whose ``saved_bytes``
+    count it: its first saver, or the earlier part that allocated it) and every later part that saved it too, and each part's input.
     From these, per part: ``kept_bytes`` (owned storages a later part also saves),
     ``resaved_bytes`` (storages it saves that an earlier part owns) and ``in_shared_bytes`` (an
     input an earlier part owns). Saved storages live until backward,
@@ -68,12 +69,13 @@ class _SaveLedger:
         self.savers: dict[int, set[int]] = {}            # ptr -> every part that saved it
         self.inputs: dict[int, tuple[int, weakref.ref]] = {}   # part -> (ptr, its storage)
 
-    def saved(self, part: int, ptr: int, nbytes: int) -> bool:
-        """Note a save; True the first time this storage is saved (its owner is ``part``)."""
+    def saved(self, part: int, ptr: int, nbytes: int, owner: int | None = None) -> bool:
+        """Note that ``part`` saves a storage; True the first time it is saved: its owner is
+        then ``owner`` (default ``part``; an earlier part when that one allocated it)."""
         self.savers.setdefault(ptr, set()).add(part)
         if ptr in self.owner:
             return False
-        self.owner[ptr] = (part, nbytes)
+        self.owner[ptr] = (part if owner is None else owner, nbytes)
         return True
 
     def entered(self, part: int, x: torch.Tensor) -> None:
@@ -210,6 +212,8 @@ class _Tracer:
         self.bar = None
         self.state = ("fwd", 0)          # (phase, part) the iteration is in
         self.param_of_ptr: dict[int, int] = {}
+        self.created: dict[int, int] = {}     # storage -> part that allocated it (memory pass)
+        self.part_input: dict[int, int] = {}  # part -> storage of its input activation
         self.block_of_param: dict[nn.Parameter, int] = {}
         for i, b in enumerate(blocks):
             for p in b.parameters():
@@ -256,31 +260,43 @@ class _Tracer:
                     self.clock.sync()
                     plain_time = min(plain_time or np.inf, time.perf_counter() - t0)
             self.bar.set_postfix_str("timing")
-            marks = self._pass(hooks=True, timing=True, stats=stats)
+            attention = AttentionTimer(self.clock, lambda: self.state)
+            with attention:
+                marks = self._pass(hooks=True, timing=True, stats=stats)
             self._times_from_marks(marks, stats)
             self.bar.set_postfix_str("memory")
-            ops, order, uses = self._memory_pass(stats)
+            kept = KeptBytes(lambda: self.state)
+            ops, order, uses = self._memory_pass(stats, kept)
         finally:
             self.bar.close()
         hooked = sum(s.fwd_time + s.bwd_time for s in stats)
         slowdown = hooked / plain_time if plain_time and hooked > 0 else 1.0
         records = self._param_records(order, uses)
         names = self._block_names()
+        attn_fwd, attn_bwd = attention.times()
         parts = []
         for k, s in enumerate(stats):
             kind = "pre" if k == 0 else "post" if k == self.n_parts - 1 else "block"
+            fwd, bwd = s.fwd_time / slowdown, s.bwd_time / slowdown
             parts.append(PartProfile(
                 name={"pre": "<pre>", "post": "<post>"}.get(kind) or names[k - 1], kind=kind,
                 param_numel=sum(r.numel for r in records if r.parts[0] == k),
-                fwd_time=s.fwd_time / slowdown, bwd_time=s.bwd_time / slowdown,
+                fwd_time=fwd, bwd_time=bwd,
                 in_bytes=s.in_bytes, saved_bytes=s.saved_bytes, fwd_start=s.fwd_start,
                 fwd_peak=max(s.fwd_peak, s.fwd_start), bwd_start=s.bwd_start,
                 bwd_peak=max(s.bwd_peak, s.bwd_start), kept_bytes=s.kept_bytes,
-                resaved_bytes=s.resaved_bytes, in_shared_bytes=s.in_shared_bytes))
+                resaved_bytes=s.resaved_bytes, in_shared_bytes=s.in_shared_bytes,
+                attn_fwd_time=min(attn_fwd.get(k, 0.0) / slowdown, fwd),
+                attn_bwd_time=min(attn_bwd.get(k, 0.0) / slowdown, bwd),
+                attn_io_bytes=attention.io_bytes.get(k, 0),
+                # The selective mode keeps the block input (as CKPT does) and the kept
+                # operators' outputs; a block without them cannot run it.
+                sel_saved_bytes=s.in_bytes + kept.bytes[k] if kind == "block" and kept.bytes.get(k) else 0))
         return ModelProfile(
             name=name, source="measured", device=str(self.device),
             param_bytes=self.params[0].element_size(), params=tuple(records), parts=tuple(parts),
-            micro_batch=micro_batch, seq_len=seq_len, hooked_slowdown=slowdown, ops=tuple(ops))
+            micro_batch=micro_batch, seq_len=seq_len, hooked_slowdown=slowdown, ops=tuple(ops),
+            heads=attention.heads, kv_heads=attention.kv_heads)
 
     def _block_names(self) -> list[str]:
         names = {m: n for n, m in self.model.named_modules()}
@@ -311,6 +327,7 @@ class _Tracer:
                 self._refresh_param_ptrs()
             if phase == "fwd" and x is not None and stats is not None and part > 0:
                 stats[part].in_bytes = storage_bytes(x)
+                self.part_input[part] = storage_ptr(x)
                 if ledger is not None:
                     ledger.entered(part, x)
             if phase == "bwd" and ledger is not None and part == self.n_parts - 1:
@@ -357,11 +374,22 @@ class _Tracer:
             elif phase == "bwd":
                 stats[part].bwd_time += dt
 
-    def _memory_pass(self, stats):
+    def _memory_pass(self, stats, kept=None):
         if self.streamer is not None:
             for i in list(self.streamer.loaded):
                 self.streamer.unload(i)
         self.registry = StorageRegistry(self.device.type)
+        # Which part allocated each storage: a tensor an earlier part made and a block saves
+        # (rotary cos/sin that every layer reads) is not freed by that block's mode, so it
+        # counts where it was made (see _saved_hooks).
+        register = self.registry.register
+
+        def register_with_part(t, register=register):
+            new = t.device.type == self.device.type and not self.registry.contains(t)
+            register(t)
+            if new and self.state[0] == "fwd":
+                self.created[storage_ptr(t)] = self.state[1]     # an address may be reused
+        self.registry.register = register_with_part
         self.meter = (AllocatorMeter(self.device) if self.device.type == "cuda"
                       else StorageMeter(self.registry))
         ops: list[OpRecord] = []
@@ -404,7 +432,7 @@ class _Tracer:
         self._refresh_param_ptrs()
         recorder = OpRecorder(self.registry, self.meter, on_op, self.param_of_ptr, on_param_use)
         try:
-            with recorder:
+            with recorder, (kept if kept is not None else nullcontext()):
                 self._pass(hooks=True, stats=stats, on_boundary=on_boundary, ledger=_SaveLedger())
         finally:
             self.registry = None
@@ -432,8 +460,12 @@ class _Tracer:
             idx = self.param_of_ptr.get(ptr) if t.device == self.device else None
             if stats is not None and idx is None and self.state[0] == "fwd" \
                     and self.registry is not None and self.registry.contains(t):
-                if ledger.saved(self.state[1], ptr, storage_bytes(t)):
-                    stats[self.state[1]].saved_bytes += storage_bytes(t)
+                part = self.state[1]
+                # A storage an earlier part made (rotary cos/sin every layer is handed) is
+                # owned there: a block's mode cannot free it (checkpoint holds it as an input).
+                owner = part if ptr == self.part_input.get(part) else min(part, self.created.get(ptr, part))
+                if ledger.saved(part, ptr, storage_bytes(t), owner):
+                    stats[owner].saved_bytes += storage_bytes(t)
             if streamer is not None and idx is not None and self.params[idx] in streamer.home:
                 return ("protrain-param", self.params[idx], t.size(), t.stride(), t.storage_offset())
             return t

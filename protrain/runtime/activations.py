@@ -2,6 +2,8 @@
 
 - CKPT wraps the block's forward in torch's non-reentrant checkpoint (RNG state preserved),
   so only the block input is kept and the block is recomputed at the start of its backward.
+- SELECTIVE does the same with a selective-checkpoint policy (protrain.runtime.selective):
+  attention's and the all-to-alls' outputs are kept, everything else is recomputed.
 - SWAP intercepts what autograd saves inside the block (saved-tensor hooks): each distinct
   storage is copied once (deduplicated: several saved views of one storage share one copy)
   into a pinned host arena on the offload queue, and the device copy is dropped once the copy
@@ -33,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..block_mode import BlockMode
 from ..profile.meter import storage_ptr
+from .selective import selective_context_fn
 from .storage import BlockFile, RunDirectory, StorageConfigError, choose_store
 from .streams import Streams
 
@@ -366,16 +369,17 @@ def _checkpointed(forward, *args, _context_fn=None, **kwargs):
 
 @contextmanager
 def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode], context_fn=None):
-    """Run the CKPT blocks of ``modes`` under checkpoint for the duration of the context (what
-    the runtime does), e.g. to measure a plan's activation memory without the runtime.
-    ``context_fn`` is torch checkpoint's hook to restore framework RNG state on recompute
-    (Megatron's tensor-parallel RNG tracker)."""
+    """Run the CKPT and SELECTIVE blocks of ``modes`` under checkpoint for the duration of the
+    context (what the runtime does), e.g. to measure a plan's activation memory without the
+    runtime. ``context_fn`` is torch checkpoint's hook to restore framework RNG state on
+    recompute (Megatron's tensor-parallel RNG tracker)."""
     saved = {}
     try:
         for i, (b, m) in enumerate(zip(blocks, modes)):
-            if m == BlockMode.CKPT:
+            if m in (BlockMode.CKPT, BlockMode.SELECTIVE):
+                fn = selective_context_fn(context_fn) if m == BlockMode.SELECTIVE else context_fn
                 saved[i] = b.__dict__.get("forward")    # None: the class's forward
-                b.forward = functools.partial(_checkpointed, b.forward, _context_fn=context_fn)
+                b.forward = functools.partial(_checkpointed, b.forward, _context_fn=fn)
         yield
     finally:
         for i, fwd in saved.items():

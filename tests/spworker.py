@@ -1,0 +1,224 @@
+"""One rank of sequence-parallel test runs: an ordinary DeepSpeed training loop (the script
+does not know about sequence parallelism) on a tiny Hugging Face Llama built from a config, or
+the built-in GPT. Spawned with torch.multiprocessing, gloo on CPU; one launch runs several
+trainings one after another.
+
+Each rank takes its contiguous share of every global batch, as a DistributedSampler would;
+with ``gas`` > 1 a rank's share is split into that many micro-batches. The gradients each
+optimizer step applies are recorded (what Adam receives, per parameter piece) so a test can
+compare them across launches."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def llama(spec):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    m = spec["model"]
+    cfg = LlamaConfig(vocab_size=m.get("vocab", 128), hidden_size=m.get("hidden", 64),
+                      intermediate_size=m.get("ffn", 128), num_hidden_layers=m.get("layers", 2),
+                      num_attention_heads=m.get("heads", 4), num_key_value_heads=m.get("kv_heads", 4),
+                      max_position_embeddings=max(256, spec["seq"]), attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+def samples(spec, step: int):
+    """The global batch of a step: token ids and labels with some -100 (a different number
+    per sample, so shards hold different counts of valid targets)."""
+    import torch
+    g = torch.Generator().manual_seed(1000 + step)
+    n, s = spec["global_batch"], spec["seq"]
+    ids = torch.randint(0, spec["model"].get("vocab", 128), (n, s), generator=g)
+    labels = ids.clone()
+    for i in range(n):
+        k = int(torch.randint(0, s // 2, (1,), generator=g))
+        start = int(torch.randint(0, s - k, (1,), generator=g))
+        labels[i, start:start + k] = -100
+    return ids, labels
+
+
+def run_rank(rank: int, world: int, port: int, runs: list[dict], out_dir: str) -> None:
+    """Run each spec of ``runs`` in turn in this process (imports and process start-up cost
+    more than these tiny trainings)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    sys.path.insert(0, os.path.dirname(__file__))
+    import torch
+    from protrain.runtime.optimizer import ChunkOptimizer
+
+    grads = []            # per optimizer step: [(name, lo, hi, values)]
+    update = ChunkOptimizer._update
+
+    def recording(self, c, g, kernel, coef):
+        lo = 0 if c.persistent else c.shard_lo
+        hi = c.numel if c.persistent else c.shard_hi
+        for s in c.slots:
+            a, b = max(s.offset, lo), min(s.stop, hi)
+            if a < b:
+                grads[-1].append((s.name, a - s.offset, b - s.offset,
+                                  g[a - lo:b - lo].float().tolist()))
+        return update(self, c, g, kernel, coef)
+    ChunkOptimizer._update = recording
+
+    results = {}
+    for spec in runs:
+        grads.clear()
+        try:
+            if spec.get("trainer"):
+                import sptrainer
+                ChunkOptimizer._update = update
+                results[spec["name"]] = sptrainer.train(rank, world, spec, out_dir)
+                ChunkOptimizer._update = recording
+                continue
+            results[spec["name"]] = _train(rank, world, spec, grads, out_dir)
+        except Exception as e:  # noqa: BLE001 - reported to the test, which names the run
+            results[spec["name"]] = {"error": f"{type(e).__name__}: {e}"}
+            if not spec.get("expect_error"):
+                raise
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def budget_between(spec, world: int, degrees=(1, 2)) -> int:
+    """A device budget at which the leanest plan with P = degrees[1] fits and with degrees[0]
+    does not (from this model's measured profiles, as the engine will take them)."""
+    import math
+
+    import torch
+    from protrain.config import KnobPins, PlannerConfig
+    from protrain.profile.hardware import HardwareProfile
+    from protrain.profile.tracer import profile_model
+    from protrain.search import InfeasibleError
+    from protrain.sp.planner import search_sequence_parallel
+    torch.manual_seed(0)
+    model = llama(spec)
+    ids, labels = samples(spec, spec.get("start", 0))
+    mb = spec["global_batch"] // world // spec.get("gas", 1)
+    profiles = []
+    for s in (spec["seq"], spec["seq"] // 2):
+        x, y = ids[:mb, :s], labels[:mb, :s]
+        profiles.append(profile_model(model, lambda m: m(input_ids=x, labels=y, use_cache=False).loss,
+                                      progress=False, micro_batch=mb, seq_len=s))
+    hw = HardwareProfile(name="budget", source="measured", device_type="cpu", device_memory=2**40,
+                         host_memory=2**40, h2d_bandwidth=1e10, d2h_bandwidth=1e10,
+                         gpu_adam_rate=1e9, cpu_adam_rate=1e9, collective_bandwidth=1e10,
+                         alltoall_bandwidth=1e10)
+    need = []
+    for p in degrees:
+        cfg = PlannerConfig(device_memory=1, data_parallel_size=world,
+                            grad_accumulation_steps=spec.get("gas", 1), pins=KnobPins(sequence_parallel=p))
+        try:
+            search_sequence_parallel(profiles[0], hw, cfg, seq_len=spec["seq"], second=profiles[1])
+        except InfeasibleError as e:
+            need.append(e.device_needed)
+    assert need[1] < need[0], need
+    return int(math.sqrt(need[0] * need[1]))
+
+
+def _train(rank, world, spec, grads, out_dir) -> dict:
+    import torch
+    import deepspeed
+    gas = spec.get("gas", 1)
+    share = spec["global_batch"] // world
+    mb = share // gas
+    if spec.get("budget_between"):
+        spec = dict(spec, protrain=dict(spec["protrain"], device_memory=budget_between(
+            spec, world, tuple(spec["budget_between"]))))
+    ds = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": gas,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+          "steps_per_print": 10**6, **spec.get("extra", {})}
+    if spec.get("protrain") is not None:
+        ds["protrain"] = {"enabled": True, "device_memory": "4GiB", "progress": False,
+                          "verbosity": spec.get("verbosity", 0), **spec["protrain"]}
+    torch.manual_seed(0)
+    if spec["model"]["kind"] == "llama":
+        model = llama(spec)
+    else:
+        from protrain.models import GPT, GPTConfig
+        model = GPT(GPTConfig(**{k: v for k, v in spec["model"].items() if k != "kind"}))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    if spec.get("load"):
+        path, _ = engine.load_checkpoint(spec["load"])
+        assert path is not None, path
+    losses = []
+    start = spec.get("start", 0)
+    for step in range(start, start + spec["steps"]):
+        ids, labels = samples(spec, step)
+        grads.append([])
+        for micro in range(gas):
+            lo = rank * share + micro * mb
+            x, y = ids[lo:lo + mb], labels[lo:lo + mb]
+            if spec["model"]["kind"] == "llama":
+                extra = {}
+                if spec.get("num_items"):   # the Trainer's loss: a sum over the global batch's count
+                    extra["num_items_in_batch"] = (labels[:, 1:] != -100).sum()
+                out = engine(input_ids=x, labels=y, **extra)
+                loss = out.loss
+            else:   # the built-in GPT takes next-token targets
+                loss = engine(x, torch.where(y == -100, y, torch.roll(x, -1, 1)))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    if spec.get("save"):
+        engine.save_checkpoint(spec["save"])
+    result = {"losses": losses, "grads": [list(g) for g in grads]}
+    if spec.get("eval"):        # evaluation forwards (no gradient) on step 0's micro-batches
+        engine.eval()
+        ids, labels = samples(spec, 0)
+        with torch.no_grad():
+            result["eval"] = [engine(input_ids=ids[lo:lo + mb], labels=labels[lo:lo + mb]).loss.item()
+                              for lo in range(rank * share, (rank + 1) * share, mb)]
+        engine.train()
+    plan = getattr(engine, "protrain_plan", None)
+    if plan is not None:
+        rt = engine.protrain_runtime
+        result.update(sp=plan.knobs.sequence_parallel, modes="".join(m.letter for m in plan.block_modes),
+                      knobs=list(plan.knobs.as_tuple()), notes=list(plan.notes),
+                      offloaded=len(rt.chunks.offloaded()), explain=plan.explain())
+        if rt.accounting is not None:
+            result.update(activation_peak=rt.accounting.activation_peak,
+                          predicted_activation_peak=plan.prediction.activation_peak_bytes,
+                          peak=rt.device_peak(), predicted_peak=plan.prediction.peak_device_bytes,
+                          budget=plan.device_memory)
+    engine.destroy()
+    if rank == 0:
+        torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
+                   os.path.join(out_dir, f"weights-{spec['name']}.pt"))
+    return result
+
+
+def launch(world: int, runs: list[dict], out_dir: str) -> dict[str, list[dict]]:
+    """Run ``runs`` on ``world`` ranks; returns {run name: [result of each rank]}."""
+    import torch.multiprocessing as mp
+    from dpworker import free_port
+    os.makedirs(out_dir, exist_ok=True)
+    mp.start_processes(run_rank, args=(world, free_port(), runs, out_dir), nprocs=world,
+                       start_method="spawn", join=True)
+    per_rank = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
+    return {spec["name"]: [r[spec["name"]] for r in per_rank] for spec in runs}
+
+
+def full_grads(ranks: list[dict]) -> list[dict]:
+    """Per optimizer step, every parameter's flat gradient assembled from all ranks' pieces."""
+    import torch
+    steps = []
+    for i in range(len(ranks[0]["grads"])):
+        pieces = {}
+        for r in ranks:
+            for name, lo, hi, vals in r["grads"][i]:
+                pieces.setdefault(name, []).append((lo, hi, vals))
+        out = {}
+        for name, ps in pieces.items():
+            n = max(hi for _, hi, _ in ps)
+            t = torch.full((n,), float("nan"))
+            for lo, hi, vals in ps:
+                t[lo:hi] = torch.tensor(vals)
+            out[name] = t
+        steps.append(out)
+    return steps

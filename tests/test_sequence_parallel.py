@@ -1,0 +1,136 @@
+"""Ulysses sequence parallelism chosen by the planner and run by the engine, for unchanged
+scripts: a tiny Hugging Face Llama (from a config, MHA and GQA, labels with -100) trained on 2
+and 4 gloo ranks gives the losses and gradients of a 1-rank run on the same samples, with
+offloaded chunks and checkpointed, selective and swapped blocks in the plan, through an
+ordinary DeepSpeed loop and through the Hugging Face Trainer; "auto" picks P=2 where P=1 does
+not fit; checkpoints move between P=2 and P=1.
+
+Process start-up and imports cost more than these trainings, so each launch runs several of
+them one after another (tests/spworker.py) and the tests share the launches."""
+import pytest
+import torch
+
+from spworker import full_grads, launch
+
+SEQ = 32
+OFFLOADED = dict(chunk_size="40KiB", n_persist=1)        # most chunks offloaded (and sharded)
+
+
+def _run(name, kv, global_batch, steps, **kw):
+    return dict(name=name, model=dict(kind="llama", kv_heads=kv, layers=2), seq=kw.pop("seq", SEQ),
+                global_batch=global_batch, steps=steps, **kw)
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("sp_ckpt")
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory, ckpt_dir):
+    runs = [
+        _run("gqa", 2, 2, 2, eval=True,
+             protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_selective=1, n_swap=0)),
+        _run("mha", 4, 4, 2, gas=2, protrain=dict(OFFLOADED, sequence_parallel=2, n_swap=1,
+                                                  n_checkpoint=0, n_selective=0)),
+        _run("auto", 2, 2, 2, seq=128, budget_between=(1, 2), protrain=dict(accounting=True)),
+        # a checkpoint saved at P=2, loaded at P=1 (data parallel), saved, loaded at P=2 again
+        _run("ck1", 2, 2, 2, protrain=dict(OFFLOADED, sequence_parallel=2), save=str(ckpt_dir / "a")),
+        _run("ck2", 2, 2, 1, start=2, protrain=dict(OFFLOADED, sequence_parallel=1),
+             load=str(ckpt_dir / "a"), save=str(ckpt_dir / "b")),
+        _run("ck3", 2, 2, 1, start=3, protrain=dict(OFFLOADED, sequence_parallel=2), load=str(ckpt_dir / "b")),
+        # the Hugging Face Trainer with the "protrain" key in its DeepSpeed JSON
+        _run("trainer", 2, 4, 3, trainer=True, protrain=dict(sequence_parallel=2)),
+    ]
+    return launch(2, runs, str(tmp_path_factory.mktemp("sp_two")))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    runs = [_run("p4", 2, 4, 2, protrain=dict(OFFLOADED, sequence_parallel=4, n_checkpoint=1,
+                                              n_swap=0, n_selective=0)),
+            _run("p2dp2", 2, 4, 2, protrain=dict(OFFLOADED, sequence_parallel=2, n_selective=2))]
+    return launch(4, runs, str(tmp_path_factory.mktemp("sp_four")))
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """One rank, the same samples: a rank's share of the global batch becomes that many
+    micro-batches of gradient accumulation (DeepSpeed averages them, as data parallel does)."""
+    runs = [_run("gqa", 2, 2, 2, gas=2, eval=True, protrain={}),
+            _run("mha", 4, 4, 2, gas=4, protrain={}),
+            _run("auto", 2, 2, 2, gas=2, seq=128, protrain={}),
+            _run("ck", 2, 2, 4, gas=2, protrain={}),
+            _run("four", 2, 4, 2, gas=4, protrain={}),
+            # the Trainer's loss: summed over the whole global batch, over its valid targets
+            _run("trainer", 2, 4, 3, num_items=True, protrain={})]
+    return launch(1, runs, str(tmp_path_factory.mktemp("sp_ref")))
+
+
+def _same_training(runs, reference, gas=1):
+    """Per-micro-batch losses and per-step gradients of a multi-rank run equal the reference's."""
+    world = len(runs)
+    steps = len(runs[0]["losses"]) // gas
+    got = [runs[r]["losses"][s * gas + m] for s in range(steps) for r in range(world) for m in range(gas)]
+    assert got == pytest.approx(reference[0]["losses"], rel=1e-5)
+    g_run, g_ref = full_grads(runs), full_grads(reference)
+    assert len(g_run) == len(g_ref) == steps
+    for step, (a, b) in enumerate(zip(g_run, g_ref)):
+        assert a.keys() == b.keys()
+        for name in b:
+            err = (a[name] - b[name]).abs().max() / b[name].abs().max()
+            assert err <= 1e-5, (step, name, float(err))
+
+
+@pytest.mark.parametrize("case", ["gqa", "mha"])
+def test_two_ranks_train_like_one_rank_on_the_same_samples(two, ref, case):
+    runs = two[case]
+    assert all(r["sp"] == 2 for r in runs)
+    assert runs[0]["offloaded"] > 0
+    assert runs[0]["modes"] == {"gqa": "CA", "mha": "SN"}[case]
+    _same_training(runs, ref[case], gas=2 if case == "mha" else 1)
+    if case == "gqa":        # evaluation forwards (no_grad, eval mode) give each rank its loss
+        got = [r["eval"] for r in runs]
+        assert [x for g in got for x in g] == pytest.approx(ref[case][0]["eval"], rel=1e-5)
+
+
+def test_auto_picks_the_degree_that_fits_and_says_why(two, ref):
+    runs = two["auto"]
+    r = runs[0]
+    assert r["sp"] == 2, r["notes"]
+    assert any(n.startswith("P=1 does not fit: needs") for n in r["notes"]), r["notes"]
+    assert "P=1 does not fit" in r["explain"] and "sequence_parallel  2" in r["explain"]
+    for rank in runs:                        # the runtime's own count is what the plan said
+        assert rank["activation_peak"] == pytest.approx(rank["predicted_activation_peak"], rel=0.002)
+        assert rank["peak"] * 1.1 <= rank["budget"]
+    _same_training(runs, ref["auto"])
+
+
+def test_checkpoints_move_between_p2_and_p1(two, ref):
+    assert [two[n][0]["sp"] for n in ("ck1", "ck2", "ck3")] == [2, 1, 2]
+    world = 2
+    got = [two[n][r]["losses"][i] for n in ("ck1", "ck2", "ck3")
+           for i in range(len(two[n][0]["losses"])) for r in range(world)]
+    assert got == pytest.approx(ref["ck"][0]["losses"], rel=1e-5)
+
+
+def test_four_ranks_p4_and_p2_times_data_parallel(four, ref):
+    assert [r["sp"] for r in four["p4"]] == [4] * 4 and four["p4"][0]["modes"] == "CN"
+    assert [r["sp"] for r in four["p2dp2"]] == [2] * 4 and four["p2dp2"][0]["modes"] == "AA"
+    _same_training(four["p4"], ref["four"])
+    _same_training(four["p2dp2"], ref["four"])
+
+
+def test_hugging_face_trainer_with_sequence_parallelism(two, ref):
+    runs = two["trainer"]
+    assert all(r["engine"] == "ProTrainEngine" and r["sp"] == 2 for r in runs)
+    reference = ref["trainer"]
+    # The Trainer logs the loss of the whole global batch (averaged over ranks) and scales the
+    # loss by the world size before backward: the engine learnt that factor at the first step.
+    assert runs[0]["losses"] == runs[1]["losses"]
+    assert runs[0]["losses"] == pytest.approx(reference[0]["losses"], rel=1e-5)
+    g_run, g_ref = full_grads(runs), full_grads(reference)
+    assert len(g_run) == len(g_ref) == 3
+    for a, b in zip(g_run, g_ref):
+        for name in b:
+            assert float((a[name] - b[name]).abs().max() / b[name].abs().max()) <= 1e-5, name
