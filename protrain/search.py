@@ -664,11 +664,16 @@ def _infeasible(profile, hw, config, budget, stats, acts, caps) -> InfeasibleErr
             free = search(profile, hw, replace(config, pins=KnobPins()))
         except InfeasibleError:
             free = None
-        if len(pins) == len(KNOB_NAMES):
+        # The sequence-parallel degree is not this search's (it plans one rank's profile). Pins
+        # on every other knob but n_selective (a configuration written before that knob) name
+        # one plan too: the one without selective blocks (had it fit, the search found it).
+        fixed = {k: v for k, v in pins.items() if k != "sequence_parallel"}
+        fixed.setdefault("n_selective", 0)
+        if len(fixed) == len(KNOB_NAMES) - 1:
             # Every knob fixed: say which constraint that one plan breaks.
             from .plan import Knobs
             try:
-                evaluate(profile, hw, Knobs(**pins), config, check_fit=True)
+                evaluate(profile, hw, Knobs(**fixed), config, check_fit=True)
             except InfeasibleError as e:
                 return InfeasibleError(f"the pinned plan does not work: {e}",
                                        device_needed=e.device_needed, host_needed=e.host_needed)
