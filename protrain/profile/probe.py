@@ -187,9 +187,9 @@ def probe_storage(root, device: torch.device, size_mib: int = 256) -> dict:
     store = choose_store(device, run.path)
     try:
         f = BlockFile(Path(run.path) / "probe.bin", nbytes)
-        on_device = getattr(store, "name", "").startswith("kvikio")
-        raw = torch.randint(0, 255, (nbytes + 4096,), dtype=torch.uint8,
-                            device=device if on_device else "cpu")
+        # From device memory whatever the backend, as the runtime writes: the POSIX backend's
+        # bounce through pinned host memory is part of what the tier costs on a GPU.
+        raw = torch.randint(0, 255, (nbytes + 4096,), dtype=torch.uint8, device=device)
         skip = (-raw.data_ptr()) % 4096       # 4 KiB aligned: O_DIRECT, not the page cache
         buf = raw[skip:skip + nbytes]
         best_w = best_r = float("inf")
