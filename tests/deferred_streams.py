@@ -353,6 +353,16 @@ class DeferredStreams(Streams):
         dst.copy_(src)
 
     # ---- pinned memory ----------------------------------------------------------------------
+    def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)      # registered as Streams does on CUDA
+        if numel and self._register(t):
+            self._registered.append(t)
+        return t
+
+    def pinned_bytes(self) -> int:
+        """Bytes registered and not unregistered."""
+        return sum(hi - lo for lo, hi in self._host_ranges.values())
+
     def _register(self, t: torch.Tensor) -> bool:
         self.registrations += 1
         p = t.data_ptr()
