@@ -38,6 +38,11 @@ class HardwareProfile(JsonValue):
     collective_bandwidth: float = 0.0
     """Per-rank bandwidth of all-gather / reduce-scatter between data-parallel ranks, bytes/s
     (time = bytes * (world - 1) / world / bandwidth). 0 when unknown (one rank)."""
+    copy_engines: int = 2
+    """Copy engines that run next to compute: 2 (one per direction, data-center GPUs), 1 (both
+    directions share one queue), 0 (none: every copy, and the CPU optimizer, runs on the
+    compute timeline - a CPU "device", where the runtime copies synchronously and runs CPU
+    Adam inline, since they would compete for the same cores)."""
     nvme_write_bandwidth: float = 0.0
     """Write bandwidth of the SSD path for activations, bytes/s (0: no SSD tier)."""
     nvme_read_bandwidth: float = 0.0
