@@ -6,7 +6,13 @@ most buffers that still fit, and only ties are re-checked with fewer. Points are
 order of a lower bound on their iteration time (compute alone, each copy queue alone, the CPU
 optimizer alone) and the search stops when no remaining bound can beat the best time found:
 the answer equals a brute-force search over all five knobs (tests check it), in a fraction of
-its time. Among equally fast plans the one with the lower peak wins.
+its time.
+
+The search hedges against the cost model's own error: every plan predicted within
+``PlannerConfig.time_tolerance`` of the fastest counts as equally fast, and among those the one
+that moves the fewest bytes per step (host <-> device, NVMe) wins - a difference the model
+cannot resolve is no reason to take on transfers whose overlap it may have overrated. Then
+the faster, then the lower peak. The plan's notes say when this changed the choice.
 """
 from __future__ import annotations
 
@@ -16,14 +22,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .block_mode import CKPT, SSD, SWAP, BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
-from .config import KNOB_NAMES, PlannerConfig
+from .config import ALL, KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
 from .cost.memory import activation_walk, buffer_numel, predict_memory, state_bytes
 from .cost.runtime import chunk_transfer_times, persistent_allreduce_time, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
 from .profile.hardware import HardwareProfile
 from .profile.model_profile import ModelProfile
-from .units import fmt_bytes
+from .units import fmt_bytes, fmt_seconds
 
 _BATCH = 2048
 
@@ -40,8 +46,23 @@ class InfeasibleError(RuntimeError):
 
 
 def plan_key(iter_time: float, peak: int, knobs: tuple) -> tuple:
-    """Order of preference between plans: faster, then smaller peak, then smaller knobs."""
+    """Order between plans the model tells apart: faster, then smaller peak, then smaller knobs."""
     return (iter_time, peak, knobs)
+
+
+def hedged_key(moved: float, iter_time: float, peak: int, knobs: tuple) -> tuple:
+    """Order between plans within the error band of the fastest: fewer bytes moved per step,
+    then ``plan_key``."""
+    return (moved,) + plan_key(iter_time, peak, knobs)
+
+
+def bytes_moved(t, micro, gas: int, ssd: np.ndarray, hw: HardwareProfile) -> np.ndarray:
+    """Bytes moved per optimizer step by simulated plans (``t``: the boundary micro-step's
+    TimePrediction, ``micro``: the accumulating one's or None): host <-> device copies, and
+    the NVMe traffic (written and read back) that does not pass through them (GPUDirect).
+    The search computes the same in closed form (``_Grid.moved``)."""
+    per = lambda x: x.h2d_bytes + x.d2h_bytes + (2.0 * ssd if hw.nvme_gds else 0.0)  # noqa: E731
+    return per(t) + ((gas - 1) * per(micro) if micro is not None else 0.0)
 
 
 @dataclass
@@ -155,6 +176,8 @@ class _Grid:
     peak: np.ndarray
     host: np.ndarray
     lower_bound: np.ndarray
+    moved: np.ndarray
+    """Bytes moved per optimizer step (exact: what the simulation counts)."""
 
 
 def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budget: float,
@@ -178,10 +201,13 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     lo = layout.min_persist
     if config.model_states_fixed is not None:
         nps = np.array([nch])
+    elif pins.n_persist == ALL:
+        nps = np.array([nch])
     elif pins.n_persist is not None:
         if pins.n_persist > nch:
             raise InfeasibleError(f"pinned n_persist={pins.n_persist} exceeds the {nch} chunks of "
-                                  f"{fmt_bytes(layout.chunk_bytes)}; use at most {nch}")
+                                  f"{fmt_bytes(layout.chunk_bytes)}; use at most {nch}, or \"all\" "
+                                  f"to keep every chunk on the device")
         if pins.n_persist < lo:
             raise InfeasibleError(f"pinned n_persist={pins.n_persist} is below {lo}: the first {lo} "
                                   f"chunk(s) hold parameters shared by non-adjacent parts (tied "
@@ -244,7 +270,22 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
         # A micro-step without the optimizer ends with backward's compute (cost.runtime does
         # not wait for the last gradient copies there), so the D2H queue is no bound on it.
         lb = lb + (config.grad_accumulation_steps - 1) * (fwd_lb + bwd_lb)
-    return _Grid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb)
+    # Bytes per micro-step: offloaded chunks up in forward and their gradients down; chunks
+    # not among the last n_buffer up again in backward; swapped and NVMe activations out
+    # and back in (cost.runtime counts the same).
+    ub = np.concatenate([[0.0], np.cumsum(np.asarray(layout.used, dtype=np.float64) *
+                                          profile.param_bytes / world)])
+    moved = config.grad_accumulation_steps * (
+        2.0 * (ub[nch] - ub[np_idx]) + ub[np.maximum(nch - nb, np_idx)] - ub[np_idx] +
+        2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx]))
+    return _Grid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb, moved)
+
+
+def _reupload_bytes(layout, profile, config, n_persist, n_buffer) -> np.ndarray:
+    """Bytes of the offloaded chunks uploaded again in backward (not among the last n_buffer)."""
+    ub = np.concatenate([[0.0], np.cumsum(np.asarray(layout.used, dtype=np.float64) *
+                                          profile.param_bytes / config.data_parallel_size)])
+    return ub[np.maximum(layout.n_chunks - np.asarray(n_buffer), n_persist)] - ub[n_persist]
 
 
 def _state_bytes(profile: ModelProfile, config: PlannerConfig):
@@ -289,14 +330,24 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     if total == 0:
         raise _infeasible(profile, hw, config, budget, stats, acts, caps)
 
-    # Evaluate in order of lower bound until no bound can beat the best time.
     lbs = np.concatenate([g.lower_bound for g in grids])
+    moved = np.concatenate([g.moved for g in grids])
     owner = np.concatenate([np.full(len(g.lower_bound), i) for i, g in enumerate(grids)])
     local = np.concatenate([np.arange(len(g.lower_bound)) for g in grids])
     times = np.full(total, np.inf)
     pending = np.ones(total, dtype=bool)
-    best = np.inf
     evaluated = 0
+
+    def run(take: np.ndarray) -> None:
+        nonlocal evaluated
+        for gi in np.unique(owner[take]):
+            sel = take[owner[take] == gi]
+            times[sel] = _simulate_points(profile, hw, config, acts, grids[gi], local[sel])
+        pending[take] = False
+        evaluated += len(take)
+
+    # 1. The fastest time: points in order of their lower bound until none can beat it.
+    best = np.inf
     while pending.any():
         cand = np.flatnonzero(pending)
         if lbs[cand].min() > best:
@@ -304,19 +355,29 @@ def search(profile: ModelProfile, hw: HardwareProfile,
         if len(cand) > _BATCH:
             cand = cand[np.argpartition(lbs[cand], _BATCH - 1)[:_BATCH]]
         take = cand[np.argsort(lbs[cand], kind="stable")]
-        for gi in np.unique(owner[take]):
-            sel = take[owner[take] == gi]
-            times[sel] = _simulate_points(profile, hw, config, acts, grids[gi], local[sel])
-        pending[take] = False
-        evaluated += len(take)
+        run(take)
         best = min(best, times[take].min())
+    # 2. The hedge's candidates: points whose bound lies in the band, by bytes moved (known
+    # without simulating), until the fewest bytes of a plan found in the band is below
+    # every remaining point's.
+    band = best * (1.0 + config.time_tolerance)
+    while True:
+        found = times <= band
+        least = moved[found].min()
+        cand = np.flatnonzero(pending & (lbs <= band) & (moved <= least))
+        if not len(cand):
+            break
+        run(cand[np.argsort(moved[cand], kind="stable")[:_BATCH]])
 
-    # Ties at the best time: the fewest buffers that keep it (time never rises with buffers).
-    # All tied points of a chunk size are re-simulated in one batch, one row per buffer count.
+    # The hedge: within the band, the fewest bytes moved, then the fastest. Points tied on
+    # both keep the fewest buffers that leave both unchanged (more buffers never slow a plan
+    # down nor move more), re-simulated in one batch per chunk size, one row per count.
+    in_band = np.flatnonzero(times <= band)
+    first = in_band[np.lexsort((times[in_band], moved[in_band]))[0]]
+    target = (moved[first], times[first])
+    tied = [i for i in in_band if (moved[i], times[i]) == target]
     refined: dict[int, tuple[int, int]] = {}
     if config.pins.n_buffer is None:
-        tied = [i for i in np.flatnonzero(times == best)
-                if grids[owner[i]].n_buffer[local[i]] > grids[owner[i]].n_buffer_min[local[i]]]
         for gi in sorted({int(owner[i]) for i in tied}):
             g = grids[gi]
             rows = [(i, nb) for i in tied if owner[i] == gi
@@ -326,9 +387,12 @@ def search(profile: ModelProfile, hw: HardwareProfile,
             idx = np.array([local[i] for i, _ in rows])
             nbs = np.array([nb for _, nb in rows])
             t = _simulate_points(profile, hw, config, acts, g, idx, n_buffer=nbs)
+            mv = g.moved[idx] + config.grad_accumulation_steps * (
+                _reupload_bytes(g.layout, profile, config, g.n_persist[idx], nbs) -
+                _reupload_bytes(g.layout, profile, config, g.n_persist[idx], g.n_buffer[idx]))
             evaluated += len(rows)
-            for (i, nb), ti in zip(rows, t):
-                if ti == best and (i not in refined or nb < refined[i][0]):
+            for (i, nb), ti, mi in zip(rows, t, mv):
+                if (mi, ti) == target and (i not in refined or nb < refined[i][0]):
                     j = local[i]
                     refined[i] = (nb, int(g.peak[j] - (g.n_buffer[j] - nb) * _state_bytes(
                         profile, config).buffer * buffer_numel(g.layout, config.data_parallel_size)))
@@ -344,21 +408,14 @@ def search(profile: ModelProfile, hw: HardwareProfile,
         g, j = grids[owner[i]], local[i]
         return refined.get(i, (0, int(g.peak[j])))[1]
 
+    chosen_i = min(tied, key=lambda i: plan_key(times[i], peak_of(i), knobs_of(i).as_tuple()))
+    chosen = knobs_of(chosen_i)
+    # Runner-ups: the fastest other plans (one per activation configuration and chunk size).
     done = np.flatnonzero(np.isfinite(times))
-    # Order by (time, peak); only plans tied on both need their knobs compared.
-    peaks = np.array([peak_of(i) for i in done] if refined else
-                     [grids[owner[i]].peak[local[i]] for i in done])
-    order = list(done[np.lexsort((peaks, times[done]))])
-    n_head = min(len(order), max(64, 8 * (config.runner_ups + 1)))
-    key_of = {i: (times[i], pk) for i, pk in zip(done, peaks)}
-    while n_head < len(order) and key_of[order[n_head]] == key_of[order[n_head - 1]]:
-        n_head += 1                       # keep every plan tied with the last one kept
-    head = order[:n_head]
-    order = sorted(head, key=lambda i: plan_key(times[i], peak_of(i), knobs_of(i).as_tuple())) + \
-        order[len(head):]
-    chosen = knobs_of(order[0])
+    peaks = np.array([peak_of(i) for i in done])
+    order = [i for i in done[np.lexsort((peaks, times[done]))] if i != chosen_i]
     alternatives, seen = [], {(chosen.chunk_size, chosen.n_checkpoint, chosen.n_swap, chosen.n_ssd)}
-    for i in order[1:]:
+    for i in order:
         if len(alternatives) >= config.runner_ups:
             break
         k = knobs_of(i)
@@ -368,8 +425,17 @@ def search(profile: ModelProfile, hw: HardwareProfile,
         g, j = grids[owner[i]], local[i]
         alternatives.append(Alternative(knobs=k, iter_time=float(times[i]),
                                         peak_device_bytes=peak_of(i), host_bytes=int(g.host[j])))
-    return evaluate(profile, hw, chosen, config, alternatives=tuple(alternatives),
-                    search_seconds=time.perf_counter() - t0, evaluated=evaluated, total=total)
+    notes = ()
+    fastest = min(done, key=lambda i: (times[i], moved[i]))
+    if moved[chosen_i] < moved[fastest]:
+        notes = (f"hedged: plans predicted within the runtime model's {config.time_tolerance:.0%} "
+                 f"error band of the fastest ({fmt_seconds(float(best))}/step) count as equally "
+                 f"fast; this one ({fmt_seconds(float(times[chosen_i]))}) moves the fewest bytes, "
+                 f"{fmt_bytes(int(moved[chosen_i]))} per step against {fmt_bytes(int(moved[fastest]))} "
+                 f"for the fastest",)
+    return replace(evaluate(profile, hw, chosen, config, alternatives=tuple(alternatives),
+                            search_seconds=time.perf_counter() - t0, evaluated=evaluated,
+                            total=total), notes=notes)
 
 
 def check_budgets(total_params: int, largest_param: int, param_bytes: int,
@@ -513,6 +579,9 @@ def _infeasible(profile, hw, config, budget, stats, acts, caps) -> InfeasibleErr
         if len(pins) == len(KNOB_NAMES):
             # Every knob fixed: say which constraint that one plan breaks.
             from .plan import Knobs
+            if pins["n_persist"] == ALL:
+                pins = dict(pins, n_persist=build_layout(
+                    profile, pins["chunk_size"] // profile.param_bytes).n_chunks)
             try:
                 evaluate(profile, hw, Knobs(**pins), config, check_fit=True)
             except InfeasibleError as e:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..serde import JsonValue
+from ..units import fmt_count
 
 PartKind = Literal["pre", "block", "post"]
 
@@ -133,7 +134,7 @@ class ModelProfile(JsonValue):
         return max([p.fwd_peak for p in self.parts] + [p.bwd_peak for p in self.parts] + [0])
 
     def describe(self) -> str:
-        return (f"{self.name}: {self.n_blocks} blocks, {self.total_params / 1e9:.3g} B params "
+        return (f"{self.name}: {self.n_blocks} blocks, {fmt_count(self.total_params)} params "
                 f"({self.param_bytes}-byte), micro-batch {self.micro_batch}, seq {self.seq_len}, "
                 f"{self.source} on {self.device}")
 
