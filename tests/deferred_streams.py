@@ -139,6 +139,8 @@ class _Operand:
         if st is None:
             return None
         dtype, off, size, stride = self.view
+        # A tensor of its own, with its own version counter: what the harness writes through
+        # it is not taken for a compute write to the watched tensor it views.
         return torch.empty(0, dtype=dtype).set_(st, off, size, stride)
 
 
@@ -225,13 +227,6 @@ class DeferredStreams(Streams):
             elif t._version != w.version:
                 w.version, w.tag = t._version, self._compute_seq + 1
 
-    def _settle(self, t: torch.Tensor | None) -> None:
-        """``t`` was just written by side work: not a compute write."""
-        if t is not None:
-            w = self._watch.get(id(_base(t)))
-            if w is not None and w.ref() is _base(t):
-                w.version = _base(t)._version
-
     def _tag(self, t: torch.Tensor) -> int:
         w = self._watch.get(id(_base(t)))
         return w.tag if w is not None and w.ref() is _base(t) else 0
@@ -281,8 +276,6 @@ class DeferredStreams(Streams):
                     _poison(d)
                 else:
                     d.copy_(s)
-                if not d_op.host:
-                    self._settle(d)
             run.host_ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
                                for t, op in ((dst, d_op), (src, s_op)) if op.host]
             q.ops[n - 1] = run
@@ -295,8 +288,6 @@ class DeferredStreams(Streams):
                     if d is not None:
                         poisoned[0] = True
                         _poison(d)
-                        if not d_op.host:
-                            self._settle(d)
             if waiting:
                 for e in waiting:
                     e.on_done(poison)

@@ -18,7 +18,7 @@ NO_CLIP = '{"gradient_clipping": 0.0}'     # DeepSpeed clips at 1.0 by default: 
 
 def test_updates_overlapping_backward_train_exactly_like_deepspeed(monkeypatch):
     model_cfg, pins = SHAPES["a mix"]
-    ref_losses, ref_weights = deepspeed_run(model_cfg, NO_CLIP, 8)
+    ref_losses, ref_weights = deepspeed_run(model_cfg, NO_CLIP, 5)
     in_step, outside_step = [False], []
     step, update = ChunkOptimizer.step, ChunkOptimizer._host_update
 
@@ -36,7 +36,7 @@ def test_updates_overlapping_backward_train_exactly_like_deepspeed(monkeypatch):
     monkeypatch.setattr(ChunkOptimizer, "_host_update", updating)
     with deferred_streams(monkeypatch):
         losses, weights, engine = train(with_protrain(base_config(gradient_clipping=0.0), **pins),
-                                        model_cfg, 8)
+                                        model_cfg, 5)
         assert engine.protrain_runtime.optimizer.overlap
         engine.destroy()
     assert any(outside_step)                           # updates ran during backward
@@ -66,7 +66,7 @@ def test_a_gradient_arriving_after_its_chunk_was_offloaded_is_applied(monkeypatc
         return m
     monkeypatch.setattr(dstrain, "GPT", built)
     use["on"] = True
-    ref_losses, ref_weights = dstrain.train(base_config(gradient_clipping=0.0), model_cfg, 6)[:2]
+    ref_losses, ref_weights = dstrain.train(base_config(gradient_clipping=0.0), model_cfg, 4)[:2]
     use["on"] = False
     build = engine_mod.ProTrainEngine._protrain_build_runtime
 
@@ -75,7 +75,7 @@ def test_a_gradient_arriving_after_its_chunk_was_offloaded_is_applied(monkeypatc
         use["on"] = True
     monkeypatch.setattr(engine_mod.ProTrainEngine, "_protrain_build_runtime", build_then_use)
     losses, weights, engine = dstrain.train(
-        with_protrain(base_config(gradient_clipping=0.0), **pins), model_cfg, 6)
+        with_protrain(base_config(gradient_clipping=0.0), **pins), model_cfg, 4)
     assert losses == ref_losses
     assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
     opt = engine.protrain_runtime.optimizer
