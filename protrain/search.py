@@ -273,18 +273,22 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     # Bytes per micro-step: offloaded chunks up in forward and their gradients down; chunks
     # not among the last n_buffer up again in backward; swapped and NVMe activations out
     # and back in (cost.runtime counts the same).
-    ub = np.concatenate([[0.0], np.cumsum(np.asarray(layout.used, dtype=np.float64) *
-                                          profile.param_bytes / world)])
+    ub = _chunk_bytes_prefix(layout, profile, config)
     moved = config.grad_accumulation_steps * (
-        2.0 * (ub[nch] - ub[np_idx]) + ub[np.maximum(nch - nb, np_idx)] - ub[np_idx] +
+        2.0 * (ub[nch] - ub[np_idx]) + _reupload_bytes(layout, profile, config, np_idx, nb) +
         2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx]))
     return _Grid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb, moved)
 
 
+def _chunk_bytes_prefix(layout, profile, config) -> np.ndarray:
+    """Bytes one rank copies for chunks [0, c), at index c."""
+    return np.concatenate([[0.0], np.cumsum(np.asarray(layout.used, dtype=np.float64) *
+                                            profile.param_bytes / config.data_parallel_size)])
+
+
 def _reupload_bytes(layout, profile, config, n_persist, n_buffer) -> np.ndarray:
     """Bytes of the offloaded chunks uploaded again in backward (not among the last n_buffer)."""
-    ub = np.concatenate([[0.0], np.cumsum(np.asarray(layout.used, dtype=np.float64) *
-                                          profile.param_bytes / config.data_parallel_size)])
+    ub = _chunk_bytes_prefix(layout, profile, config)
     return ub[np.maximum(layout.n_chunks - np.asarray(n_buffer), n_persist)] - ub[n_persist]
 
 
