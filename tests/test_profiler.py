@@ -209,14 +209,16 @@ def test_uploads_of_streamed_weights_are_timed_as_no_part(monkeypatch):
 
 def test_streaming_gives_the_parameters_back_and_its_pinned_memory(monkeypatch):
     """The host copies of streamed weights are pinned (on CUDA) for the profile only: after
-    it, every parameter has its own tensor back and nothing stays registered."""
+    it, every parameter has a tensor of its own again (not a view of a pinned region) with
+    its values, and nothing stays registered."""
     from deferred_streams import deferred_streams
     torch.manual_seed(0)
     model = GPT(CFG)
     x, y = synthetic_batch(CFG, 2)
-    before = {n: p.data for n, p in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with deferred_streams(monkeypatch) as made:
         profile_model(model, lambda m: m(x, y), progress=False, stream_params=True)
-    for n, p in model.named_parameters():
-        assert p.data.data_ptr() == before[n].data_ptr(), n      # its own tensor, not a copy
     assert made and made[-1].registrations > 0 and made[-1].pinned_bytes() == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p.data, before[n]), n
+        assert p.data.untyped_storage().nbytes() == p.numel() * p.element_size(), n

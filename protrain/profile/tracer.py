@@ -57,33 +57,32 @@ class _ParamStreamer:
     """Keeps block parameters in host memory and brings one block's parameters to the device
     at a time. On CPU (tests) the "device copy" is a fresh clone, so the same paths run.
 
-    The host copies share one pinned region per dtype, exactly sized and registered through
-    ``Streams.pinned`` (torch's pinned caching allocator would round every parameter up to a
-    power of two and keep the memory after it is freed); ``restore`` gives the parameters
-    back their own tensors and the region back to the system."""
+    The host copies live in one pinned region per block (and dtype), exactly sized and
+    registered through ``Streams.pinned`` (torch's pinned caching allocator would round every
+    parameter up to a power of two and keep the memory after it is freed). They replace the
+    parameters' tensors block by block, and ``restore`` gives every parameter a tensor of its
+    own back and each region back to the system, block by block: at most one block's weights
+    exist twice at any time."""
 
     def __init__(self, blocks: Sequence[nn.Module], device: torch.device, meter_exclude):
         self.device = device
         self.streams = Streams(device)
         self.block_params = [[p for p in b.parameters()] for b in blocks]
-        unique: dict[nn.Parameter, None] = {}
-        for params in self.block_params:
-            for p in params:
-                unique.setdefault(p, None)
-        # Host tensors the parameters had: given back as they were (weights never change).
-        # Parameters that were on the device are copied back there at the end instead.
-        self.original = {p: p.data for p in unique if p.device.type == "cpu"}
         self.home: dict[nn.Parameter, torch.Tensor] = {}
-        for dtype in {p.dtype for p in unique}:
-            params = [p for p in unique if p.dtype == dtype]
-            region = self.streams.pinned(sum(p.numel() for p in params), dtype)
-            off = 0
-            for p in params:
-                home = region[off:off + p.numel()].view(p.shape)
-                home.copy_(p.data)
-                self.home[p] = home
-                p.data = home
-                off += p.numel()
+        self.regions: list[tuple[list[nn.Parameter], torch.Tensor]] = []
+        for params in self.block_params:
+            mine = list(dict.fromkeys(p for p in params if p not in self.home))
+            for dtype in dict.fromkeys(p.dtype for p in mine):
+                group = [p for p in mine if p.dtype == dtype]
+                region = self.streams.pinned(sum(p.numel() for p in group), dtype)
+                off = 0
+                for p in group:
+                    home = region[off:off + p.numel()].view(p.shape)
+                    home.copy_(p.data)
+                    self.home[p] = home
+                    p.data = home           # the parameter's own tensor can go now
+                    off += p.numel()
+                self.regions.append((group, region))
         self.loaded: set[int] = set()
         self.max_loaded = 0
         self.meter_exclude = meter_exclude
@@ -114,10 +113,12 @@ class _ParamStreamer:
     def restore(self, original: dict[nn.Parameter, torch.device]) -> None:
         for i in list(self.loaded):
             self.unload(i)
-        for p, home in self.home.items():
-            p.data = self.original[p] if p in self.original else home.to(original.get(p, self.device))
-        self.home.clear()
-        self.streams.release_pinned()      # after the copies still queued
+        self.streams.synchronize()          # no upload still reads a region
+        for group, region in self.regions:
+            for p in group:
+                p.data = self.home.pop(p).to(original.get(p, self.device), copy=True)
+            self.streams.unpin(region)
+        self.regions = []
 
 
 class _Clock:
