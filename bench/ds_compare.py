@@ -4,16 +4,25 @@ Each system runs in its own process (a clean device), one after the other, with 
 model, batch and optimizer:
 
 - protrain: ``"protrain": {"enabled": true}`` (the planner decides everything);
+- protrain_keep_all: ProTrain with every chunk on the device (``"n_persist": "all"``) and
+  every activation kept: what the planner's plan is compared with when memory is no issue;
+- protrain_offload_all: ProTrain with every chunk offloaded (``"n_persist": 0``; needs
+  ``--tie 0``, as tied embeddings must stay on the device), activations left to the planner;
+- zero0: plain DeepSpeed, no ZeRO, no offload (the reference when the model fits);
 - zero3_offload: ZeRO-3 with parameters and optimizer offloaded to CPU, DeepSpeed defaults;
 - zero2_offload: ZeRO-2 with the optimizer offloaded to CPU.
 
 For each: tokens/s and model TFLOPS over the timed steps (after warm-up steps, which include
 ProTrain's profiling), peak device memory (max_memory_allocated / max_memory_reserved), and
-for protrain the plan's predicted iteration time and peak. Results go to
+for ProTrain the plan's predicted iteration time and peak, the bytes it moves per step and its
+notes; the speed relative to zero0 and to zero3_offload. Results go to
 bench/results/ds_compare-<device>-<tag>.json.
 
-    python bench/ds_compare.py --layers 40 --hidden 3072 --heads 24 --micro-batch 4 --seq 1024  # GPU
-    python bench/ds_compare.py --smoke                                                        # CPU check
+    python bench/ds_compare.py --layers 40 --hidden 3072 --heads 24 --micro-batch 4 --seq 1024 \
+        --systems protrain,zero3_offload,zero2_offload                                   # GPU, 4.7B
+    python bench/ds_compare.py --layers 8 --hidden 512 --heads 8 --vocab 1024 --seq 256 --micro-batch 4 \
+        --tie 0 --rounds 3 --systems protrain,protrain_keep_all,zero0,protrain_offload_all,zero3_offload
+    python bench/ds_compare.py --smoke                                                   # CPU check
 """
 from __future__ import annotations
 
@@ -28,6 +37,10 @@ from pathlib import Path
 
 SYSTEMS = {
     "protrain": {"protrain": {"enabled": True, "progress": False}},
+    "protrain_keep_all": {"protrain": {"enabled": True, "progress": False, "n_persist": "all",
+                                       "n_checkpoint": 0, "n_swap": 0}},
+    "protrain_offload_all": {"protrain": {"enabled": True, "progress": False, "n_persist": 0}},
+    "zero0": {"zero_optimization": {"stage": 0}},
     "zero3_offload": {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                                             "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
     "zero2_offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
@@ -45,7 +58,8 @@ def worker(spec: dict) -> dict:
 
     cuda = torch.cuda.is_available()
     cfg = GPTConfig(n_layer=spec["layers"], n_embd=spec["hidden"], n_head=spec["heads"],
-                    vocab_size=spec["vocab"], block_size=spec["seq"])
+                    vocab_size=spec["vocab"], block_size=spec["seq"],
+                    tie_embeddings=bool(spec.get("tie", 1)))
     ds = {"train_micro_batch_size_per_gpu": spec["micro_batch"], "gradient_accumulation_steps": 1,
           "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
@@ -89,7 +103,8 @@ def worker(spec: dict) -> dict:
         p = plan.prediction
         out.update(plan=plan.knobs.as_tuple(), block_modes="".join(m.letter for m in plan.block_modes),
                    predicted_iter_time=p.iter_time, predicted_peak=p.peak_device_bytes,
-                   iter_time_error=(p.iter_time - step_time) / step_time)
+                   iter_time_error=(p.iter_time - step_time) / step_time,
+                   bytes_moved=p.h2d_bytes + p.d2h_bytes + 2 * p.ssd_bytes, notes=list(plan.notes))
         rt = engine.protrain_runtime
         out.update(predicted_activation_peak=p.activation_peak_bytes, state_bytes=rt.chunks.device_bytes(),
                    ssd_backend=rt.activations.storage_backend, activation_stats=rt.activations.stats)
@@ -138,7 +153,8 @@ def write_record(name: str, tag: str, args, results: list[dict], **extra) -> Pat
 
 def shape_args(ap: argparse.ArgumentParser, **defaults) -> None:
     """The model / batch flags both benchmarks take."""
-    d = dict(layers=40, hidden=3072, heads=24, vocab=50304, seq=1024, micro_batch=4, steps=8, warmup=3)
+    d = dict(layers=40, hidden=3072, heads=24, vocab=50304, seq=1024, micro_batch=4, steps=8, warmup=3,
+             tie=1)
     d.update(defaults)
     for k, v in d.items():
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=v)
@@ -167,31 +183,56 @@ def default_tag(args) -> str:
 
 def shape_spec(args) -> dict:
     return dict(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
-                seq=args.seq, micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup)
+                seq=args.seq, micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup,
+                tie=args.tie)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     shape_args(ap)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the systems this many times, interleaved; each keeps its best round")
     args = parse(ap)
     if args is None:
         return
-    results = run_systems([dict(system=s, **shape_spec(args)) for s in args.systems.split(",")])
-    base = next((r for r in results if r.get("system") == "zero3_offload" and "tokens_per_s" in r), None)
-    print(f"\n{'system':<15}{'tokens/s':>12}{'TFLOPS':>9}{'peak alloc':>12}{'vs ZeRO-3 off':>15}")
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    # Several rounds, the systems interleaved, each system's best round kept: on a shared
+    # machine a load spike during one system's run would otherwise decide the ratio.
+    rounds = [run_systems([dict(system=s, **shape_spec(args)) for s in args.systems.split(",")])
+              for _ in range(args.rounds)]
+    results = []
+    for i, name in enumerate(args.systems.split(",")):
+        runs = [rnd[i] for rnd in rounds]
+        good = [r for r in runs if "tokens_per_s" in r]
+        best = max(good, key=lambda r: r["tokens_per_s"]) if good else runs[0]
+        results.append(dict(best, rounds_tokens_per_s=[r.get("tokens_per_s") for r in runs]))
+    ok = {r["system"]: r for r in results if "tokens_per_s" in r}
+    ratios = {}
+    for r in ok.values():
+        for ref in ("zero0", "zero3_offload"):
+            if ref in ok and r["system"] != ref:
+                ratios[f"{r['system']}/{ref}"] = r["tokens_per_s"] / ok[ref]["tokens_per_s"]
+    print(f"\n{'system':<21}{'tokens/s':>11}{'TFLOPS':>8}{'peak alloc':>12}{'vs ZeRO-0':>11}"
+          f"{'vs ZeRO-3 off':>15}")
     for r in results:
         if "tokens_per_s" not in r:
-            print(f"{r['system']:<15}{'failed':>12}")
+            print(f"{r['system']:<21}{'failed':>11}")
             continue
-        speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        vs = [f"{ratios[k]:.2f}x" if k in ratios else "-" for k in
+              (f"{r['system']}/zero0", f"{r['system']}/zero3_offload")]
         peak = f"{r['max_memory_allocated'] / 2**30:.1f} GiB" if "max_memory_allocated" in r else "-"
-        print(f"{r['system']:<15}{r['tokens_per_s']:>12,.0f}{r['tflops']:>9.1f}{peak:>12}{speed:>15}")
+        print(f"{r['system']:<21}{r['tokens_per_s']:>11,.0f}{r['tflops']:>8.2f}{peak:>12}{vs[0]:>11}{vs[1]:>15}")
         if "predicted_iter_time" in r:
             pk = f", peak error {r['peak_error']:+.1%}" if "peak_error" in r else ""
-            print(f"{'':<15}plan {r['plan']} {r['block_modes']}: predicted {r['predicted_iter_time']:.3f} s "
-                  f"vs {r['step_time_median']:.3f} s measured ({r['iter_time_error']:+.1%}){pk}")
-    print(f"wrote {write_record('ds_compare', default_tag(args), args, results)}")
+            print(f"{'':<21}plan {r['plan']} {r['block_modes']}: predicted {r['predicted_iter_time']:.3f} s "
+                  f"vs {r['step_time_median']:.3f} s measured ({r['iter_time_error']:+.1%}){pk}, "
+                  f"moves {r['bytes_moved'] / 2**20:.1f} MiB/step")
+            for note in r["notes"]:
+                print(f"{'':<21}note: {note}")
+    print(f"wrote {write_record('ds_compare', default_tag(args), args, results, ratios=ratios)}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # The GPU measurements the issues ask for, one stage per device command (each fits the
-# 10-minute limit of ../shared/gpu/README.md). Run from the project root on the GPU machine,
-# carrying .whl (fill it here with `bash ../shared/gpu/fetch_wheels.sh`) and, for the megatron
-# stage, .mlm (Megatron-LM core_v0.16.1's training code, see ../shared/gpu/README.md):
+# 10-minute limit of ../shared/gpu/README.md). Run from the project root on a GPU machine: with
+# .whl (wheels for a machine without the package index; fill it with
+# `bash ../shared/gpu/fetch_wheels.sh`) it installs from there, else from the index
+# (`pip install -e ".[test,gds]"` next to the CUDA torch already installed). The megatron stage
+# also needs .mlm (Megatron-LM core_v0.16.1's training code, see ../shared/gpu/README.md).
 #
+#   bash bench/gpu_session.sh all        # every stage below, in this order (a GPU owner's one command)
 #   bash bench/gpu_session.sh tests      # tests/test_gpu_*.py + the CPU ordering tests, on CUDA
+#   bash bench/gpu_session.sh ratios     # bench/ds_compare.py, 1.4B GPT: the plan vs ZeRO-0 with no
+#                                        # memory pressure, offload-everything vs ZeRO-3 offload (issue 14)
 #   bash bench/gpu_session.sh ds         # bench/ds_compare.py, ~4.7B GPT (issues 3 and 4)
 #   bash bench/gpu_session.sh ssd        # bench/ssd_compare.py, ~1B GPT at seq 4096 (issue 6)
 #   bash bench/gpu_session.sh megatron   # bench/megatron_compare.py, pretrain_gpt.py (issue 5)
@@ -16,25 +21,35 @@
 #   python3 -m pip download -q -d .whl --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 pytest pluggy iniconfig packaging pygments
 set -uo pipefail
-stage=${1:?usage: bash bench/gpu_session.sh tests|ds|ssd|megatron|accuracy}
+stage=${1:?usage: bash bench/gpu_session.sh all|tests|ratios|ds|ssd|megatron|accuracy}
+if [ "$stage" = all ]; then
+    rc=0
+    for s in tests ratios ds ssd accuracy megatron; do
+        bash "$0" "$s" || { echo "stage $s failed (exit $?)"; rc=1; }
+    done
+    exit $rc
+fi
 out=${OUT:-/tmp/protrain-gpu-out}
 mkdir -p "$out" bench/results
 exec > >(tee -a "$out/$stage.log") 2>&1
 
 # ---- set-up: wheels, the project, its start-up hook ------------------------------------------
 site=/tmp/site
-if ! ls .whl/*.whl >/dev/null 2>&1; then
-    echo "no .whl/: run 'bash ../shared/gpu/fetch_wheels.sh' here and carry .whl"; exit 2
-fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$site" .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:$site
-# The .pth start-up hook must sit in a directory Python scans for .pth files at start-up
-# (PYTHONPATH entries are not): the user site, else the interpreter's own site-packages.
-pth_dir=$(python3 -c 'import site; print(site.getusersitepackages() if site.ENABLE_USER_SITE else "")')
-if [ -z "$pth_dir" ] || ! { mkdir -p "$pth_dir" && cp protrain-autoload.pth "$pth_dir/"; }; then
-    pth_dir=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    cp protrain-autoload.pth "$pth_dir/" || { echo "cannot install the start-up hook"; exit 1; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" .whl/*.whl || exit 1
+    export PYTHONPATH=$PWD:$site
+    # The .pth start-up hook must sit in a directory Python scans for .pth files at start-up
+    # (PYTHONPATH entries are not): the user site, else the interpreter's own site-packages.
+    pth_dir=$(python3 -c 'import site; print(site.getusersitepackages() if site.ENABLE_USER_SITE else "")')
+    if [ -z "$pth_dir" ] || ! { mkdir -p "$pth_dir" && cp protrain-autoload.pth "$pth_dir/"; }; then
+        pth_dir=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        cp protrain-autoload.pth "$pth_dir/" || { echo "cannot install the start-up hook"; exit 1; }
+    fi
+else
+    echo "no .whl/: installing from the package index"
+    python3 -m pip install -q -e ".[test]" || exit 1
+    python3 -m pip install -q -e ".[gds]" || echo "kvikio not installed: the SSD tier uses its POSIX backend"
 fi
 python3 - <<'EOF' || exit 1
 import deepspeed, torch
@@ -55,8 +70,14 @@ case "$stage" in
     python3 -c "import pytest" 2>/dev/null || { echo "no pytest: add its wheels to .whl (see the header)"; exit 2; }
     python3 -m pytest -q -rs tests/test_gpu_profiler.py tests/test_gpu_engine.py tests/test_gpu_storage.py tests/test_gpu_selective.py
     ;;
+  ratios)
+    python3 bench/ds_compare.py --layers 24 --hidden 2048 --heads 16 --micro-batch 4 --seq 1024 --tie 0 \
+        --steps 6 --warmup 3 --tag ratios \
+        --systems protrain,protrain_keep_all,zero0,protrain_offload_all,zero3_offload
+    ;;
   ds)
-    python3 bench/ds_compare.py --layers 40 --hidden 3072 --heads 24 --micro-batch 4 --seq 1024 --steps 6 --warmup 2
+    python3 bench/ds_compare.py --layers 40 --hidden 3072 --heads 24 --micro-batch 4 --seq 1024 --steps 6 --warmup 2 \
+        --systems protrain,zero3_offload,zero2_offload
     ;;
   ssd)
     mkdir -p "$ssd_dir"
@@ -72,6 +93,6 @@ case "$stage" in
     python3 bench/megatron_accuracy.py --layers 24 --hidden 2048 --heads 16 --seq 2048 --micro-batch 2
     ;;
   *)
-    echo "unknown stage $stage: tests|ds|ssd|megatron|accuracy"; exit 2
+    echo "unknown stage $stage: all|tests|ratios|ds|ssd|megatron|accuracy"; exit 2
     ;;
 esac

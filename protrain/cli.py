@@ -108,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
 def _config(args) -> PlannerConfig:
     d: dict = dict(args.pin)
     for k in KNOB_NAMES[1:]:
-        if k in d:
+        if k in d and not (k == "n_persist" and d[k] == "all"):
             try:
                 d[k] = int(d[k])
             except ValueError:
-                raise ConfigError(f"--pin {k}={d[k]}: must be a whole number") from None
+                raise ConfigError(f"--pin {k}={d[k]}: must be a whole number"
+                                  + (" or all" if k == "n_persist" else "")) from None
     if args.margin is not None:
         d["memory_margin"] = args.margin
     if args.device_memory:

@@ -18,6 +18,8 @@ KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "
 MAX_COUNT = 2**31 - 1
 """Largest count a setting takes (chunks, blocks, steps, ranks): the search holds them in int64
 arrays and multiplies them by sizes."""
+ALL = "all"
+"""``n_persist`` pinned to every chunk (the count depends on the chunk size)."""
 
 
 class ConfigError(ValueError):
@@ -30,8 +32,9 @@ class KnobPins:
 
     chunk_size: int | None = None
     """Chunk capacity in bytes (parameters are packed into chunks of this size)."""
-    n_persist: int | None = None
-    """Number of leading chunks that stay on the device all iteration (updated by device Adam)."""
+    n_persist: int | str | None = None
+    """Number of leading chunks that stay on the device all iteration (updated by device Adam);
+    ``"all"``: every chunk (keep the whole model on the device)."""
     n_buffer: int | None = None
     """Number of device chunk buffers that receive the other chunks ahead of use."""
     n_swap: int | None = None
@@ -71,6 +74,10 @@ class PlannerConfig:
     skipped; if all are, the largest parameter's size (rounded up to 1 MiB) is used."""
     pins: KnobPins = field(default_factory=KnobPins)
     """Knobs fixed by the user."""
+    time_tolerance: float = 0.05
+    """Relative error of the runtime model: plans predicted within it of the fastest are taken
+    as equally fast, and the one among them that moves the fewest bytes per step wins (a
+    difference the model cannot resolve is no reason to take on transfers). 0: the fastest."""
     runner_ups: int = 3
     """How many runner-up plans ``explain()`` lists."""
     grad_accumulation_steps: int = 1
@@ -115,7 +122,7 @@ class PlannerConfig:
         for key in ("device_memory", "host_memory"):
             if data.get(key) is not None:
                 kwargs[key] = _size(data[key], f"{where}.{key}", positive=True)
-        for key in ("host_reserve", "memory_margin"):
+        for key in ("host_reserve", "memory_margin", "time_tolerance"):
             if key in data:
                 v = data[key]
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
@@ -157,14 +164,17 @@ def _pins_from_dict(data: Mapping[str, Any], where: str) -> KnobPins:
         if key == "chunk_size":
             kwargs[key] = _size(v, f"{where}.{key}", positive=True)
         elif key == "sequence_parallel":
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_COUNT:
                 raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number >= 1 (1 turns "
                                   f"sequence parallelism off), or \"auto\" to let the planner choose")
             kwargs[key] = v
+        elif key == "n_persist" and v == ALL:
+            kwargs[key] = ALL
         else:
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
-                raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number from 0 to {MAX_COUNT}, or \"auto\" "
-                                  f"to let the search choose")
+                also = ', "all" (every chunk on the device)' if key == "n_persist" else ""
+                raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number from 0 to "
+                                  f"{MAX_COUNT}{also}, or \"auto\" to let the search choose")
             kwargs[key] = v
     return KnobPins(**kwargs)
 

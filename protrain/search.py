@@ -6,7 +6,13 @@ most buffers that still fit, and only ties are re-checked with fewer. Points are
 order of a lower bound on their iteration time (compute alone, each copy queue alone, the CPU
 optimizer alone) and the search stops when no remaining bound can beat the best time found:
 the answer equals a brute-force search over all five knobs (tests check it), in a fraction of
-its time. Among equally fast plans the one with the lower peak wins.
+its time.
+
+The search hedges against the cost model's own error: every plan predicted within
+``PlannerConfig.time_tolerance`` of the fastest counts as equally fast, and among those the one
+that moves the fewest bytes per step (host <-> device, NVMe) wins - a difference the model
+cannot resolve is no reason to take on transfers whose overlap it may have overrated. Then
+the faster, then the lower peak. The plan's notes say when this changed the choice.
 """
 from __future__ import annotations
 
@@ -16,14 +22,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .block_mode import CKPT, SEL, SSD, SWAP, BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
-from .config import KNOB_NAMES, PlannerConfig
+from .config import ALL, KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
 from .cost.memory import activation_walk, buffer_numel, offload_bytes, predict_memory, state_bytes
 from .cost.runtime import chunk_transfer_times, persistent_allreduce_time, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
 from .profile.hardware import HardwareProfile
 from .profile.model_profile import ModelProfile
-from .units import fmt_bytes
+from .units import fmt_bytes, fmt_seconds
 
 _BATCH = 2048
 EXACT_SIMULATIONS = 8192
@@ -46,9 +52,30 @@ class InfeasibleError(RuntimeError):
         self.micro_batch_fit = micro_batch_fit
 
 
+# How far above the best time a lower bound may lie and still be simulated: a bound is summed
+# in another order than the simulation, so a plan tied with the best can have a bound a
+# rounding error above it.
+BOUND_ROUNDING = 1e-9
+
+
 def plan_key(iter_time: float, peak: int, knobs: tuple) -> tuple:
-    """Order of preference between plans: faster, then smaller peak, then smaller knobs."""
+    """Order between plans the model tells apart: faster, then smaller peak, then smaller knobs."""
     return (iter_time, peak, knobs)
+
+
+def hedged_key(moved: float, iter_time: float, peak: int, knobs: tuple) -> tuple:
+    """Order between plans within the error band of the fastest: fewer bytes moved per step,
+    then ``plan_key``."""
+    return (moved,) + plan_key(iter_time, peak, knobs)
+
+
+def bytes_moved(t, micro, gas: int, ssd: np.ndarray, hw: HardwareProfile) -> np.ndarray:
+    """Bytes moved per optimizer step by simulated plans (``t``: the boundary micro-step's
+    TimePrediction, ``micro``: the accumulating one's or None): host <-> device copies, and
+    the NVMe traffic (written and read back) that does not pass through them (GPUDirect).
+    The search computes the same in closed form (``_Grid.moved``)."""
+    per = lambda x: x.h2d_bytes + x.d2h_bytes + (2.0 * ssd if hw.nvme_gds else 0.0)  # noqa: E731
+    return per(t) + ((gas - 1) * per(micro) if micro is not None else 0.0)
 
 
 @dataclass
@@ -213,6 +240,8 @@ class _Grid:
     optimizer, and the accumulation micro-steps."""
     dev_lb: np.ndarray
     tail_lb: np.ndarray
+    moved: np.ndarray
+    """Bytes moved per optimizer step (exact: what the simulation counts)."""
 
 
 def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budget: float,
@@ -236,10 +265,13 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     lo = layout.min_persist
     if config.model_states_fixed is not None:
         nps = np.array([nch])
+    elif pins.n_persist == ALL:
+        nps = np.array([nch])
     elif pins.n_persist is not None:
         if pins.n_persist > nch:
             raise InfeasibleError(f"pinned n_persist={pins.n_persist} exceeds the {nch} chunks of "
-                                  f"{fmt_bytes(layout.chunk_bytes)}; use at most {nch}")
+                                  f"{fmt_bytes(layout.chunk_bytes)}; use at most {nch}, or \"all\" "
+                                  f"to keep every chunk on the device")
         if pins.n_persist < lo:
             raise InfeasibleError(f"pinned n_persist={pins.n_persist} is below {lo}: the first {lo} "
                                   f"chunk(s) hold parameters shared by non-adjacent parts (tied "
@@ -308,7 +340,27 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
         # not wait for the last gradient copies there), so the D2H queue is no bound on it.
         tail = (config.grad_accumulation_steps - 1) * (fwd_lb + bwd_lb)
         lb = lb + tail
-    return _Grid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, bwd_lb + gpu, tail)
+    # Bytes per micro-step: offloaded chunks up in forward and their gradients down; chunks
+    # not among the last n_buffer up again in backward; swapped and NVMe activations out
+    # and back in (cost.runtime counts the same).
+    ub = _chunk_bytes_prefix(layout, profile, config)
+    moved = config.grad_accumulation_steps * (
+        2.0 * (ub[nch] - ub[np_idx]) + _reupload_bytes(layout, profile, config, np_idx, nb) +
+        2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx]))
+    return _Grid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, bwd_lb + gpu, tail,
+                 moved)
+
+
+def _chunk_bytes_prefix(layout, profile, config) -> np.ndarray:
+    """Bytes one rank copies for chunks [0, c), at index c."""
+    return np.concatenate([[0.0], np.cumsum(np.asarray(layout.used, dtype=np.float64) *
+                                            profile.param_bytes / config.data_parallel_size)])
+
+
+def _reupload_bytes(layout, profile, config, n_persist, n_buffer) -> np.ndarray:
+    """Bytes of the offloaded chunks uploaded again in backward (not among the last n_buffer)."""
+    ub = _chunk_bytes_prefix(layout, profile, config)
+    return ub[np.maximum(layout.n_chunks - np.asarray(n_buffer), n_persist)] - ub[n_persist]
 
 
 def _refine_cpu_bound(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
@@ -404,24 +456,26 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     if total == 0:
         raise _infeasible(profile, hw, config, budget, stats, acts, caps)
 
-    # Evaluate in order of lower bound until no bound can beat the best time.
     lbs = np.concatenate([g.lower_bound for g in grids])
+    moved = np.concatenate([g.moved for g in grids])
     owner = np.concatenate([np.full(len(g.lower_bound), i) for i, g in enumerate(grids)])
     local = np.concatenate([np.arange(len(g.lower_bound)) for g in grids])
     times = np.full(total, np.inf)
+    simulated = np.zeros(total, dtype=bool)
     best = np.inf
     evaluated = 0
     early = None
-    # A bound is summed in another order than the simulation: one a rounding error above the
+    # 1. The fastest time: points in order of their lower bound until none can beat it. A
+    # bound is summed in another order than the simulation: one a rounding error above the
     # best time may still be a plan tied with it (ties go to the lower peak, then the smaller
     # knobs), so it is simulated too.
-    tie = 1 + 1e-9
+    tie = 1 + BOUND_ROUNDING
     for take in _in_bound_order(lbs):
         lowest = lbs[take[0]]
         if lowest > best * tie:
             break
         if evaluated >= EXACT_SIMULATIONS and lowest >= best * (1 - TIE_TOLERANCE):
-            early = (total - int(np.isfinite(times).sum()), (best - lowest) / best)
+            early = (total - int(simulated.sum()), (best - lowest) / best)
             break
         for gi in np.unique(owner[take]):
             sel = take[owner[take] == gi]
@@ -429,18 +483,42 @@ def search(profile: ModelProfile, hw: HardwareProfile,
             sel = sel[lbs[sel] <= best * tie]     # best only falls: the others can never win
             if len(sel):
                 times[sel] = _simulate_points(profile, hw, config, acts, grids[gi], local[sel])
+                simulated[sel] = True
                 evaluated += len(sel)
                 best = min(best, times[sel].min())
 
-    # Ties at the best time: the fewest buffers that keep it (time never rises with buffers).
-    # Tied points are refined in order of the lowest peak they could reach (their fewest
-    # buffers), a batch at a time, one row per buffer count, until none can beat the lowest
-    # peak found: a bound-limited dominant resource ties thousands of plans exactly.
+    # 2. The hedge's candidates: points whose bound lies in the band, by bytes moved (known
+    # without simulating), until the fewest bytes of a plan found in the band is below
+    # every remaining point's.
+    band = best * (1.0 + config.time_tolerance)
+    while True:
+        least = moved[times <= band].min()
+        cand = np.flatnonzero(~simulated & (lbs <= band) & (moved <= least))
+        if not len(cand):
+            break
+        take = cand[np.argsort(moved[cand], kind="stable")[:_BATCH]]
+        for gi in np.unique(owner[take]):
+            sel = take[owner[take] == gi]
+            times[sel] = _simulate_points(profile, hw, config, acts, grids[gi], local[sel])
+        simulated[take] = True
+        evaluated += len(take)
+
+    # The hedge: within the band, the fewest bytes moved, then the fastest. Points tied on
+    # both keep the fewest buffers that leave both unchanged (more buffers never slow a plan
+    # down nor move more). Tied points are refined in order of the lowest peak they could
+    # reach (their fewest buffers), a batch at a time, bisecting each point's buffer count,
+    # until none can beat the lowest peak found: a bound-limited dominant resource ties
+    # thousands of plans exactly.
+    in_band = np.flatnonzero(times <= band)
+    first = in_band[np.lexsort((times[in_band], moved[in_band]))[0]]
+    target = (moved[first], times[first])
+    tied = [int(i) for i in in_band if (moved[i], times[i]) == target]
     refined: dict[int, tuple[int, int]] = {}
     if config.pins.n_buffer is None:
+        gas = config.grad_accumulation_steps
         sbuf = _state_bytes(profile, config).buffer
         unit = [sbuf * buffer_numel(g.layout, config.data_parallel_size) for g in grids]
-        at_best = np.flatnonzero(times == best)
+        at_best = np.array(tied, dtype=np.int64)
         peak_now = np.array([grids[owner[i]].peak[local[i]] for i in at_best], dtype=np.int64)
         spare = np.array([grids[owner[i]].n_buffer[local[i]] - grids[owner[i]].n_buffer_min[local[i]]
                           for i in at_best], dtype=np.int64)
@@ -454,19 +532,23 @@ def search(profile: ModelProfile, hw: HardwareProfile,
             for gi in sorted({int(owner[at_best[k]]) for k in batch}):
                 g = grids[gi]
                 pts = [int(at_best[k]) for k in batch if owner[at_best[k]] == gi]
-                # Bisect each point's fewest buffers that keep the best time (the time never
-                # rises with buffers): one batched simulation per halving.
+                # Bisect each point's fewest buffers that keep the target (time and bytes
+                # never rise with buffers): one batched simulation per halving.
                 low = {i: int(g.n_buffer_min[local[i]]) for i in pts}
                 high = {i: int(g.n_buffer[local[i]]) for i in pts}
                 while True:
                     rows = [(i, (low[i] + high[i]) // 2) for i in pts if low[i] < high[i]]
                     if not rows:
                         break
-                    t = _simulate_points(profile, hw, config, acts, g, np.array([local[i] for i, _ in rows]),
-                                         n_buffer=np.array([nb for _, nb in rows]))
+                    idx = np.array([local[i] for i, _ in rows])
+                    nbs = np.array([nb for _, nb in rows])
+                    t = _simulate_points(profile, hw, config, acts, g, idx, n_buffer=nbs)
+                    mv = g.moved[idx] + gas * (
+                        _reupload_bytes(g.layout, profile, config, g.n_persist[idx], nbs) -
+                        _reupload_bytes(g.layout, profile, config, g.n_persist[idx], g.n_buffer[idx]))
                     evaluated += len(rows)
-                    for (i, nb), ti in zip(rows, t):
-                        if ti == best:
+                    for (i, nb), ti, mi in zip(rows, t, mv):
+                        if (mi, ti) == target:
                             high[i] = nb
                         else:
                             low[i] = nb + 1
@@ -487,22 +569,15 @@ def search(profile: ModelProfile, hw: HardwareProfile,
         g, j = grids[owner[i]], local[i]
         return refined.get(i, (0, int(g.peak[j])))[1]
 
+    chosen_i = min(tied, key=lambda i: plan_key(times[i], peak_of(i), knobs_of(i).as_tuple()))
+    chosen = knobs_of(chosen_i)
+    # Runner-ups: the fastest other plans (one per activation configuration and chunk size).
     done = np.flatnonzero(np.isfinite(times))
-    # Order by (time, peak); only plans tied on both need their knobs compared.
-    peaks = np.array([peak_of(i) for i in done] if refined else
-                     [grids[owner[i]].peak[local[i]] for i in done])
-    order = list(done[np.lexsort((peaks, times[done]))])
-    n_head = min(len(order), max(64, 8 * (config.runner_ups + 1)))
-    key_of = {i: (times[i], pk) for i, pk in zip(done, peaks)}
-    while n_head < len(order) and key_of[order[n_head]] == key_of[order[n_head - 1]]:
-        n_head += 1                       # keep every plan tied with the last one kept
-    head = order[:n_head]
-    order = sorted(head, key=lambda i: plan_key(times[i], peak_of(i), knobs_of(i).as_tuple())) + \
-        order[len(head):]
-    chosen = knobs_of(order[0])
+    peaks = np.array([peak_of(i) for i in done])
+    order = [i for i in done[np.lexsort((peaks, times[done]))] if i != chosen_i]
     shape = lambda k: (k.chunk_size, k.n_checkpoint, k.n_swap, k.n_ssd, k.n_selective)  # noqa: E731
     alternatives, seen = [], {shape(chosen)}
-    for i in order[1:]:
+    for i in order:
         if len(alternatives) >= config.runner_ups:
             break
         k = knobs_of(i)
@@ -512,13 +587,20 @@ def search(profile: ModelProfile, hw: HardwareProfile,
         g, j = grids[owner[i]], local[i]
         alternatives.append(Alternative(knobs=k, iter_time=float(times[i]),
                                         peak_device_bytes=peak_of(i), host_bytes=int(g.host[j])))
-    plan = evaluate(profile, hw, chosen, config, alternatives=tuple(alternatives),
-                    search_seconds=time.perf_counter() - t0, evaluated=evaluated, total=total)
+    notes = ()
+    fastest = min(done, key=lambda i: (times[i], moved[i]))
+    if moved[chosen_i] < moved[fastest]:
+        notes = (f"hedged: plans predicted within the runtime model's {config.time_tolerance:.0%} "
+                 f"error band of the fastest ({fmt_seconds(float(best))}/step) count as equally "
+                 f"fast; this one ({fmt_seconds(float(times[chosen_i]))}) moves the fewest bytes, "
+                 f"{fmt_bytes(int(moved[chosen_i]))} per step against {fmt_bytes(int(moved[fastest]))} "
+                 f"for the fastest",)
     if early is not None:
-        plan = replace(plan, notes=plan.notes + (
-            f"search stopped after {evaluated} simulations: the {early[0]} candidates not simulated "
-            f"could be at most {early[1]:.4%} faster",))
-    return plan
+        notes += (f"search stopped after {evaluated} simulations: the {early[0]} candidates not "
+                  f"simulated could be at most {early[1]:.4%} faster",)
+    return replace(evaluate(profile, hw, chosen, config, alternatives=tuple(alternatives),
+                            search_seconds=time.perf_counter() - t0, evaluated=evaluated,
+                            total=total), notes=notes)
 
 
 def check_budgets(total_params: int, largest_param: int, param_bytes: int,
@@ -672,6 +754,9 @@ def _infeasible(profile, hw, config, budget, stats, acts, caps) -> InfeasibleErr
         if len(fixed) == len(KNOB_NAMES) - 1:
             # Every knob fixed: say which constraint that one plan breaks.
             from .plan import Knobs
+            if pins["n_persist"] == ALL:
+                pins = dict(pins, n_persist=build_layout(
+                    profile, pins["chunk_size"] // profile.param_bytes).n_chunks)
             try:
                 evaluate(profile, hw, Knobs(**fixed), config, check_fit=True)
             except InfeasibleError as e:

@@ -68,3 +68,11 @@ def fmt_seconds(t: float) -> str:
     if t >= 1e-3:
         return f"{t * 1e3:.1f} ms"
     return f"{t * 1e6:.0f} us"
+
+
+def fmt_count(n: float) -> str:
+    """A count with an SI-style suffix: 875 k, 124.4 M, 6.74 B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {suffix}"
+    return f"{n:g}"

@@ -16,6 +16,7 @@ Private DeepSpeed methods overridden here (checked by tests/test_ds_contract.py)
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -122,7 +123,10 @@ class ProTrainEngine(DeepSpeedEngine):
             with self.protrain_runtime.forward_context():
                 return super().forward(*inputs, **kwargs)
         except torch.OutOfMemoryError as e:
-            self._protrain_replan("forward", e)
+            failure = _without_traceback(e)
+        # Re-plan outside the except clause: the exception's traceback holds the failed
+        # forward's frames, and through them its activations, until the clause is left.
+        self._protrain_replan("forward", failure)
         _set_rng_state(self._protrain_redo[2])
         return self.forward(*inputs, **kwargs)
 
@@ -130,15 +134,18 @@ class ProTrainEngine(DeepSpeedEngine):
         try:
             return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         except torch.OutOfMemoryError as e:
-            opt = self.protrain_runtime.optimizer
-            if opt._updated or (self.gradient_accumulation_steps() > 1 and opt._dirty_before_forward):
-                raise RuntimeError(
-                    "ProTrain: out of device memory in backward after part of this optimizer step "
-                    "was already applied or accumulated, so the step cannot be redone exactly. "
-                    "Resume from the last checkpoint with a larger protrain.memory_margin (or "
-                    "delete protrain.plan_file to re-plan)") from e
-            self._protrain_replan("backward", e)
+            failure = _without_traceback(e)
+        # The caller still holds ``loss``, and through its graph the activations backward had
+        # not reached yet: cut it off so they are freed before the re-plan allocates.
+        _drop_graph(loss)
         del loss
+        if not self.protrain_runtime.optimizer.can_redo_micro_batch():
+            raise RuntimeError(
+                "ProTrain: out of device memory in backward after part of this optimizer step "
+                "was already applied or accumulated, so the step cannot be redone exactly. "
+                "Resume from the last checkpoint with a larger protrain.memory_margin (or "
+                "delete protrain.plan_file to re-plan)") from failure
+        self._protrain_replan("backward", failure)
         inputs, kwargs, rng = self._protrain_redo
         _set_rng_state(rng)
         loss = self.forward(*inputs, **kwargs)
@@ -147,7 +154,8 @@ class ProTrainEngine(DeepSpeedEngine):
     def _protrain_replan(self, where: str, error: BaseException) -> None:
         """An out-of-memory error in this micro-batch: plan again with a larger memory margin,
         move every state into the new plan's chunks, and let the caller redo the micro-batch.
-        Gradients of the failed micro-batch are dropped; those accumulated before it are kept."""
+        Gradients of the failed micro-batch are dropped; those accumulated before it are kept.
+        The old runtime's device memory is given back before the new one allocates."""
         from protrain.runtime.states import assemble, export_pieces, import_pieces
         rt = self.protrain_runtime
         dp = rt.chunks.dp
@@ -174,10 +182,13 @@ class ProTrainEngine(DeepSpeedEngine):
         pieces = {}
         for piece in export_pieces(rt.chunks, grads=keep_grads):
             pieces.setdefault(piece.name, []).append(piece)
-        # Park every parameter on the host before the new chunks take the device.
+        # Park every parameter on the host and drop every reference to the old runtime (its
+        # chunks, buffers, optimizer states) before the new chunks take the device.
         rt.close(to_host=True)
-        self.protrain_runtime = None
+        self.protrain_runtime = self.optimizer.runtime = None
         self._protrain_close_sp()
+        del rt
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         profile = self.protrain_profile
@@ -542,6 +553,26 @@ def _loss_of(out) -> torch.Tensor:
         return out.float().mean()
     raise TypeError(f"cannot find a loss in the model output ({type(out).__name__}); return the loss "
                     f"or a Hugging Face ModelOutput with .loss from forward")
+
+
+def _without_traceback(e: BaseException) -> BaseException:
+    """The error, as a fresh exception of its type with its message: keeping the original
+    would keep its traceback, the failed step's frames and the tensors they hold."""
+    try:
+        return type(e)(str(e))
+    except TypeError:
+        return RuntimeError(str(e))
+
+
+def _drop_graph(loss) -> None:
+    """Detach the caller's loss from its autograd graph, which would otherwise keep the failed
+    step's activations alive as long as the caller holds the loss."""
+    if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+        try:
+            loss.detach_()
+        except RuntimeError:    # a view: its graph lives until the caller drops it
+            log.warning("protrain: the loss is a view of another tensor; the failed backward's "
+                        "activations stay alive until the training loop drops its reference")
 
 
 def _check_ssd_path(path: str) -> None:

@@ -163,13 +163,21 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
         # Every rank profiles (tensor-parallel ranks run the forward together); one decides.
         if sample is None:
             raise ValueError("plan_activations needs a sample batch (or a profile) to measure the model")
+        oom = None
         try:
             profile = profile_megatron(core, sample, device=device, progress=progress and verbose)
         except torch.OutOfMemoryError as e:
+            oom = str(e).splitlines()[0]
+        # The ranks of the group profile together and must plan from the same kind of
+        # profile: if one ran out of memory (an asymmetric case: after its last collective),
+        # every one falls back, or every one stops - never one alone, which would leave its
+        # peers waiting in the next collective.
+        if _any_in_group(oom is not None, device):
             if fallback_profile is None:
-                raise
+                raise torch.OutOfMemoryError(oom or "a tensor-parallel peer ran out of device "
+                                             "memory while profiling")
             if verbose:
-                print(f"ProTrain: profiling ran out of device memory ({str(e).splitlines()[0]}); "
+                print(f"ProTrain: profiling ran out of device memory ({oom or 'on a peer rank'}); "
                       f"planning from the analytic profile instead", flush=True)
             _empty_cache(device)
             profile = fallback_profile()
@@ -380,6 +388,17 @@ def decides_plan() -> bool:
     """Whether this rank searches the plan for its group (see ``_group``)."""
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == _group()[1]
+
+
+def _any_in_group(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any rank of this rank's group (every rank must call it)."""
+    group, _, size = _group()
+    if size == 1:
+        return flag
+    dev = device if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor([float(flag)], device=dev)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(t.item() > 0)
 
 
 def _from_decider(value):

@@ -3,26 +3,49 @@
 On CUDA a copy queued on a side stream runs at some time after its dependencies and before
 whatever waits on its event; meanwhile its destination holds garbage and its source must not
 change. The runtime's CPU path copies synchronously, so a missing wait cannot show there.
-DeferredStreams runs every side-queue copy as late as CUDA may: only when something waits on
-it (the compute stream, a host thread, or a later copy that depends on it). Its destination is
-poisoned (NaN / 0xFF bytes) as soon as its dependencies are met, as a real copy engine would be
-mid-write. So a read before the wait sees the poison, and a source changed before the wait is
-copied with its new value: training then stops matching the synchronous run, bit for bit.
+DeferredStreams plays the schedules CUDA may play, so that such a bug changes training:
+
+- side queues run late: every side-queue copy runs only when something waits on it (the
+  compute stream, a host thread, or a later copy that depends on it). Its destination is
+  poisoned (NaN / 0xFF bytes) as soon as its dependencies are met, as a real copy engine would
+  be mid-write. A read before the wait sees the poison; a source changed before the wait is
+  copied with its new value.
+- the compute queue runs late too: a side-queue operation only waits for the compute work
+  queued before the compute events it (transitively) waits for. Compute is eager here, so the
+  harness watches the version counters of the device tensors side work reads; if compute
+  wrote one after the last compute event the side work waits for, CUDA may run the side work
+  before that write: its outputs are poisoned (``races`` counts it). Writes are seen through
+  the tensor a side operation names and its views (e.g. a chunk buffer and its slices).
+- an allocator that reuses freed blocks at once: a queued copy holds its device operands
+  weakly, as CUDA's caching allocator does (it hands a block to the next allocation as soon
+  as the last tensor on it is dropped, whatever side stream still uses it). A copy reading a
+  freed block copies poison; one writing a freed block would corrupt its next owner and is
+  reported (``DeviceOrderError``).
+- pinned memory is registered as with cudaHostRegister (``pinned_bytes`` is what is held);
+  unregistering a region a queued copy still uses is reported.
+- a helper thread that uses the device without selecting it first (``bind_thread``) is
+  reported: on a multi-GPU node it would create a context on, and queue work for, GPU 0.
 
 Host work runs on the optimizer's worker thread as it does with a GPU, so the CPU Adam
 overlapping backward is exercised too (copies forced from either thread, under one lock).
 
-Compute is eager (every compute event has happened when it is recorded); a side-queue context
-(collectives) runs its work eagerly after the queue's earlier copies.
+``Held`` measures memory actually held: the bytes of given tensors' storages still alive.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from protrain.runtime.streams import Streams
+
+
+class DeviceOrderError(AssertionError):
+    """The runtime did something CUDA would turn into corrupted memory or a wrong device."""
 
 
 class _Queue:
@@ -30,14 +53,21 @@ class _Queue:
         self.name = name
         self.lock = lock
         self.ops: list = []
+        self.deps: list[int] = []
+        """Per op: the last compute event it transitively waits for (its own waits, those of
+        the events it waits for, and its queue's earlier ops)."""
         self.done = 0
         self.hooks: dict[int, list] = {}
         """Callbacks to run once op n (1-based count) has run."""
 
-    def push(self, op) -> int:
+    def push(self, op, dep: int) -> int:
         with self.lock:
             self.ops.append(op)
+            self.deps.append(max(dep, self.dep_of(len(self.deps))))
             return len(self.ops)
+
+    def dep_of(self, n: int) -> int:
+        return self.deps[n - 1] if n > 0 else 0
 
     def run_until(self, n: int) -> None:
         with self.lock:
@@ -53,15 +83,19 @@ class _Queue:
 
 
 class _Event:
-    """A point in a queue (None: the compute stream, always already reached)."""
+    """A point in a side queue, or (queue None) compute event number ``n``."""
 
-    def __init__(self, queue: _Queue | None = None, n: int = 0):
-        self.queue, self.n = queue, n
+    def __init__(self, owner: "DeferredStreams", queue: _Queue | None = None, n: int = 0):
+        self.owner, self.queue, self.n = owner, queue, n
+
+    def compute_dep(self) -> int:
+        return self.n if self.queue is None else self.queue.dep_of(self.n)
 
     def query(self) -> bool:
         return self.queue is None or self.queue.done >= self.n
 
     def synchronize(self) -> None:
+        self.owner._check_thread("waited for an event")
         if self.queue is not None:
             self.queue.run_until(self.n)
 
@@ -82,6 +116,69 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(-1 if t.dtype.is_signed else 0xFF)
 
 
+def _base(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+class _Operand:
+    """A copy's operand as a queued CUDA copy holds it: host (pinned) memory strongly, device
+    memory only weakly (the caching allocator does not wait for side streams)."""
+
+    def __init__(self, t: torch.Tensor, host: bool):
+        self.host = host
+        if host:
+            self.tensor = t
+        else:
+            self.storage = weakref.ref(t.untyped_storage())
+            self.view = (t.dtype, t.storage_offset(), t.size(), t.stride())
+
+    def get(self) -> torch.Tensor | None:
+        if self.host:
+            return self.tensor
+        st = self.storage()
+        if st is None:
+            return None
+        dtype, off, size, stride = self.view
+        # A tensor of its own, with its own version counter: what the harness writes through
+        # it is not taken for a compute write to the watched tensor it views.
+        return torch.empty(0, dtype=dtype).set_(st, off, size, stride)
+
+
+class _Watch:
+    """Version counter of a device tensor side work reads: ``tag`` is the compute event after
+    which compute last wrote it."""
+
+    __slots__ = ("ref", "version", "tag")
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = weakref.ref(t)
+        self.version = t._version
+        self.tag = 0
+
+
+class _SideReads(TorchDispatchMode):
+    """Inside a side-queue context: the tensors each operation reads, checked for compute
+    writes the context does not wait for; outputs of an operation that read one are poisoned."""
+
+    def __init__(self, owner: "DeferredStreams", dep: int):
+        super().__init__()
+        self.owner, self.dep = owner, dep
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        raced = any(self.owner._tag(a) > self.dep for a in inputs)
+        out = func(*args, **kwargs)
+        if raced:
+            self.owner.races += 1
+            written = [a for a, s in zip(args, func._schema.arguments)
+                       if isinstance(a, torch.Tensor) and s.alias_info is not None and s.alias_info.is_write]
+            for t in written + [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]:
+                with torch.no_grad():
+                    _poison(t)
+        return out
+
+
 class DeferredStreams(Streams):
     def __init__(self, device: torch.device):
         super().__init__(device)
@@ -91,47 +188,121 @@ class DeferredStreams(Streams):
         self.copies = 0
         self.most_pending = 0
         """Largest number of copies queued and not yet run at once (> 0: something overlapped)."""
+        self.races = 0
+        """Side work that read a device tensor compute wrote after the events it waits for."""
+        self.freed_reads = 0
+        """Queued copies whose device source was freed before they ran (they copied poison)."""
+        self.registrations = 0
+        """cudaHostRegister calls (``pinned``)."""
+        self._compute_seq = 0
+        self._watch: dict[int, _Watch] = {}
+        self._host_ranges: dict[int, tuple[int, int]] = {}
+        self._bound = {threading.get_ident()}
 
-    @staticmethod
-    def _events(after) -> list[_Event]:
+    # ---- checks ---------------------------------------------------------------------------
+    def bind_thread(self) -> None:
+        self._bound.add(threading.get_ident())
+
+    def _check_thread(self, what: str) -> None:
+        if threading.get_ident() not in self._bound:
+            raise DeviceOrderError(
+                f"thread {threading.current_thread().name} {what} without selecting the device "
+                f"(Streams.bind_thread): on a multi-GPU node it would use GPU 0")
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        p = t.data_ptr()
+        return any(lo <= p < hi for lo, hi in self._host_ranges.values())
+
+    def _watch_tensor(self, t: torch.Tensor) -> None:
+        b = _base(t)
+        if id(b) not in self._watch or self._watch[id(b)].ref() is not b:
+            self._watch[id(b)] = _Watch(b)
+
+    def _scan(self) -> None:
+        """Attribute writes seen since the last scan to compute, before the next compute event."""
+        for k, w in list(self._watch.items()):
+            t = w.ref()
+            if t is None:
+                del self._watch[k]
+            elif t._version != w.version:
+                w.version, w.tag = t._version, self._compute_seq + 1
+
+    def _tag(self, t: torch.Tensor) -> int:
+        w = self._watch.get(id(_base(t)))
+        return w.tag if w is not None and w.ref() is _base(t) else 0
+
+    def _raced(self, t: torch.Tensor, dep: int) -> bool:
+        self._scan()
+        return self._tag(t) > dep
+
+    # ---- queues ---------------------------------------------------------------------------
+    def _events(self, after) -> list[_Event]:
         return [e for e in (after if isinstance(after, (list, tuple)) else [after]) if e is not None]
 
     def compute_event(self):
-        return _Event()
+        self._check_thread("recorded a compute event")
+        with self.lock:
+            self._scan()
+            self._compute_seq += 1
+            return _Event(self, None, self._compute_seq)
 
     def copy(self, dst, src, queue, after=None):
+        self._check_thread("queued a copy")
         deps = self._events(after)
         q = self.queues[queue]
-
-        def run():
-            for e in deps:
-                e.synchronize()
-            dst.copy_(src)
-
+        d_op, s_op = _Operand(dst, self._is_host(dst)), _Operand(src, self._is_host(src))
         with self.lock:
-            n = q.push(run)
+            for t, op in ((dst, d_op), (src, s_op)):
+                if not op.host:
+                    self._watch_tensor(t)
+            dep = max([e.compute_dep() for e in deps] + [0])
+            n = q.push(None, dep)
             self.copies += 1
             self.most_pending = max(self.most_pending, sum(x.pending() for x in self.queues.values()))
+
+            def run():
+                for e in deps:
+                    e.synchronize()
+                d = d_op.get()
+                if d is None:
+                    raise DeviceOrderError(f"a queued {queue} copy writes device memory that was freed "
+                                           f"before it ran (the allocator gives it to the next tensor)")
+                s = s_op.get()
+                if s is None:
+                    self.freed_reads += 1
+                    _poison(d)
+                elif not s_op.host and self._raced(s, q.dep_of(n)):
+                    self.races += 1
+                    _poison(d)
+                else:
+                    d.copy_(s)
+            run.host_ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                               for t, op in ((dst, d_op), (src, s_op)) if op.host]
+            q.ops[n - 1] = run
             waiting = [e for e in deps if not e.query()]
             poisoned = [False]
 
             def poison():
                 if not poisoned[0] and all(e.query() for e in deps) and q.done < n:
-                    poisoned[0] = True
-                    _poison(dst)
+                    d = d_op.get()
+                    if d is not None:
+                        poisoned[0] = True
+                        _poison(d)
             if waiting:
                 for e in waiting:
                     e.on_done(poison)
             else:
                 poison()
-        return _Event(q, n)
+        return _Event(self, q, n)
 
     def record_on(self, queue):
+        self._check_thread("recorded a side-queue event")
         q = self.queues[queue]
         with self.lock:
-            return _Event(q, len(q.ops))
+            return _Event(self, q, len(q.ops))
 
     def wait(self, event) -> None:
+        self._check_thread("made the compute stream wait")
         if event is not None:
             event.synchronize()
 
@@ -140,31 +311,96 @@ class DeferredStreams(Streams):
 
     @contextmanager
     def side(self, queue, after=None):
+        """Work in the context runs now, after the queue's earlier work; the tensors it reads
+        are checked against compute writes it does not wait for."""
+        self._check_thread("ran work on a side queue")
         self.wait(after)
         q = self.queues[queue]
-        q.run_until(len(q.ops))
-        yield
+        # Under the lock: no copy runs meanwhile, so every write seen during the context is
+        # the context's own (side work), and every write before it was compute's.
+        with self.lock:
+            q.run_until(len(q.ops))
+            dep = max(after.compute_dep() if after is not None else 0, q.dep_of(len(q.ops)))
+            n = q.push(lambda: None, dep)
+            q.run_until(n)
+            self._scan()
+            with _SideReads(self, q.dep_of(n)):
+                yield
+            for w in self._watch.values():
+                t = w.ref()
+                if t is not None:
+                    w.version = t._version
 
     def synchronize(self) -> None:
+        self._check_thread("synchronized the device")
         for q in self.queues.values():
             q.run_until(len(q.ops))
 
     def pending(self) -> int:
         return sum(q.pending() for q in self.queues.values())
 
+    def copy_in_thread(self, dst, src) -> None:
+        self._check_thread("copied from a helper thread")
+        dst.copy_(src)
+
+    # ---- pinned memory ----------------------------------------------------------------------
+    def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)      # registered as Streams does on CUDA
+        if numel and self._register(t):
+            self._registered.append(t)
+        return t
+
+    def pinned_bytes(self) -> int:
+        """Bytes registered and not unregistered."""
+        return sum(hi - lo for lo, hi in self._host_ranges.values())
+
+    def _register(self, t: torch.Tensor) -> bool:
+        self.registrations += 1
+        p = t.data_ptr()
+        self._host_ranges[id(t)] = (p, p + t.numel() * t.element_size())
+        return True
+
+    def _unregister(self, t: torch.Tensor) -> None:
+        lo, hi = self._host_ranges.pop(id(t))
+        with self.lock:
+            for q in self.queues.values():
+                for op in q.ops[q.done:]:
+                    if any(a < hi and lo < b for a, b in getattr(op, "host_ranges", ())):
+                        raise DeviceOrderError(f"pinned memory unregistered while a queued {q.name} "
+                                               f"copy still uses it")
+
+
+class Held:
+    """Memory actually held: weak references to storages, and how many of their bytes are
+    still alive (for checks such as "nothing of the failed step survives a re-plan")."""
+
+    def __init__(self):
+        self._refs: dict[int, tuple[weakref.ref, int]] = {}
+
+    def add(self, *tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                st = t.untyped_storage()
+                self._refs[id(st)] = (weakref.ref(st), st.nbytes())
+
+    def bytes_alive(self) -> int:
+        return sum(n for ref, n in self._refs.values() if ref() is not None)
+
 
 @contextmanager
 def deferred_streams(monkeypatch):
-    """Make every runtime built inside the context use DeferredStreams; yields the list of the
-    instances made."""
+    """Make every runtime (and profiler) built inside the context use DeferredStreams; yields
+    the list of the instances made."""
     made: list[DeferredStreams] = []
 
     def factory(device):
         s = DeferredStreams(device)
         made.append(s)
         return s
+    import protrain.profile.tracer as tracer_mod
     import protrain.runtime.runtime as rt_mod
     import protrain_megatron.policy as policy_mod
     monkeypatch.setattr(rt_mod, "Streams", factory)
     monkeypatch.setattr(policy_mod, "Streams", factory)
+    monkeypatch.setattr(tracer_mod, "Streams", factory, raising=False)
     yield made

@@ -51,6 +51,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
         result["plan"] = list(engine.protrain_plan.knobs.as_tuple())
         result["offloaded"] = len(rt.chunks.offloaded())
         result["most_pending_copies"] = getattr(rt.streams, "most_pending", None)
+        result["races"] = getattr(rt.streams, "races", None)
     engine.destroy()                      # gathers sharded parameters back on every rank
     if rank == 0:
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},

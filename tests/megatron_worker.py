@@ -1,6 +1,7 @@
 """One rank of a 2-rank megatron-core GPT on CPU (gloo), for tests/test_megatron.py.
 
 mode "tp": tensor parallel 2 - every rank profiles, rank 0 plans, both apply the same plan.
+mode "tp-oom": the same, with rank 1's profile running out of memory (both must fall back).
 mode "pp": pipeline parallel 2 - each stage profiles its own layers (the later stage on a
 random stage input, as the Megatron-LM wiring does) and plans for its micro-batches in flight.
 Either way the gradients must equal the run without a policy on each rank."""
@@ -45,7 +46,7 @@ def main(rank: int, world: int, port: str, out_dir: str, pins: str, mode: str) -
     from datetime import timedelta
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     from megatron.core import parallel_state
-    if mode == "tp":
+    if mode.startswith("tp"):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     else:
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
@@ -58,11 +59,25 @@ def main(rank: int, world: int, port: str, out_dir: str, pins: str, mode: str) -
                          host_memory=2**30, h2d_bandwidth=1e9, d2h_bandwidth=1e9, gpu_adam_rate=1e9,
                          cpu_adam_rate=1e8)
     result = {"rank": rank}
-    if mode == "tp":
+    if mode.startswith("tp"):
         model = gpt(num_layers=4, hidden=128, seq=64)
         sample = batch(seq=64)
         run = lambda: loss_and_grads(model, sample)  # noqa: E731
         kw = {}
+        if mode == "tp-oom":
+            # Rank 1 runs out of memory at the end of its profile (after the last collective
+            # it shares with rank 0, whose profile succeeds).
+            import protrain_megatron.apply as apply_mod
+            real = apply_mod.profile_megatron
+            fallback = real(apply_mod.unwrap(model), sample, device=torch.device("cpu"), progress=False)
+            kw["fallback_profile"] = lambda: fallback
+
+            def profile_then_oom(*a, **k):
+                out = real(*a, **k)
+                if rank == 1:
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1)")
+                return out
+            apply_mod.profile_megatron = profile_then_oom
     else:
         model = _pp_model()
         args = SimpleNamespace(micro_batch_size=2, seq_length=64, padded_vocab_size=128, hidden_size=128,

@@ -74,8 +74,10 @@ def test_heap_gap_is_a_per_operator_constant_not_a_share(monkeypatch):
         peaks.append(m.activation_peak)
     assert peaks[1] > 4 * peaks[0]
     # The gap is a few tens of KB that wanders by ~10 KB between runs (malloc's own state), so
-    # the test bounds its growth against the activations' growth rather than its ratio.
-    assert 0 < gaps[1] < 0.02 * peaks[1], (gaps, peaks)
+    # the test bounds its growth against the activations' growth rather than its ratio: a gap
+    # that scaled with the activations would grow by ~2.3 MB here, a constant one by ~10 KB.
+    assert gaps[0] > 0 and gaps[1] > 0, (gaps, peaks)
+    assert abs(gaps[1] - gaps[0]) < 0.02 * (peaks[1] - peaks[0]), (gaps, peaks)
     assert gaps[1] - gaps[0] < 0.02 * (peaks[1] - peaks[0]), (gaps, peaks)
 
 

@@ -44,9 +44,27 @@ def test_from_dict_reads_sizes_pins_and_fractions():
     ({"device_memory": "1e20GiB"}, ["protrain.device_memory", "'1e20GiB'", "at most 1 EiB"]),
     ({"pins": "x"}, ["protrain.pins", "'x'", "mapping"]),
     ({"n_buffer": 10**30}, ["protrain.n_buffer", str(10**30), "2147483647"]),
+    ({"n_persist": "everything"}, ["protrain.n_persist", "'everything'", '"all"']),
+    ({"time_tolerance": 1.5}, ["protrain.time_tolerance", "[0, 1)"]),
 ])
 def test_bad_settings_name_the_key(data, words):
     with pytest.raises(ConfigError) as e:
         PlannerConfig.from_dict(data)
     for w in words:
         assert w in str(e.value)
+
+
+def test_n_persist_all_keeps_every_chunk_whatever_the_chunk_size():
+    from protrain.profile.analytic import PRESETS, analytic_profile
+    from protrain.profile.machines import machine
+    from protrain.search import InfeasibleError, search
+    c = PlannerConfig.from_dict({"n_persist": "all"})
+    assert c.pins.n_persist == "all"
+    hw = machine("h100-80gb").profile(host_memory=64 * GiB)
+    prof = analytic_profile(PRESETS["gpt2-small"], hw)
+    for size in ("128MiB", "256MiB"):
+        plan = search(prof, hw, PlannerConfig.from_dict({"n_persist": "all", "chunk_size": size}))
+        assert plan.knobs.n_persist == plan.chunks.n_chunks and plan.knobs.n_buffer == 0
+        assert plan.prediction.h2d_bytes == 0
+    with pytest.raises(InfeasibleError, match='exceeds the .* chunks.*"all"'):
+        search(prof, hw, PlannerConfig.from_dict({"n_persist": 99, "chunk_size": "128MiB"}))

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from deferred_streams import deferred_streams
+from deferred_streams import DeviceOrderError, deferred_streams
 from dstrain import UNTIED, base_config, train, with_protrain
 from test_ds_engine import SHAPES, deepspeed_run
 
@@ -96,17 +96,32 @@ def _drop_swap_wait(monkeypatch):
     monkeypatch.setattr(HostStash, "finish_read", lambda self, e: None)
 
 
-@pytest.mark.parametrize("bug", ["chunk upload not waited for", "swap prefetch not waited for"])
-def test_a_missing_wait_is_caught(bug, monkeypatch):
-    shape = "all offloaded, 2 buffers" if bug.startswith("chunk") else "every block SWAP"
-    model_cfg, pins = SHAPES[shape]
+def test_a_missing_upload_wait_reads_the_poison(monkeypatch):
+    model_cfg, pins = SHAPES["all offloaded, 2 buffers"]
     ref_losses, _ = deepspeed_run(model_cfg, "{}")
-    (_drop_chunk_wait if bug.startswith("chunk") else _drop_swap_wait)(monkeypatch)
+    _drop_chunk_wait(monkeypatch)
     with deferred_streams(monkeypatch):
         losses, _, engine = train(with_protrain(base_config(), **pins), model_cfg, 3)
         engine.destroy()
     assert losses != ref_losses[:3]
     assert any(math.isnan(x) for x in losses)          # the poison was read
+
+
+def test_a_missing_swap_prefetch_wait_is_caught(monkeypatch):
+    """Never waited for, the prefetch runs late: autograd reads its poisoned destination, or
+    the copy runs after autograd freed that destination, which CUDA's allocator would already
+    have given to another tensor (which of the two depends on when the queue is next run)."""
+    model_cfg, pins = SHAPES["every block SWAP"]
+    ref_losses, _ = deepspeed_run(model_cfg, "{}")
+    _drop_swap_wait(monkeypatch)
+    with deferred_streams(monkeypatch):
+        try:
+            losses, _, engine = train(with_protrain(base_config(), **pins), model_cfg, 3)
+            engine.destroy()
+        except DeviceOrderError as e:
+            assert "freed" in str(e)
+            return
+    assert any(math.isnan(x) for x in losses) and losses != ref_losses[:3]
 
 
 def test_a_prefetch_never_handed_back_is_waited_for_before_its_memory_is_dropped():
@@ -139,3 +154,54 @@ def test_a_prefetch_never_handed_back_is_waited_for_before_its_memory_is_dropped
     assert upload.pending() == 0                 # ... and done before its memory is let go
     del loss
     acts.close()
+
+
+def test_a_block_saving_more_than_its_profile_grows_its_arena_once():
+    """Swap arenas are sized from the profile; a block that saves more (a shape change) gets
+    extra pinned memory for one iteration, then a larger arena: registrations and pinned
+    bytes stop growing, and the gradients stay right."""
+    from torch import nn
+
+    from deferred_streams import DeferredStreams
+    from protrain.block_mode import BlockMode
+    from protrain.runtime.activations import ActivationRuntime
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(2)]
+    streams = DeferredStreams(torch.device("cpu"))
+    acts = ActivationRuntime(blocks, [BlockMode.SWAP] * 2, streams, torch.device("cpu"),
+                             [1024, 1024], lambda t: None)     # far less than they save
+    x = torch.randn(512, 64, requires_grad=True)
+    ref = torch.autograd.grad(blocks[1](blocks[0](x)).sum(), x)[0]
+    seen = []
+    for _ in range(4):
+        acts.reset()
+        with acts.hooks():
+            acts.forward_part(1)
+            h = blocks[0](x)
+            acts.forward_part(2)
+            loss = blocks[1](h).sum()
+            acts.forward_part(3)
+        acts.enter_forward_block(None)
+        del h
+        acts.prefetch(1)
+        g = torch.autograd.grad(loss, x)[0]
+        acts.reset()
+        assert torch.equal(g, ref)
+        seen.append((streams.registrations, streams.pinned_bytes()))
+    assert seen[1] == seen[2] == seen[3]                 # nothing more after the first iteration
+    assert seen[1][1] < 2 * seen[0][1] + 2**20
+    acts.close()
+    assert streams.pinned_bytes() == 0
+
+
+def test_pinned_memory_is_given_back_only_after_the_copies_using_it():
+    from deferred_streams import DeferredStreams
+    streams = DeferredStreams(torch.device("cpu"))
+    host = streams.pinned(1024, torch.float32)
+    host.fill_(3.0)
+    dev = torch.empty(1024)
+    streams.copy(dev, host, "upload")
+    assert streams.pending() == 1
+    streams.release_pinned()              # the upload still reads ``host``: it runs first
+    assert streams.pending() == 0 and torch.equal(dev, host) and streams.pinned_bytes() == 0

@@ -30,3 +30,26 @@ def test_store_choice_on_cuda_is_kvikio_when_it_works(tmp_path):
     store = choose_store(torch.device("cuda"), tmp_path)
     assert store.name.startswith("kvikio")
     store.close()
+
+
+def test_posix_backend_round_trips_device_tensors_off_the_compute_stream(tmp_path):
+    """The POSIX backend bounces device tensors through its pinned buffer on the I/O thread's
+    own stream: the round trip must be exact while the compute stream is busy."""
+    from protrain.runtime.storage import BlockFile, PosixStore, RunDirectory
+    from protrain.runtime.streams import Streams
+    streams = Streams(torch.device("cuda"))
+    run = RunDirectory(tmp_path, 2**26)
+    store = PosixStore(verify=True, streams=streams)
+    f = BlockFile(run.path / "b.act", 2**25)
+    src = torch.randint(0, 255, (9 * 2**20 + 123,), dtype=torch.uint8, device="cuda")
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        busy = busy @ busy / 64                      # keep the compute stream occupied
+    off = f.alloc(src.numel())
+    back = torch.empty_like(src)
+    store.read(f, off, back, store.write(f, off, src, after=streams.compute_event())).result()
+    assert torch.equal(back, src)
+    store.close()
+    assert streams.pinned_bytes() == 0
+    f.close()
+    run.close()

@@ -316,6 +316,15 @@ def test_tensor_parallel_ranks_profile_together_and_apply_rank0s_plan(tmp_path, 
         assert r["state_params"] == r["params"] < full     # model states counted per rank
 
 
+def test_an_out_of_memory_on_one_tensor_parallel_rank_makes_every_rank_fall_back(tmp_path):
+    """Rank 1's profile runs out of memory, rank 0's does not: both plan from the fallback
+    profile (rank 0 decides), so no rank plans from a profile another could not run."""
+    results = _two_ranks(tmp_path, "tp-oom", {"n_checkpoint": 1, "n_swap": 2})
+    for r in results:
+        assert any("did not fit" in n for n in r["notes"]), r["notes"]
+        assert r["modes"] == "SSCN" and r["loss_equal"] and r["grads_equal"]
+
+
 def test_pipeline_stages_measure_and_plan_their_own_layers(tmp_path):
     first, last = _two_ranks(tmp_path, "pp", {"n_checkpoint": 1})
     assert first["layers"] == "1 recompute, 2 keep" and last["layers"] == "3 recompute, 4 keep"

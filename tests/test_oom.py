@@ -107,3 +107,74 @@ def test_out_of_memory_with_copies_in_flight(phase, at, monkeypatch):
         engine.destroy()
     assert injector.fired == sorted(at) and len(made) == 2     # a second runtime after the OOM
     assert losses == ref
+
+
+@pytest.mark.parametrize("phase, at", [("forward", {4}), ("backward", {1})])
+def test_the_new_plan_allocates_after_the_failed_step_and_the_old_plan_are_freed(phase, at, monkeypatch):
+    """Real allocations: what the failed micro-batch computed (block outputs and, through
+    them, what autograd saved) and the old runtime's chunk states and buffers must be gone
+    when the new runtime allocates, or the re-plan runs out of memory again."""
+    import weakref
+
+    import protrain_ds.engine as engine_mod
+    from deferred_streams import Held
+
+    outputs: list = []                       # weak references: this micro-batch's block outputs
+    held = Held()
+    at_build: list[int] = []
+    real = engine_mod.ProTrainRuntime
+
+    def build(*args, **kwargs):
+        at_build.append(held.bytes_alive())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine_mod, "ProTrainRuntime", build)
+
+    class Recording(InjectOOM):
+        def __init__(self, model, phase, at):
+            super().__init__(model, phase, at)
+            for i, b in enumerate(model.transformer.h):
+                if i == 0:
+                    b.register_forward_pre_hook(lambda m, a: outputs.clear())
+                b.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+
+        def _remember(self):
+            rt = self.engine.protrain_runtime
+            held.add(*[r() for r in outputs], *rt.chunks.pool.tensors)
+            for c in rt.chunks.chunks:
+                held.add(c.data, c.grad, c.master, c.exp_avg, c.exp_avg_sq)
+            assert held.bytes_alive() > 0
+
+        def _forward(self, module, args):
+            if self._training() and self.calls + 1 in self.at:
+                self._remember()
+            return super()._forward(module, args)
+
+        def _arm(self, module, args, out):
+            super()._arm(module, args, out)
+            if self.fired == [] and self.calls in at:
+                self._remember()
+
+    monkeypatch.setattr(__import__("test_oom"), "InjectOOM", Recording)
+    losses, engine, injector = run(base_config(), 5, inject=(phase, set(at)))
+    assert injector.fired == sorted(at) and held._refs
+    assert len(at_build) == 2 and at_build[1] == 0     # 1st: the first plan; 2nd: the re-plan
+    engine.destroy()
+
+
+def test_a_backward_is_not_redone_once_an_update_of_its_step_was_submitted(monkeypatch):
+    """With CPU Adam overlapping backward, an update submitted before the error may still be
+    queued or running on the worker thread: the step cannot be redone (the re-plan would
+    finish that update and the redo apply it again), whatever the worker got to."""
+    import time
+
+    from deferred_streams import deferred_streams
+    from protrain.runtime.optimizer import ChunkOptimizer
+    slow = ChunkOptimizer._host_update
+
+    def late_update(self, c, coef):
+        time.sleep(0.2)                      # still queued when the error comes
+        slow(self, c, coef)
+    monkeypatch.setattr(ChunkOptimizer, "_host_update", late_update)
+    cfg = base_config(gradient_clipping=0.0)   # DeepSpeed's default clips at 1.0: no overlap
+    with deferred_streams(monkeypatch), pytest.raises(RuntimeError, match="cannot be redone"):
+        run(cfg, 4, inject=("backward", {3}))

@@ -1,4 +1,6 @@
 """Profiler on CPU: activation bytes, peaks the memory model can rebuild, streaming, hygiene."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -177,3 +179,46 @@ def test_step_must_return_the_loss(gpt):
     model, x, y, _ = gpt
     with pytest.raises(TypeError, match="scalar loss"):
         profile_model(model, lambda m: m(x), progress=False)
+
+
+def test_uploads_of_streamed_weights_are_timed_as_no_part(monkeypatch):
+    """Streaming a block's weights in takes time at every boundary; the profile must not charge
+    it to the part before (nor to the one after), or the planner trusts overlap it will not
+    get. The profiler's clock is made to jump 10 s in every upload (a sleep would also slow
+    the CPU kernels after it): part times must not see the jumps."""
+    import types
+    jump = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + jump[0])
+    monkeypatch.setattr(tracer, "time", clock)
+    real_load = tracer._ParamStreamer.load
+
+    def slow_load(self, i):
+        if i not in self.loaded:
+            jump[0] += 10.0
+        real_load(self, i)
+    monkeypatch.setattr(tracer._ParamStreamer, "load", slow_load)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = synthetic_batch(CFG, 2)
+    prof = profile_model(model, lambda m: m(x, y), progress=False, stream_params=True)
+    total = sum(p.fwd_time + p.bwd_time for p in prof.parts)
+    assert jump[0] >= 8 * 10.0 * 4                 # 4 passes, 4 blocks up and down
+    assert total < 5.0, [(p.name, p.fwd_time, p.bwd_time) for p in prof.parts]
+    assert 0.2 < prof.hooked_slowdown < 5          # the plain pass's uploads taken out too
+
+
+def test_streaming_gives_the_parameters_back_and_its_pinned_memory(monkeypatch):
+    """The host copies of streamed weights are pinned (on CUDA) for the profile only: after
+    it, every parameter has a tensor of its own again (not a view of a pinned region) with
+    its values, and nothing stays registered."""
+    from deferred_streams import deferred_streams
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, y = synthetic_batch(CFG, 2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with deferred_streams(monkeypatch) as made:
+        profile_model(model, lambda m: m(x, y), progress=False, stream_params=True)
+    assert made and made[-1].registrations > 0 and made[-1].pinned_bytes() == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p.data, before[n]), n
+        assert p.data.untyped_storage().nbytes() == p.numel() * p.element_size(), n

@@ -120,3 +120,22 @@ def test_chunk_states_only_move_along_legal_transitions():
     with pytest.raises(RuntimeError, match="illegal move host -> grads"):
         c.move(ChunkState.GRADS)
     rt.close()
+
+
+def test_no_cpu_adam_is_built_when_nothing_runs_on_the_host(monkeypatch):
+    """DeepSpeed's CPU Adam needs a compiler the first time: with every chunk on a GPU it is
+    not needed and must not be built (a CPU "device" updates with it, for DeepSpeed's bits)."""
+    import protrain.runtime.runtime as rt_mod
+    from protrain.runtime.adam import TorchAdamKernel
+    from protrain.runtime.runtime import OptimizerSetup, adam_kernels
+
+    def no_compiler(*a, **k):
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(rt_mod, "CPUAdamKernel", no_compiler)
+    setup = OptimizerSetup(param_groups=[], hyper=None, adamw=True)
+    host, device = adam_kernels(torch.device("cuda"), setup, offloaded=False)
+    assert host is None and isinstance(device, TorchAdamKernel) and device.fused
+    with pytest.raises(RuntimeError, match="no compiler"):
+        adam_kernels(torch.device("cuda"), setup, offloaded=True)
+    with pytest.raises(RuntimeError, match="no compiler"):
+        adam_kernels(torch.device("cpu"), setup, offloaded=False)

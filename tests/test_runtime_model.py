@@ -14,8 +14,12 @@ from conftest import chain_profile, slow_link
 
 
 def run(profile, n_persist, n_buffer, modes, **kw):
+    return run_on(slow_link(), profile, n_persist, n_buffer, modes, **kw)
+
+
+def run_on(hw, profile, n_persist, n_buffer, modes, **kw):
     layout = build_layout(profile, 100)
-    t = simulate(profile, layout, slow_link(), n_persist, n_buffer, np.array([modes]), **kw)
+    t = simulate(profile, layout, hw, n_persist, n_buffer, np.array([modes]), **kw)
     return {k: float(getattr(t, k)[0]) for k in t.__dataclass_fields__}
 
 
@@ -161,3 +165,21 @@ def test_ssd_shares_the_upload_queue_in_compatibility_mode():
                                                          nvme_read_bandwidth=80.0, nvme_gds=gds),
                                  1, 1, np.array([[SSD, NONE]])).iter_time[0]) for gds in (True, False)}
     assert times[True] < times[False]
+
+
+def test_without_a_copy_engine_every_transfer_and_cpu_adam_is_on_the_compute_timeline():
+    t = run_on(slow_link(copy_engines=0), chain_profile(), 1, 2, [NONE, NONE])
+    # fwd: pre 0-1; chunk 1 up 1-6; block0 6-16; chunk 2 up 16-21; block1 21-31; post 31-32.
+    assert t["fwd_time"] == 32
+    # bwd: post 32-34; block1 34-54; chunk 2 grads 54-59, CPU Adam 59-63; block0 63-83;
+    #      grads 83-88, Adam 88-92; pre 92-94; device Adam 94-95: the sum of everything.
+    assert t["iter_time"] == 95 == 22 + 44 + 2 * 5 + 2 * 5 + 2 * 4 + 1
+    async_ = run(chain_profile(), 1, 2, [NONE, NONE])["iter_time"]
+    assert async_ == 77 and t["h2d_bytes"] == 2 * 400
+
+
+def test_one_copy_engine_for_both_directions_sits_between():
+    prof = chain_profile(block_params=(100,) * 4, saved=800)
+    modes = [SWAP, SWAP, NONE, NONE]
+    times = [run_on(slow_link(copy_engines=e), prof, 1, 2, modes)["iter_time"] for e in (2, 1, 0)]
+    assert times[0] < times[1] < times[2]

@@ -274,3 +274,57 @@ def test_run_directories_of_killed_processes_are_removed_by_the_next_run(tmp_pat
     again = RunDirectory(tmp_path, 0)
     assert sorted(tmp_path.iterdir()) == sorted([again.path, other_host])
     again.close()
+
+
+def test_posix_backend_stages_device_tensors_through_its_pinned_bounce_buffer(tmp_path, monkeypatch):
+    """Device tensors go through a per-thread pinned buffer in pieces, copied on the I/O
+    thread's own stream (never the compute stream): exercised on CPU by staging host tensors
+    too, with copies and thread binding checked by DeferredStreams."""
+    from deferred_streams import DeferredStreams
+    from protrain.runtime import storage
+    monkeypatch.setattr(storage, "STAGE_BYTES", 64 * 1024)
+    streams = DeferredStreams(torch.device("cpu"))
+    run = RunDirectory(tmp_path, 2**22)
+    f = BlockFile(run.path / "b.act", 2**20)
+    store = PosixStore(threads=2, verify=True, streams=streams, stage_host=True)
+    src = torch.randint(0, 255, (5 * 64 * 1024 + 1000,), dtype=torch.uint8)   # 5.x pieces
+    off = f.alloc(src.numel())
+    back = torch.zeros_like(src)
+    store.read(f, off, back, store.write(f, off, src)).result()
+    assert torch.equal(back, src)
+    assert streams.pinned_bytes() > 0                 # the bounce buffers
+    store.close()
+    assert streams.pinned_bytes() == 0                # given back
+    f.close()
+    run.close()
+
+
+def test_kvikio_counts_as_gpudirect_only_on_a_file_system_cufile_serves(tmp_path, monkeypatch):
+    """kvikio's global setting says what it prefers; whether a file's I/O bypasses the host
+    depends on the file system it is on (kvikio falls back per file)."""
+    import sys
+    import types
+
+    from protrain.runtime import storage
+    kvikio = types.ModuleType("kvikio")
+    kvikio.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: False)
+    driver = types.ModuleType("kvikio.cufile_driver")
+    driver.DriverProperties = lambda: types.SimpleNamespace(is_gds_available=True)
+    kvikio.cufile_driver = driver
+    monkeypatch.setitem(sys.modules, "kvikio", kvikio)
+    monkeypatch.setitem(sys.modules, "kvikio.cufile_driver", driver)
+    kind = {"fs": "tmpfs"}
+    monkeypatch.setattr(storage, "file_system_type", lambda path: kind["fs"])
+    assert not storage._kvikio_gds(kvikio, tmp_path)
+    kind["fs"] = "xfs"
+    assert storage._kvikio_gds(kvikio, tmp_path)
+    kvikio.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: True)
+    assert not storage._kvikio_gds(kvikio, tmp_path)
+
+
+def test_file_system_type_reads_the_mount_table(tmp_path):
+    from protrain.runtime.storage import file_system_type
+    mounts = [line.split() for line in open("/proc/self/mounts")]
+    root = [m[2] for m in mounts if m[1] == "/"]
+    assert file_system_type("/") == root[-1]
+    assert file_system_type(tmp_path) in {m[2] for m in mounts}

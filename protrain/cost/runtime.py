@@ -30,6 +30,10 @@ backward, parts in reverse, chunks in reverse:
 SSD blocks (SSDTrain) behave as swapped ones, with the NVMe bandwidth: with GPUDirect Storage
 their writes and reads have queues of their own; in compatibility mode they bounce through the
 host and occupy the D2H / H2D queues.
+
+Copy concurrency (``HardwareProfile.copy_engines``): with one copy engine the two copy queues
+are one FIFO; with none (a CPU "device") every copy and every CPU Adam step runs on the
+compute timeline where the runtime issues it, so offloading costs its full transfer time.
 """
 from __future__ import annotations
 
@@ -141,6 +145,8 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     swap_out_end = np.zeros((len(parts), k_plans))
     if (modes == SSD).any() and (hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0):
         raise ValueError("plans with SSD blocks need the NVMe bandwidths of the SSD path")
+    serial = hw.copy_engines <= 0
+    shared = hw.copy_engines == 1
     gds = hw.nvme_gds
     ssd_w = zeros.copy()                      # the NVMe write queue (GDS)
     ssd_r = zeros.copy()                      # the NVMe read queue (GDS)
@@ -159,9 +165,11 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                     offl = j >= npers
                     src = j - nbuf
                     wait = np.where(offl & (src >= npers), released[np.maximum(src, 0), rows], 0.0)
-                    end = np.maximum(h2d, wait) + t_up[j]
+                    end = np.maximum(np.maximum(h2d, wait), comp if serial else 0.0) + t_up[j]
                     h2d = np.where(offl, end, h2d)
                     ready[j] = np.where(offl, end, 0.0)
+                    if shared:
+                        d2h = h2d = np.maximum(h2d, d2h)
                     h2d_bytes += np.where(offl, layout.used[j] * profile.param_bytes / world, 0)
                     uploaded += 1
                 comp = np.maximum(comp, ready[c])
@@ -174,6 +182,10 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             d2h = np.where(sw, end, d2h)
             swap_out_end[p] = np.where(sw, end, 0.0)
             d2h_bytes += np.where(sw, saved[p], 0)
+            if serial:
+                comp = np.where(sw, end, comp)
+            if shared:
+                d2h = h2d = np.maximum(h2d, d2h)
             sd = modes[p] == SSD
             if sd.any():
                 queue = ssd_w if gds else d2h
@@ -206,12 +218,20 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             reuse = j >= n_chunks - nbuf           # still in a buffer from forward
             need = offl & ~reuse
             src = np.minimum(j + nbuf, n_chunks - 1)
-            end = np.maximum(h2d, np.where(need, grad_out[src, rows], 0.0)) + t_up[j]
+            end = np.maximum(np.maximum(h2d, np.where(need, grad_out[src, rows], 0.0)),
+                             comp if serial else 0.0) + t_up[j]
             h2d = np.where(need, end, h2d)
             avail[j] = np.where(need, end, 0.0)
+            if serial:
+                comp = np.where(need, end, comp)
+            if shared:
+                d2h = h2d = np.maximum(h2d, d2h)
             h2d_bytes += np.where(need, layout.used[j] * profile.param_bytes / world, 0)
             next_chunk -= 1
         start = comp.copy()
+        if serial and p >= 1 and parts[p - 1].kind == "block":
+            # The previous block's swapped activations come back first, synchronously.
+            comp = comp + np.where(modes[p - 1] == SWAP, saved[p - 1] / hw.h2d_bandwidth, 0.0)
         m = modes[p]
         comp = np.where((m == SWAP) | (m == SSD), np.maximum(comp, swap_in_end[p]), comp)
         redo = np.where(m == CKPT, part.fwd_time, np.where(m == SEL, part.sel_recompute_time, 0.0))
@@ -230,6 +250,8 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             h2d = np.where(sw, end, h2d)
             swap_in_end[p - 1] = np.where(sw, end, 0.0)
             h2d_bytes += np.where(sw, saved[p - 1], 0)
+            if shared:
+                d2h = h2d = np.maximum(h2d, d2h)
             sd = modes[p - 1] == SSD
             if sd.any():
                 queue = ssd_r if gds else h2d
@@ -247,10 +269,16 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             d2h = np.where(offl, d_end, d2h)
             grad_out[c] = np.where(offl, d_end, comp)
             d2h_bytes += np.where(offl, layout.used[c] * profile.param_bytes / world, 0)
+            if serial:
+                comp = np.where(offl, d_end, comp)
+            if shared:
+                d2h = h2d = np.maximum(h2d, d2h)
             if optimizer_step and cpu_overlap:
                 c_end = np.maximum(cpu, d_end) + t_adam[c]
                 cpu = np.where(offl, c_end, cpu)
                 cpu_busy += np.where(offl, t_adam[c], 0.0)
+                if serial:                   # inline, between two parts' compute
+                    comp = np.where(offl, c_end, comp)
             elif optimizer_step:
                 deferred.append((c, offl, d_end))
     bwd_end = comp
@@ -267,7 +295,10 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     # Device tail at the boundary: all-reduce of the persistent gradients, then device Adam.
     gpu_optim = (prefix[npers] / hw.gpu_adam_rate + persistent_allreduce_time(layout, npers, hw, world)
                  if optimizer_step else np.zeros(k_plans))
-    device_end = bwd_end + gpu_optim
+    if serial:                        # one timeline: CPU Adam, then the "device" Adam
+        device_end = np.maximum(bwd_end, cpu) + gpu_optim
+    else:
+        device_end = bwd_end + gpu_optim
     iter_time = np.maximum(device_end, cpu)
     return TimePrediction(
         iter_time=iter_time, fwd_time=fwd_end, bwd_time=bwd_end - fwd_end,

@@ -42,6 +42,11 @@ class HardwareProfile(JsonValue):
     """Per-rank all-to-all bandwidth between the ranks of a sequence-parallel group, bytes/s
     (time = bytes * (P - 1) / P / bandwidth, the convention of collective_bandwidth). 0:
     unknown; the planner then uses collective_bandwidth."""
+    copy_engines: int = 2
+    """Copy engines that run next to compute: 2 (one per direction, data-center GPUs), 1 (both
+    directions share one queue), 0 (none: every copy, and the CPU optimizer, runs on the
+    compute timeline - a CPU "device", where the runtime copies synchronously and runs CPU
+    Adam inline, since they would compete for the same cores)."""
     nvme_write_bandwidth: float = 0.0
     """Write bandwidth of the SSD path for activations, bytes/s (0: no SSD tier)."""
     nvme_read_bandwidth: float = 0.0

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..serde import JsonValue
+from ..units import fmt_count
 
 PartKind = Literal["pre", "block", "post"]
 
@@ -181,7 +182,7 @@ class ModelProfile(JsonValue):
 
     def describe(self) -> str:
         sp = f", per rank of {self.sequence_parallel} (sequence parallel)" if self.sequence_parallel > 1 else ""
-        return (f"{self.name}: {self.n_blocks} blocks, {self.total_params / 1e9:.3g} B params "
+        return (f"{self.name}: {self.n_blocks} blocks, {fmt_count(self.total_params)} params "
                 f"({self.param_bytes}-byte), micro-batch {self.micro_batch}, seq {self.seq_len}{sp}, "
                 f"{self.source} on {self.device}")
 

@@ -1,9 +1,12 @@
-"""Measure this machine -> HardwareProfile, cached on disk keyed by hardware and software.
+"""Measure this machine -> HardwareProfile. Rates are cached on disk keyed by hardware and
+software; memory budgets are measured at every call.
 
-A few seconds of probes (plus a one-time build of DeepSpeedCPUAdam): device memory, pinned
-host<->device bandwidth, the device's fused Adam and DeepSpeed's CPU Adam throughput, and the
-host memory available. On a CPU-only machine the "device" is the CPU (for tests): bandwidths
-are memcpy rates and device Adam is torch's Adam on the CPU.
+A few seconds of probes (plus a one-time build of DeepSpeedCPUAdam): pinned host<->device
+bandwidth, the device's fused Adam and DeepSpeed's CPU Adam throughput - cached, as they are
+properties of the machine. Device and host memory depend on the moment (other processes, what
+this one already holds, the model that will be trained): measured every time, never cached.
+On a CPU-only machine the "device" is the CPU (for tests): bandwidths are memcpy rates, device
+Adam is the CPU Adam, and there is no copy engine.
 """
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ import json
 import os
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .hardware import HardwareProfile
 
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 """Bump when the probe measures differently, so old cache entries are not reused."""
 
 
@@ -78,20 +82,44 @@ def probe_hardware(device: torch.device | str | None = None, *, cache_dir: str |
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cache / f"hardware-{cache_key(device)}-{size_mib}-{adam_params}.json"
+    rates = None
     if path.exists() and not refresh:
         try:
-            return HardwareProfile.load(path)
+            rates = HardwareProfile.load(path)
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             pass  # a stale or damaged entry: measure again
+    if rates is None:
+        rates = _measure_rates(device, size_mib, adam_params, progress)
+        try:
+            rates.save(path)
+        except OSError:
+            pass  # a read-only home is no reason to fail; the next run measures again
+    return replace(rates, device_memory=device_capacity(device), host_memory=_host_memory()[1])
+
+
+def device_capacity(device: torch.device) -> int:
+    """Bytes of device memory this process can allocate now: what the device has free plus
+    what torch's caching allocator already holds, allocated or only reserved (a profiling
+    iteration's peak stays reserved after it; the model's own tensors are replaced by the
+    plan's chunks). On a CPU "device", the host memory available."""
+    if device.type != "cuda":
+        return _host_memory()[1]
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device))
+
+
+def _measure_rates(device: torch.device, size_mib: int, adam_params: int,
+                   progress: bool) -> HardwareProfile:
+    """The cacheable part: rates and bandwidths (the memory fields are left at 0)."""
     say = (lambda msg: print(f"protrain: probe: {msg}", flush=True)) if progress else (lambda msg: None)
-    total_host, avail_host = _host_memory()
     nbytes = size_mib * 2**20
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
         name = torch.cuda.get_device_name(device)
-        device_memory = int(free + torch.cuda.memory_allocated(device)) - 512 * 2**20
+        # Data-center GPUs copy each direction on its own engine; torch does not say how
+        # many a device has (asyncEngineCount), so one per direction is assumed.
+        engines = int(getattr(torch.cuda.get_device_properties(device), "async_engine_count", 2) or 2)
     else:
-        name, device_memory = f"cpu ({_cpu_model()})", avail_host
+        name, engines = f"cpu ({_cpu_model()})", 0
     say(f"copy bandwidth ({size_mib} MiB, pinned)")
     h2d, d2h = _copy_bandwidth(device, nbytes)
     say(f"CPU Adam ({adam_params / 1e6:.0f} M params; DeepSpeedCPUAdam builds once, ~1 min)")
@@ -101,15 +129,10 @@ def probe_hardware(device: torch.device | str | None = None, *, cache_dir: str |
         gpu_adam = _device_adam_rate(device, adam_params)
     else:
         gpu_adam = cpu_adam   # on a CPU "device" the runtime updates with the same CPU kernel
-    hw = HardwareProfile(
-        name=name, source="measured", device_type=device.type, device_memory=device_memory,
-        host_memory=avail_host, h2d_bandwidth=h2d, d2h_bandwidth=d2h, gpu_adam_rate=gpu_adam,
-        cpu_adam_rate=cpu_adam, cpu_cores=os.cpu_count() or 1, versions=_versions())
-    try:
-        hw.save(path)
-    except OSError:
-        pass  # a read-only home is no reason to fail; the next run measures again
-    return hw
+    return HardwareProfile(
+        name=name, source="measured", device_type=device.type, device_memory=0, host_memory=0,
+        h2d_bandwidth=h2d, d2h_bandwidth=d2h, gpu_adam_rate=gpu_adam, cpu_adam_rate=cpu_adam,
+        copy_engines=min(engines, 2), cpu_cores=os.cpu_count() or 1, versions=_versions())
 
 
 def _best_time(fn, reps: int, sync) -> float:
@@ -129,11 +152,16 @@ def _sync(device: torch.device):
 
 
 def _copy_bandwidth(device: torch.device, nbytes: int) -> tuple[float, float]:
+    from ..runtime.streams import Streams
     sync = _sync(device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    streams = Streams(device)       # registered, then given back: not kept by torch's pinned cache
+    host = streams.pinned(nbytes, torch.uint8)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    t_h2d = _best_time(lambda: dev.copy_(host, non_blocking=True), 3, sync)
-    t_d2h = _best_time(lambda: host.copy_(dev, non_blocking=True), 3, sync)
+    try:
+        t_h2d = _best_time(lambda: dev.copy_(host, non_blocking=True), 3, sync)
+        t_d2h = _best_time(lambda: host.copy_(dev, non_blocking=True), 3, sync)
+    finally:
+        streams.release_pinned()
     return nbytes / t_h2d, nbytes / t_d2h
 
 
@@ -202,9 +230,9 @@ def probe_storage(root, device: torch.device, size_mib: int = 256) -> dict:
     store = choose_store(device, run.path)
     try:
         f = BlockFile(Path(run.path) / "probe.bin", nbytes)
-        on_device = getattr(store, "name", "").startswith("kvikio")
-        raw = torch.randint(0, 255, (nbytes + 4096,), dtype=torch.uint8,
-                            device=device if on_device else "cpu")
+        # From device memory whatever the backend, as the runtime writes: the POSIX backend's
+        # bounce through pinned host memory is part of what the tier costs on a GPU.
+        raw = torch.randint(0, 255, (nbytes + 4096,), dtype=torch.uint8, device=device)
         skip = (-raw.data_ptr()) % 4096       # 4 KiB aligned: O_DIRECT, not the page cache
         buf = raw[skip:skip + nbytes]
         best_w = best_r = float("inf")

@@ -2,10 +2,12 @@
 
 Passes (forward + backward each, no optimizer step; weights are never changed):
 1. warm-up: lazy initialisation, kernel autotuning, allocator warm-up;
-2. plain: two un-hooked iterations, the faster timed, to rescale the hooked timings (skipped when the
-   parameters are streamed, since the model cannot run without the hooks then);
+2. plain: two un-hooked iterations, the faster timed, to rescale the hooked timings (when the
+   parameters are streamed the model cannot run without hooks: one iteration with the
+   streaming hooks alone, its uploads timed and subtracted);
 3. timing: block boundaries marked (CUDA events on GPU, perf_counter on CPU) to get per-part
-   forward and backward times;
+   forward and backward times (uploads of streamed weights between marks of their own, so
+   they count for no part);
 4. memory: every aten op goes through a dispatch mode (``meter.OpRecorder``) that reports
    the live bytes around it; saved-tensor hooks count what autograd keeps per part.
 
@@ -33,6 +35,7 @@ from torch import nn
 
 from ..runtime.boundaries import part_boundaries
 from .attention import AttentionTimer, KeptBytes
+from ..runtime.streams import Streams
 from .blocks import find_blocks
 from .meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from .model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
@@ -99,23 +102,37 @@ class _SaveLedger:
 
 class _ParamStreamer:
     """Keeps block parameters in host memory and brings one block's parameters to the device
-    at a time. On CPU (tests) the "device copy" is a fresh clone, so the same paths run."""
+    at a time. On CPU (tests) the "device copy" is a fresh clone, so the same paths run.
+
+    The host copies live in one pinned region per block (and dtype), exactly sized and
+    registered through ``Streams.pinned`` (torch's pinned caching allocator would round every
+    parameter up to a power of two and keep the memory after it is freed). They replace the
+    parameters' tensors block by block, and ``restore`` gives every parameter a tensor of its
+    own back and each region back to the system, block by block: at most one block's weights
+    exist twice at any time."""
 
     def __init__(self, blocks: Sequence[nn.Module], device: torch.device, meter_exclude):
         self.device = device
+        self.streams = Streams(device)
         self.block_params = [[p for p in b.parameters()] for b in blocks]
         self.home: dict[nn.Parameter, torch.Tensor] = {}
-        pin = device.type == "cuda"
+        self.regions: list[tuple[list[nn.Parameter], torch.Tensor]] = []
         for params in self.block_params:
-            for p in params:
-                if p not in self.home:
-                    host = p.data.detach().to("cpu")
-                    self.home[p] = host.pin_memory() if pin else host.clone()
-                    p.data = self.home[p]
+            mine = list(dict.fromkeys(p for p in params if p not in self.home))
+            for dtype in dict.fromkeys(p.dtype for p in mine):
+                group = [p for p in mine if p.dtype == dtype]
+                region = self.streams.pinned(sum(p.numel() for p in group), dtype)
+                off = 0
+                for p in group:
+                    home = region[off:off + p.numel()].view(p.shape)
+                    home.copy_(p.data)
+                    self.home[p] = home
+                    p.data = home           # the parameter's own tensor can go now
+                    off += p.numel()
+                self.regions.append((group, region))
         self.loaded: set[int] = set()
         self.max_loaded = 0
         self.meter_exclude = meter_exclude
-        self.load_seconds = 0.0
 
     def _bytes(self, i: int) -> int:
         return sum(p.numel() * p.element_size() for p in self.block_params[i])
@@ -124,7 +141,10 @@ class _ParamStreamer:
         if i in self.loaded:
             return
         for p in self.block_params[i]:
-            p.data = self.home[p].to(self.device, copy=True)
+            # From pinned memory without blocking the host: a blocking copy would drain the
+            # compute stream at every boundary and leave the device idle while the next
+            # kernels are launched, time the profile would charge to the blocks.
+            p.data = self.home[p].to(self.device, copy=True, non_blocking=True)
         self.loaded.add(i)
         self.max_loaded = max(self.max_loaded, len(self.loaded))
         self.meter_exclude(self._bytes(i))
@@ -140,9 +160,12 @@ class _ParamStreamer:
     def restore(self, original: dict[nn.Parameter, torch.device]) -> None:
         for i in list(self.loaded):
             self.unload(i)
-        for p, dev in original.items():
-            if p in self.home:
-                p.data = self.home[p].to(dev)
+        self.streams.synchronize()          # no upload still reads a region
+        for group, region in self.regions:
+            for p in group:
+                p.data = self.home.pop(p).to(original.get(p, self.device), copy=True)
+            self.streams.unpin(region)
+        self.regions = []
 
 
 class _Clock:
@@ -241,24 +264,27 @@ class _Tracer:
 
     def run(self, *, name, micro_batch, seq_len) -> ModelProfile:
         from tqdm.auto import tqdm
-        hooked_passes = 3 if self.stream else 2  # warm-up is hooked only when streaming
+        # Warm-up is hooked when streaming (the model cannot run without), and so is its
+        # one plain pass: the streaming hooks alone, its uploads timed and taken out.
+        hooked_passes = 4 if self.stream else 2
         self.bar = tqdm(total=hooked_passes * 2 * len(self.blocks), desc="protrain: profiling",
                         unit="block", disable=not self.progress, leave=False)
         stats = [_PartStats() for _ in range(self.n_parts)]
         try:
             self.bar.set_postfix_str("warm-up")
             self._pass(hooks=self.stream)
-            plain_time = None
-            if not self.stream:
-                # Best of two un-hooked iterations: the steady-state time the hooked part
-                # times are rescaled to.
-                self.bar.set_postfix_str("plain")
-                for _ in range(2):
-                    self.clock.sync()
-                    t0 = time.perf_counter()
-                    self._pass(hooks=False)
-                    self.clock.sync()
-                    plain_time = min(plain_time or np.inf, time.perf_counter() - t0)
+            # Best of the un-hooked iterations: the steady-state time the hooked part times
+            # are rescaled to.
+            self.bar.set_postfix_str("plain")
+            plain_time = np.inf
+            for _ in range(1 if self.stream else 2):
+                loads: list = []
+                self.clock.sync()
+                t0 = time.perf_counter()
+                self._pass(hooks=self.stream, loads=loads)
+                self.clock.sync()
+                plain_time = min(plain_time, time.perf_counter() - t0 -
+                                 sum(self.clock.elapsed(a, b) for a, b in loads))
             self.bar.set_postfix_str("timing")
             attention = AttentionTimer(self.clock, lambda: self.state)
             with attention:
@@ -270,7 +296,7 @@ class _Tracer:
         finally:
             self.bar.close()
         hooked = sum(s.fwd_time + s.bwd_time for s in stats)
-        slowdown = hooked / plain_time if plain_time and hooked > 0 else 1.0
+        slowdown = hooked / plain_time if plain_time > 0 and hooked > 0 else 1.0
         records = self._param_records(order, uses)
         names = self._block_names()
         attn_fwd, attn_bwd = attention.times()
@@ -304,24 +330,32 @@ class _Tracer:
 
     # ---- one iteration with the requested instrumentation ------------------------------
     def _pass(self, *, hooks: bool, timing: bool = False, stats=None, on_boundary=None,
-              ledger: _SaveLedger | None = None):
-        """Run forward + backward. Returns the timing marks [(phase, part, clock mark)]."""
+              ledger: _SaveLedger | None = None, loads=None):
+        """Run forward + backward. Returns the timing marks [(phase, part, clock mark)]; a
+        "load" mark starts the upload of streamed weights, which belongs to no part. ``loads``
+        receives the (start, end) clock marks of every upload."""
         self.rng.restore()
         marks: list[tuple[str, int, object]] = []
 
         n_blocks = len(self.blocks)
 
         def boundary(phase: str, part: int, x: torch.Tensor | None = None):
-            # Stream first, then mark, so copies are not timed as compute. Entering a part
-            # releases the block just left and brings in the one entered.
+            # Entering a part releases the block just left and brings in the one entered. The
+            # upload is queued on the compute stream between two marks, so it is timed as
+            # neither the part left nor the part entered.
             if self.streamer is not None:
                 if self.registry is not None:
                     self.registry.paused = True
+                start = self.clock.mark() if timing or loads is not None else None
+                if timing:
+                    marks.append(("load", part, start))
                 left = part - 1 if phase == "fwd" else part + 1
                 if 1 <= left <= n_blocks:
                     self.streamer.unload(left - 1)
                 if 1 <= part <= n_blocks:
                     self.streamer.load(part - 1)
+                if loads is not None:
+                    loads.append((start, self.clock.mark()))
                 if self.registry is not None:
                     self.registry.paused = False
                 self._refresh_param_ptrs()

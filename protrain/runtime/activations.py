@@ -85,25 +85,33 @@ class _Stored:
 @dataclass
 class HostStash:
     """SWAP: pinned host arena of one block, reused every iteration (bump allocation); copies
-    on the offload / upload streams."""
+    on the offload / upload streams. A block that saves more than its arena holds (a shape
+    the profile did not see) gets extra pinned regions for that iteration; at the end of the
+    iteration they are given back and the arena grows to what the block needed, so the next
+    iterations allocate nothing."""
 
     arena: torch.Tensor
     streams: Streams
     used: int = 0
     stored: dict[int, _Stored] = field(default_factory=dict)
-    overflowed: bool = False
+    extra: list[torch.Tensor] = field(default_factory=list)
+    """Pinned regions beyond the arena, this iteration."""
+    need: int = 0
+    """Arena bytes this iteration would have needed."""
     min_bytes: int = 0
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         start = (self.used + 511) // 512 * 512   # 512-byte alignment for fast copies
-        if start + nbytes > self.arena.numel():
-            if not self.overflowed:
-                log.warning("protrain: a swapped block saved more than its profile said (%d bytes "
-                            "beyond the arena); allocating extra pinned memory (slow). Re-plan if "
-                            "shapes changed.", start + nbytes - self.arena.numel())
-                self.overflowed = True
-            return self.streams.pinned(nbytes, torch.uint8)
         self.used = start + nbytes
+        self.need = max(self.need, self.used)
+        if self.used > self.arena.numel():
+            if not self.extra:
+                log.warning("protrain: a swapped block saved more than its profile said (%d bytes "
+                            "beyond the arena); extra pinned memory this iteration, a larger arena "
+                            "from the next. Re-plan if shapes changed for good.",
+                            self.used - self.arena.numel())
+            self.extra.append(self.streams.pinned(nbytes, torch.uint8))
+            return self.extra[-1]
         return self.arena[start:start + nbytes]
 
     def begin_write(self, e: _Stored, src: torch.Tensor) -> None:
@@ -124,6 +132,10 @@ class HostStash:
 
     def reset(self) -> None:
         for e in self.stored.values():
+            if e.device_src is not None:
+                # Written in a forward that did not finish (an error): the copy still reads
+                # device memory the allocator reuses once the entry is dropped.
+                self.finish_write(e)
             if e.device_back is not None:
                 # Prefetched but never handed back: the upload queue may still be writing
                 # there, and the caching allocator would give that memory to the compute
@@ -131,6 +143,20 @@ class HostStash:
                 self.streams.wait(e.in_done)
         self.stored.clear()
         self.used = 0
+        if self.extra:
+            # Every copy of this iteration is done (waited above or in backward).
+            for t in self.extra:
+                self.streams.unpin(t)
+            self.extra = []
+            self.streams.unpin(self.arena)
+            self.arena = self.streams.pinned(self.need, torch.uint8)
+        self.need = 0
+
+    def close(self) -> None:
+        """Give the pinned memory back (the copies are done)."""
+        for t in self.extra + [self.arena]:
+            self.streams.unpin(t)
+        self.extra = []
 
 
 @dataclass
@@ -193,7 +219,8 @@ class ActivationRuntime:
             if ssd_root is None:
                 raise StorageConfigError("the plan puts blocks on NVMe but no ssd_path is configured")
             self.rundir = RunDirectory(ssd_root, sum(caps[i] for i in ssd_blocks))
-            self.store = ssd_store or choose_store(device, self.rundir.path, verify=ssd_verify)
+            self.store = ssd_store or choose_store(device, self.rundir.path, verify=ssd_verify,
+                                                   streams=streams)
             for i in ssd_blocks:
                 self.stashes[i] = SSDStash(BlockFile(self.rundir.path / f"block{i:04d}.act", caps[i]),
                                            self.store, streams, min_bytes=ssd_min_bytes)
@@ -214,9 +241,12 @@ class ActivationRuntime:
         if self._ckpt is not None:
             self._ckpt.__exit__(None, None, None)
             self._ckpt = None
+        self.streams.synchronize()       # no queued copy may still use what is given back
         for stash in self.stashes.values():
             if isinstance(stash, SSDStash):
                 stash.file.close()
+            else:
+                stash.close()
         if self.store is not None:
             self.store.close()
             self.store = None

@@ -299,10 +299,11 @@ class ChunkManager:
         for s in c.slots:
             if not s.has_grad:
                 buf[s.offset:s.stop].zero_()
-        c.move(ChunkState.GRADS)
-        after = self.streams.compute_event()
         if self.dp.world > 1:
-            buf[c.numel:self.dp.world * c.shard_size].zero_()
+            buf[c.numel:self.dp.world * c.shard_size].zero_()   # the reduce-scatter reads it
+        c.move(ChunkState.GRADS)
+        after = self.streams.compute_event()     # after every write above
+        if self.dp.world > 1:
             with self.streams.side("offload", after=after):
                 mine = self.dp.reduce_scatter_(buf, c.shard_size)
                 mine.div_(self.dp.world)          # DeepSpeed averages gradients over ranks
@@ -353,13 +354,14 @@ class ChunkManager:
 
     def close(self, to_host: bool = False, gather: bool = True) -> None:
         """Leave every parameter as a standalone tensor holding its current value (persistent
-        ones on the device, offloaded ones on the host; all on the host with ``to_host``).
-        With several ranks the shards are gathered first: every rank must call it (or pass
-        ``gather=False``, at interpreter shutdown, to drop sharded values instead)."""
+        ones on the device, offloaded ones on the host; all on the host with ``to_host``) and
+        drop every chunk tensor, device and host, so their memory is given back now (a re-plan
+        allocates new chunks right after). With several ranks the shards are gathered first:
+        every rank must call it (or pass ``gather=False``, at interpreter shutdown, to drop
+        sharded values instead)."""
         world = self.dp.world
         if world > 1 and not gather:
-            self.pool.tensors = []
-            self.streams.release_pinned()
+            self._drop()
             return
         self.evict_all()
         for c in self.chunks:
@@ -374,5 +376,12 @@ class ChunkManager:
             full = full.cpu()
             for s in c.slots:
                 s.param.data = full[s.offset:s.stop].clone().view(s.shape)
+        self._drop()
+
+    def _drop(self) -> None:
+        self.streams.release_pinned()       # waits for the copies still queued first
         self.pool.tensors = []
-        self.streams.release_pinned()
+        self.pool.owner = [None] * len(self.pool.owner)
+        for c in self.chunks:
+            c.data = c.grad = c.shadow = c.grad_acc = c.master = c.exp_avg = c.exp_avg_sq = None
+            c.ready = c.grads_on_host = None

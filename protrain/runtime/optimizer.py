@@ -33,24 +33,48 @@ log = logging.getLogger("protrain")
 
 class HostWorker:
     """Runs host-side work (gradient accumulation, CPU Adam) in order, on a thread when a GPU
-    keeps computing meanwhile, inline on CPU-only machines."""
+    keeps computing meanwhile, inline on CPU-only machines.
 
-    def __init__(self, threaded: bool):
+    After a task fails the remaining ones are skipped (their inputs may be inconsistent) and
+    the error is raised by the next ``drain``; ``on_error`` callbacks wake whoever waits for
+    something only a skipped task would have given back."""
+
+    def __init__(self, threaded: bool, bind: Callable[[], None] | None = None):
         self.threaded = threaded
         self._error: BaseException | None = None
+        self._on_error: list[Callable[[], None]] = []
         if threaded:
             self._q: queue.Queue = queue.Queue()
-            self._t = threading.Thread(target=self._run, name="protrain-host", daemon=True)
+            self._t = threading.Thread(target=self._run, args=(bind,), name="protrain-host",
+                                       daemon=True)
             self._t.start()
 
-    def _run(self) -> None:
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def on_error(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (on the worker thread) when a task fails."""
+        self._on_error.append(fn)
+
+    def _fail(self, e: BaseException) -> None:
+        self._error = e
+        for fn in self._on_error:
+            fn()
+
+    def _run(self, bind) -> None:
+        if bind is not None:
+            try:
+                bind()                # this thread's device calls go to the runtime's device
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread in drain()
+                self._fail(e)
         while True:
             fn = self._q.get()
             try:
                 if fn is not None and self._error is None:
                     fn()
             except BaseException as e:  # noqa: BLE001 - re-raised on the main thread in drain()
-                self._error = e
+                self._fail(e)
             finally:
                 self._q.task_done()
             if fn is None:
@@ -90,7 +114,7 @@ class ChunkOptimizer:
         self.clip = clip
         self.loss_scaler = loss_scaler
         self.params_in_order = params_in_order
-        self.worker = HostWorker(threaded=streams.asynchronous)
+        self.worker = HostWorker(threaded=streams.asynchronous, bind=streams.bind_thread)
         self._pause = pause_accounting or (lambda: _nullcontext())
         self.overlap = clip <= 0 and loss_scaler is None
         # The first optimizer step after a (re)plan updates nothing during backward: an out-of-
@@ -104,12 +128,18 @@ class ChunkOptimizer:
             self._staging = [streams.pinned(cap, self.m.dtype) for _ in range(2)]
             self._staging_free = [0, 1]
             self._staging_lock = threading.Condition()
-        self._updated: set[int] = set()
+            self.worker.on_error(self._wake_staging)
+        self._queued: set[int] = set()
+        """Offloaded chunks whose CPU Adam update of this step was submitted (main thread's
+        view: the worker may still be running it)."""
+        self._late: set[int] = set()
+        """Offloaded chunks that received a gradient after their backward was declared done
+        (a parameter used outside the part it was profiled in): updated in ``step`` only,
+        once every gradient exists."""
         self._dirty = False   # gradients arrived since the last reset
         self._dirty_before_forward = False   # ... before the current micro-batch
         self.overflow = False
         self.global_grad_norm: float | None = None
-        self._warned_late = False
 
     # ---- backward ------------------------------------------------------------------------
     def on_grad(self, p: nn.Parameter) -> None:
@@ -130,12 +160,21 @@ class ChunkOptimizer:
                     f"cannot repair; re-profile (delete the plan file) or report the model")
             else:
                 # The chunk's backward was declared done before this gradient arrived (a
-                # parameter used outside its part). Correct, but slow: add it on the host.
-                if not self._warned_late:
+                # parameter used outside its part). Correct, but slow: add it on the host, and
+                # update this chunk only in step() from now on.
+                if c.index in self._queued:
+                    raise RuntimeError(
+                        f"gradient of {s.name} arrived after CPU Adam already updated its chunk "
+                        f"{c.index} in this step: the model uses it outside the part it was "
+                        f"profiled in, and started doing so after the first step of the plan, so "
+                        f"this step cannot be applied exactly. Resume from the last checkpoint (the "
+                        f"first step after a plan finds such parameters and defers their chunk's "
+                        f"update to the end of backward)")
+                if c.index not in self._late:
                     log.warning("protrain: gradient of %s arrived after its chunk left the device; "
-                                "handled on the host (slow). The model uses it outside the part "
-                                "it was profiled in.", s.name)
-                    self._warned_late = True
+                                "handled on the host (slow), chunk %d updated after backward. The "
+                                "model uses it outside the part it was profiled in.", s.name, c.index)
+                    self._late.add(c.index)
                 self.worker.drain()
                 self.streams.host_wait(c.grads_on_host)
                 target = self._landing(c)
@@ -157,14 +196,30 @@ class ChunkOptimizer:
             slot = self._take_staging()
             self.m.offload_grads(c, self._staging[slot][:c.shard_size])
             self.worker.submit(lambda c=c, slot=slot: self._accumulate(c, slot))
-        if boundary and self.overlap and not self.probation and c.index not in self._updated:
+        if boundary and self.overlap and not self.probation and c.index not in self._queued \
+                and c.index not in self._late:
+            self._queued.add(c.index)
             self.worker.submit(lambda c=c: self._host_update(c, coef=None))
+
+    def can_redo_micro_batch(self) -> bool:
+        """Whether this micro-batch's backward can be dropped and run again exactly: no chunk
+        update of the step has been submitted (the worker may be running one: that is as good
+        as applied), and no gradient of an earlier micro-batch is mixed with this one's."""
+        return not self._queued and not (self.gas > 1 and self._dirty_before_forward)
 
     def _take_staging(self) -> int:
         with self._staging_lock:
-            while not self._staging_free:
+            while not self._staging_free and not self.worker.failed:
                 self._staging_lock.wait()
-            return self._staging_free.pop(0)
+            if self._staging_free:
+                return self._staging_free.pop(0)
+        # The worker failed: the task that would have given a buffer back was skipped.
+        self.worker.drain()
+        raise RuntimeError("protrain: host-side optimizer work failed")
+
+    def _wake_staging(self) -> None:
+        with self._staging_lock:
+            self._staging_lock.notify_all()
 
     def _accumulate(self, c: Chunk, slot: int) -> None:
         self.streams.host_wait(c.grads_on_host)
@@ -207,7 +262,8 @@ class ChunkOptimizer:
             elif inv_scale != 1.0:
                 coef = torch.tensor([inv_scale])
             for c in self.m.offloaded():
-                if c.index not in self._updated:
+                if c.index not in self._queued:
+                    self._queued.add(c.index)
                     self.worker.submit(lambda c=c, coef=coef: self._host_update(c, coef))
             for c in self.m.chunks:
                 if c.persistent:
@@ -217,6 +273,7 @@ class ChunkOptimizer:
         self.probation = False
 
     def _reset(self) -> None:
+        self._queued.clear()
         if not self._dirty:
             return
         self._dirty = False
@@ -227,7 +284,6 @@ class ChunkOptimizer:
                 c.grad_acc.zero_()
             for s in c.slots:
                 s.has_grad = False
-        self._updated.clear()
 
     def zero_grad(self) -> None:
         """Gradients are cleared by ``step``; an explicit zero_grad between micro-batches (not
@@ -278,7 +334,6 @@ class ChunkOptimizer:
             self._update(c, self._landing(c), self.host_kernel, coef)
             if c.shadow is not None:
                 c.shadow.copy_(c.master)      # the next upload's source: updated parameters
-        self._updated.add(c.index)
 
     def _device_update(self, c: Chunk, coef) -> None:
         self._update(c, c.grad, self.device_kernel, coef)

@@ -94,11 +94,7 @@ class ProTrainRuntime:
             n_persist=plan.knobs.n_persist, n_buffer=plan.knobs.n_buffer,
             chunk_capacity=layout.chunk_numel, group_of=group_of, device=device,
             streams=self.streams, grad_accumulation=setup.grad_accumulation_steps > 1, dp=dp)
-        host_kernel = TorchAdamKernel(fused=False) if setup.torch_adam else CPUAdamKernel(setup.adamw)
-        if device.type == "cuda":
-            device_kernel = TorchAdamKernel(fused=True)
-        else:
-            device_kernel = host_kernel  # on CPU the "device" Adam is the host one: same bits
+        host_kernel, device_kernel = adam_kernels(device, setup, bool(self.chunks.offloaded()))
         self.accounting = DeviceAccounting(device) if accounting else None
         in_order = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = ChunkOptimizer(
@@ -195,7 +191,8 @@ class ProTrainRuntime:
         uninterrupted run would be, so training continues bit for bit."""
         steps = max((s.step for c in self.chunks.chunks for s in c.slots), default=0)
         hyper = self.setup.hyper(self.setup.param_groups[0])
-        for kernel in {id(k): k for k in (self.optimizer.host_kernel, self.optimizer.device_kernel)}.values():
+        for kernel in {id(k): k for k in (self.optimizer.host_kernel, self.optimizer.device_kernel)
+                       if k is not None}.values():
             kernel.prime(steps, hyper)
 
     # ---- boundaries -----------------------------------------------------------------------
@@ -280,6 +277,19 @@ class ProTrainRuntime:
         if self.accounting is None:
             raise RuntimeError("device_peak() needs the runtime built with accounting=True")
         return self.accounting.peak
+
+
+def adam_kernels(device: torch.device, setup: OptimizerSetup, offloaded: bool):
+    """(host kernel, device kernel). DeepSpeed's CPU Adam (built by a compiler on first use) is
+    made only where something runs on the host: offloaded chunks, or a CPU "device", whose
+    Adam is the host one (same bits as DeepSpeed's). With every chunk on a GPU there is no
+    host kernel, so a machine without a compiler trains all the same."""
+    if device.type == "cuda":
+        host = (TorchAdamKernel(fused=False) if setup.torch_adam else CPUAdamKernel(setup.adamw)) \
+            if offloaded else None
+        return host, TorchAdamKernel(fused=True)
+    host = TorchAdamKernel(fused=False) if setup.torch_adam else CPUAdamKernel(setup.adamw)
+    return host, host
 
 
 class DeviceAccounting:

@@ -5,7 +5,8 @@
   (GDS driver missing) - the copies then share PCIe with chunk traffic;
 - ``posix``: a thread pool doing pread/pwrite (O_DIRECT when buffer, size and offset are
   aligned), for machines where kvikio cannot run (no libcuda: CPU machines, CI). Device
-  tensors are staged through host memory.
+  tensors are staged through a pinned bounce buffer per thread, copied on that thread's own
+  stream (``Streams.copy_in_thread``), never on the compute stream.
 
 Writes and reads are asynchronous (futures) on separate store and load pools; a write starts
 only after the event of the stream that produced the data. Every error names the file and the
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ..units import fmt_bytes
+from .streams import Streams
 
 log = logging.getLogger("protrain")
 
@@ -228,16 +230,31 @@ class BlockFile:
 
 
 # ---- backends ------------------------------------------------------------------------------
+STAGE_BYTES = 4 * 2**20
+"""Size of the POSIX backend's pinned bounce buffer, per I/O thread."""
+
+
 class PosixStore:
-    """pread/pwrite from thread pools. Device tensors go through host memory."""
+    """pread/pwrite from thread pools. Device tensors go through a pinned bounce buffer."""
 
     name = "posix"
     shares_pcie = True
 
-    def __init__(self, threads: int = 4, verify: bool = False):
-        self.store_pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="protrain-ssd-store")
-        self.load_pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="protrain-ssd-load")
+    def __init__(self, threads: int = 4, verify: bool = False, streams: Streams | None = None,
+                 stage_host: bool = False):
+        """``streams``: the runtime's (its device, pinned memory, the threads' binding);
+        ``stage_host`` also bounces host tensors (tests of the staged path on CPU)."""
+        bind = streams.bind_thread if streams is not None else None
+        self.store_pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="protrain-ssd-store",
+                                                initializer=bind)
+        self.load_pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="protrain-ssd-load",
+                                               initializer=bind)
         self.verify = verify
+        self.streams = streams
+        self.stage_host = stage_host
+        self._local = threading.local()
+        self._bounce_buffers: list[torch.Tensor] = []
+        self._lock = threading.Lock()
 
     def write(self, f: BlockFile, offset: int, src: torch.Tensor, after=None) -> cf.Future:
         """Write the uint8 tensor ``src`` at ``offset``; returns a future of its CRC32 (or None)."""
@@ -255,38 +272,75 @@ class PosixStore:
         crc = written.result() if written is not None and not written.cancelled() else None
         return self._read(f, offset, dst, crc)
 
+    def _staged(self, t: torch.Tensor) -> bool:
+        return t.device.type != "cpu" or self.stage_host
+
+    def _bounce(self, t: torch.Tensor) -> torch.Tensor:
+        """This thread's pinned bounce buffer (4 KiB aligned: O_DIRECT)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            if self.streams is None:
+                self.streams = Streams(t.device)
+            raw = self.streams.pinned(STAGE_BYTES + ALIGN, torch.uint8)
+            skip = (-raw.data_ptr()) % ALIGN
+            buf = self._local.buf = raw[skip:skip + STAGE_BYTES]
+            with self._lock:
+                self._bounce_buffers.append(raw)
+        return buf
+
     def _write(self, f, offset, src, after):
         if after is not None:
             after.synchronize()
-        host = src if src.device.type == "cpu" else src.to("cpu")
-        data = memoryview(host.numpy()).cast("B")
+        if not self._staged(src):
+            data = memoryview(src.numpy()).cast("B")
+            self._pwrite(f, data, offset, src.data_ptr())
+            return zlib.crc32(data) if self.verify else None
+        buf, crc = self._bounce(src), 0
+        for i in range(0, src.numel(), STAGE_BYTES):
+            n = min(STAGE_BYTES, src.numel() - i)
+            self.streams.copy_in_thread(buf[:n], src[i:i + n])
+            data = memoryview(buf[:n].numpy()).cast("B")
+            self._pwrite(f, data, offset + i, buf.data_ptr())
+            crc = zlib.crc32(data, crc) if self.verify else 0
+        return crc if self.verify else None
+
+    def _pwrite(self, f, data, offset, addr):
         try:
-            _pwrite_all(f, data, offset, host.data_ptr())
+            _pwrite_all(f, data, offset, addr)
         except OSError as e:
             raise StorageIOError(f"writing {len(data)} bytes to {f.path} at offset {offset} failed: {e}") from e
-        return zlib.crc32(data) if self.verify else None
 
-    def _read(self, f, offset, dst, crc):
-        host = dst if dst.device.type == "cpu" else torch.empty(dst.numel(), dtype=torch.uint8)
-        buf = memoryview(host.numpy()).cast("B")
+    def _pread(self, f, buf, offset, addr):
         try:
-            _pread_all(f, buf, offset, host.data_ptr())
+            _pread_all(f, buf, offset, addr)
         except OSError as e:
             raise StorageIOError(f"reading {len(buf)} bytes from {f.path} at offset {offset} failed: {e}") from e
-        if crc is not None and zlib.crc32(buf) != crc:
-            raise StorageIOError(f"{f.path} at offset {offset}: the {len(buf)} bytes read back fail "
+
+    def _read(self, f, offset, dst, crc):
+        if not self._staged(dst):
+            buf = memoryview(dst.numpy()).cast("B")
+            self._pread(f, buf, offset, dst.data_ptr())
+            got = zlib.crc32(buf) if crc is not None else None
+        else:
+            bounce, got = self._bounce(dst), 0
+            for i in range(0, dst.numel(), STAGE_BYTES):
+                n = min(STAGE_BYTES, dst.numel() - i)
+                data = memoryview(bounce[:n].numpy()).cast("B")
+                self._pread(f, data, offset + i, bounce.data_ptr())
+                if crc is not None:
+                    got = zlib.crc32(data, got)
+                self.streams.copy_in_thread(dst[i:i + n], bounce[:n])
+        if crc is not None and got != crc:
+            raise StorageIOError(f"{f.path} at offset {offset}: the {dst.numel()} bytes read back fail "
                                  f"their checksum (the data on the drive changed)")
-        if host is not dst:
-            dst.copy_(host)
-            if dst.is_cuda:
-                # This thread's stream is not the compute stream: the copy must be complete
-                # before the future says the data is there.
-                torch.cuda.current_stream(dst.device).synchronize()
         return None
 
     def close(self) -> None:
         self.store_pool.shutdown(wait=True)
         self.load_pool.shutdown(wait=True)
+        for t in self._bounce_buffers:
+            self.streams.unpin(t)
+        self._bounce_buffers = []
 
 
 def _direct_ok(f: BlockFile, addr: int, nbytes: int, offset: int) -> bool:
@@ -332,7 +386,10 @@ class KvikioStore:
 
     name = "kvikio"
 
-    def __init__(self, threads: int = 4, verify: bool = False):
+    def __init__(self, threads: int = 4, verify: bool = False, streams: Streams | None = None,
+                 root: Path | None = None):
+        """``root``: the directory the files will live in (whether its file system takes
+        GPUDirect Storage); ``streams``: the runtime's (the pool threads' device)."""
         import kvikio
         import kvikio.defaults
         self.kvikio = kvikio
@@ -340,11 +397,14 @@ class KvikioStore:
             kvikio.defaults.set({"num_threads": threads})
         except Exception:  # noqa: BLE001 - older kvikio: keep its default
             pass
-        self.gds = not _kvikio_compat(kvikio)
+        self.gds = _kvikio_gds(kvikio, root)
         self.name = "kvikio (GPUDirect Storage)" if self.gds else "kvikio (compatibility mode)"
         self.shares_pcie = not self.gds
-        self.store_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="protrain-ssd-store")
-        self.load_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="protrain-ssd-load")
+        bind = streams.bind_thread if streams is not None else None
+        self.store_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="protrain-ssd-store",
+                                                initializer=bind)
+        self.load_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="protrain-ssd-load",
+                                               initializer=bind)
         self.verify = verify
         self._files: dict[Path, object] = {}
 
@@ -409,12 +469,53 @@ def _kvikio_compat(kvikio) -> bool:
     return True
 
 
-def choose_store(device: torch.device, root: Path, *, verify: bool = False, threads: int = 4):
+GDS_FILE_SYSTEMS = frozenset({"ext4", "xfs", "lustre", "gpfs", "wekafs", "beegfs"})
+"""File systems cuFile reads and writes directly (local NVMe, or distributed ones with GDS
+support); elsewhere kvikio falls back to POSIX for the file, whatever its global setting."""
+
+
+def file_system_type(path) -> str | None:
+    """Type of the file system ``path`` is on (the longest mount point above it)."""
+    path = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = fields[1].replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, fields[2]
+    except OSError:
+        return None
+    return kind
+
+
+def _kvikio_gds(kvikio, root) -> bool:
+    """Whether kvikio's I/O on files under ``root`` goes through GPUDirect Storage: kvikio does
+    not prefer its compatibility mode, the cuFile driver says GDS is available, and ``root``
+    is on a file system cuFile serves (kvikio's AUTO mode falls back per file otherwise)."""
+    if _kvikio_compat(kvikio):
+        return False
+    try:
+        import kvikio.cufile_driver
+        if not kvikio.cufile_driver.DriverProperties().is_gds_available:
+            return False
+    except Exception:  # noqa: BLE001 - an older kvikio, no driver: assume the bounce
+        return False
+    return root is not None and file_system_type(root) in GDS_FILE_SYSTEMS
+
+
+def choose_store(device: torch.device, root: Path, *, verify: bool = False, threads: int = 4,
+                 streams: Streams | None = None):
     """kvikio on CUDA when it can actually do I/O on ``root`` (it needs libcuda), else POSIX.
-    The choice is reported at start-up by the caller (``store.name``)."""
+    The choice is reported at start-up by the caller (``store.name``). ``streams``: the
+    runtime's (default: new ones for ``device``)."""
+    streams = streams or Streams(device)
     if device.type == "cuda":
         try:
-            store = KvikioStore(threads, verify)
+            store = KvikioStore(threads, verify, streams=streams, root=root)
             probe = root / ".kvikio-probe"
             f = BlockFile(probe, ALIGN)
             buf = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
@@ -424,4 +525,4 @@ def choose_store(device: torch.device, root: Path, *, verify: bool = False, thre
             return store
         except Exception as e:  # noqa: BLE001 - no kvikio, no libcuda, no GDS file system
             log.warning("protrain: kvikio cannot do I/O here (%s); using the POSIX backend", e)
-    return PosixStore(threads, verify)
+    return PosixStore(threads, verify, streams=streams)

@@ -1,12 +1,18 @@
-"""The runtime's queues: compute, upload (H2D) and offload (D2H).
+"""The runtime's queues: compute, upload (H2D) and offload (D2H); pinned host memory; the
+device binding of helper threads.
 
 The cost model assumes one FIFO per copy direction next to compute: chunk uploads and swap
 prefetches share the upload queue in issue order, gradients and swap-outs share the offload
 queue. On CUDA these are two side streams synchronised with events; on CPU (tests) there are
 no streams: every copy is synchronous and every event is None, so the same code paths run.
+
+Every CUDA call of the runtime that is not a kernel launch lives here (and in the storage
+backends), so the device-specific part can be read - and emulated on CPU by
+tests/deferred_streams.py - as a whole.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import nullcontext
 
 import torch
@@ -14,15 +20,42 @@ import torch
 
 class Streams:
     def __init__(self, device: torch.device):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.cuda = device.type == "cuda"
         self.asynchronous = self.cuda
         """Copies may still be in flight when ``copy`` returns (host work can then overlap)."""
         self._registered: list[torch.Tensor] = []
+        self._thread = threading.local()
         if self.cuda:
             self.upload = torch.cuda.Stream(device)
             self.offload = torch.cuda.Stream(device)
 
+    # ---- helper threads -------------------------------------------------------------------
+    def bind_thread(self) -> None:
+        """Select this runtime's device in the calling thread. A new thread starts on device 0:
+        without this, on a multi-GPU node every rank's helper threads (CPU Adam, SSD I/O) would
+        create a CUDA context on GPU 0 and queue their copies there. Helper threads call it
+        first (``HostWorker``, the storage backends' pool initializers)."""
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
+    def copy_in_thread(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy between device memory and pinned host memory from a helper thread and wait for
+        it, on that thread's own stream: the compute stream is neither used nor waited for
+        (the legacy default stream would serialise with every kernel of the step)."""
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        stream = getattr(self._thread, "stream", None)
+        if stream is None:
+            stream = self._thread.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+
+    # ---- queues ---------------------------------------------------------------------------
     def compute_event(self):
         """An event marking everything queued on the compute stream so far."""
         if not self.cuda:
@@ -81,20 +114,45 @@ class Streams:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
+    # ---- pinned host memory -----------------------------------------------------------------
     def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Host memory for copies: page-locked on CUDA, plain on CPU. Registered with
         cudaHostRegister rather than taken from torch's pinned caching allocator, which rounds
-        every block up to a power of two (up to 2x the host memory the plan counted)."""
+        every block up to a power of two and keeps it after it is freed (up to 2x the host
+        memory the plan counted, for the whole run). Give it back with ``unpin`` or
+        ``release_pinned``."""
         t = torch.empty(numel, dtype=dtype)
-        if self.cuda and numel:
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
-                t.data_ptr(), t.numel() * t.element_size(), 0))
+        if numel and self._register(t):
             self._registered.append(t)
         return t
 
+    def unpin(self, t: torch.Tensor) -> None:
+        """Give back one region from ``pinned`` (no queued copy may use it any more)."""
+        for i, r in enumerate(self._registered):
+            if r is t:
+                del self._registered[i]
+                self._unregister(t)
+                return
+
     def release_pinned(self) -> None:
-        """Unregister the page-locked host memory (before the tensors are freed)."""
-        if self.cuda:
-            for t in self._registered:
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        """Give back every region from ``pinned``, once the copies still queued (which may read
+        or write them) are done."""
+        self.synchronize()
+        for t in self._registered:
+            self._unregister(t)
         self._registered = []
+
+    def pinned_bytes(self) -> int:
+        """Host bytes registered by ``pinned`` and not yet given back."""
+        return sum(t.numel() * t.element_size() for t in self._registered)
+
+    def _register(self, t: torch.Tensor) -> bool:
+        if not self.cuda:
+            return False
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
+            t.data_ptr(), t.numel() * t.element_size(), 0))
+        return True
+
+    def _unregister(self, t: torch.Tensor) -> None:
+        if self.cuda:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
