@@ -145,7 +145,7 @@ class SequenceParallelForward:
             self.factor = used
             return
         runtime = self.engine.protrain_runtime
-        if self.factor is None and runtime.optimizer.probation and not runtime.optimizer._updated:
+        if self.factor is None and runtime.optimizer.probation and not runtime.optimizer._queued:
             # First micro-step after planning: nothing is applied yet, rescale and learn.
             scale_accumulated_gradients(runtime, actual / used)
             self.factor = actual
