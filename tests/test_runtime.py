@@ -21,7 +21,8 @@ HW = HardwareProfile(name="test", source="measured", device_type="cpu", device_m
 PINS = KnobPins(chunk_size=110 * 1024, n_persist=2, n_buffer=4, n_swap=1, n_checkpoint=2)
 
 
-def build(model, *, lr=1e-3, clip=0.0, loss_scaler=None, torch_adam=True, pins=PINS):
+def build(model, *, lr=1e-3, clip=0.0, loss_scaler=None, torch_adam=True, pins=PINS,
+          speculate_chunks=None):
     x, y = synthetic_batch(CFG, 2, seed=100)
     prof = profile_model(model, lambda m: m(x, y), progress=False)
     plan = search(prof, HW, PlannerConfig(pins=pins))
@@ -31,7 +32,8 @@ def build(model, *, lr=1e-3, clip=0.0, loss_scaler=None, torch_adam=True, pins=P
         return AdamHyper(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                          weight_decay=g["weight_decay"], bias_correction=True, adamw=True)
     setup = OptimizerSetup(param_groups=shell.param_groups, hyper=hyper, adamw=True,
-                           torch_adam=torch_adam, clip=clip, loss_scaler=loss_scaler)
+                           torch_adam=torch_adam, clip=clip, loss_scaler=loss_scaler,
+                           speculate_chunks=speculate_chunks)
     return ProTrainRuntime(model, model.transformer.h, plan, plan.layout(),
                            [r.name for r in plan.params], torch.device("cpu"), setup,
                            swap_bytes=plan.block_saved_bytes)

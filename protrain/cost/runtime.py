@@ -102,14 +102,25 @@ def _collective_bandwidth(hw: HardwareProfile) -> float:
     return hw.collective_bandwidth
 
 
+def backup_times(layout: ChunkLayout, hw: HardwareProfile, t_adam, world: int = 1):
+    """Per-chunk time to back up master, exp_avg and exp_avg_sq (12 bytes per parameter of
+    this rank's shard) before a speculative update; without a measured host copy bandwidth,
+    as long as the update (the ratio measured on a 2-core CPU: bench/cpu_adam.py)."""
+    if hw.host_copy_bandwidth > 0:
+        return np.asarray(layout.used, dtype=np.float64) * 12 / world / hw.host_copy_bandwidth
+    return np.asarray(t_adam, dtype=np.float64)
+
+
 def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist,
              n_buffer, block_modes, *, optimizer_step: bool = True,
-             cpu_overlap: bool = True, world: int = 1) -> TimePrediction:
+             cpu_overlap: bool = True, world: int = 1, speculate_from=None) -> TimePrediction:
     """Simulate K plans at once: n_persist[K], n_buffer[K], block_modes[K, n_blocks] (codes).
 
     ``optimizer_step=False`` simulates a micro-step that only accumulates gradients (no Adam
     on either side). ``cpu_overlap=False`` starts CPU Adam only once backward is over (the
-    global gradient norm or the fp16 overflow check needs every gradient first)."""
+    global gradient norm or the fp16 overflow check needs every gradient first); then
+    ``speculate_from[K]`` (a chunk index per plan) lets chunks from that index on update
+    speculatively during backward, each first backing up its states (``backup_times``)."""
     # [parts, K] / [chunks, K] layouts below: the loops read and write one part or chunk of
     # every plan at a time, which is then a contiguous row.
     modes = np.ascontiguousarray(part_modes(profile, block_modes).T)
@@ -120,6 +131,10 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     parts = profile.parts
     rows = np.arange(k_plans)
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
+    spec_from = None
+    if speculate_from is not None and not cpu_overlap:
+        spec_from = np.broadcast_to(np.asarray(speculate_from, dtype=np.int64), (k_plans,))
+        t_spec = t_adam + backup_times(layout, hw, t_adam, world)
     saved = np.array([offload_bytes(p) for p in parts], dtype=np.float64)   # what SWAP / SSD copy
     bad = (nbuf < 1) & (npers < n_chunks)
     if bad.any():
@@ -279,6 +294,14 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                 cpu_busy += np.where(offl, t_adam[c], 0.0)
                 if serial:                   # inline, between two parts' compute
                     comp = np.where(offl, c_end, comp)
+            elif optimizer_step and spec_from is not None:
+                spec = offl & (c >= spec_from)
+                c_end = np.maximum(cpu, d_end) + t_spec[c]
+                cpu = np.where(spec, c_end, cpu)
+                cpu_busy += np.where(spec, t_spec[c], 0.0)
+                if serial:
+                    comp = np.where(spec, c_end, comp)
+                deferred.append((c, offl & ~spec, d_end))
             elif optimizer_step:
                 deferred.append((c, offl, d_end))
     bwd_end = comp

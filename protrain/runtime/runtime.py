@@ -53,6 +53,10 @@ class OptimizerSetup:
     grad_accumulation_steps: int = 1
     clip: float = 0.0
     loss_scaler: object | None = None
+    speculate_chunks: int | None = None
+    """How many offloaded chunks (the last in execution order) update speculatively during
+    backward when clipping or fp16 loss scaling is on; None: all of them, 0: none (CPU Adam
+    of every offloaded chunk then waits for the end of backward)."""
     """DeepSpeed's loss scaler for fp16, else None."""
 
 
@@ -102,7 +106,8 @@ class ProTrainRuntime:
             host_kernel=host_kernel, device_kernel=device_kernel,
             grad_accumulation_steps=setup.grad_accumulation_steps, clip=setup.clip,
             loss_scaler=setup.loss_scaler, params_in_order=in_order,
-            pause_accounting=self.accounting.paused if self.accounting else None)
+            pause_accounting=self.accounting.paused if self.accounting else None,
+            speculate_chunks=setup.speculate_chunks)
         self._buffer_index = {t.data_ptr(): b for b, t in enumerate(self.chunks.pool.tensors)}
         self._persistent_ptrs = {c.data.data_ptr() for c in self.chunks.chunks if c.persistent}
         self._slot_offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
