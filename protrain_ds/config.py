@@ -29,6 +29,7 @@ _OWN_KEYS = {
     "ssd_path": "directory on an NVMe drive for activations the plan puts on SSD (enables the tier)",
     "ssd_verify": "checksum every activation read back from the SSD (slower; for debugging)",
     "ssd_min_bytes": "tensors smaller than this stay on the device instead of going to SSD",
+    "cpu_adam": "CPU Adam kernel for offloaded chunks: auto, native (csrc, GIL-free) or deepspeed",
     "profile_seq_len": "profile the first N tokens of each sequence and scale the profile to the "
                        "batch's length (linear parts by s, attention by s^2)",
 }
@@ -75,6 +76,11 @@ class ProTrainDSConfig:
     ssd_min_bytes: int = 2**20
     """Saved tensors (storages) smaller than this stay on the device: their I/O would cost
     more than the memory saved."""
+    cpu_adam: str = "auto"
+    """The host Adam kernel: "native" (csrc/cpu_adam.cpp: DeepSpeed's SIMD kernel with the GIL
+    released and the speculative backup fused; compiled on first use), "deepspeed"
+    (DeepSpeedCPUAdam: same bits, holds the GIL), or "auto": native where a GPU computes while
+    CPU Adam runs, DeepSpeed's on a CPU "device" (updates run inline there)."""
     profile_seq_len: int | None = None
     """Profile the first N tokens of the first batch's sequences and scale the profile to the
     full length (protrain.sp.scaling: linear parts by s, attention by s^2): faster at very long
@@ -109,6 +115,11 @@ class ProTrainDSConfig:
         if isinstance(v, bool) or v not in (0, 1, 2):
             raise ConfigError(f"{SECTION}.verbosity = {v!r}: must be 0, 1 or 2")
         kwargs["verbosity"] = v
+        v = data.pop("cpu_adam", "auto")
+        if v not in ("auto", "native", "deepspeed"):
+            raise ConfigError(f"{SECTION}.cpu_adam = {v!r}: must be \"auto\", \"native\" or "
+                              f"\"deepspeed\"")
+        kwargs["cpu_adam"] = v
         if "ssd_min_bytes" in data:
             from protrain.config import _size
             kwargs["ssd_min_bytes"] = _size(data.pop("ssd_min_bytes"), f"{SECTION}.ssd_min_bytes",

@@ -365,8 +365,22 @@ class ChunkOptimizer:
         if run:
             yield run
 
-    def _update(self, c: Chunk, grads: torch.Tensor, kernel, coef, keep_grads: bool = False) -> None:
+    def _update(self, c: Chunk, grads: torch.Tensor, kernel, coef, keep_grads: bool = False,
+                backup=None) -> None:
+        """Adam on every segment of ``c`` with a gradient. ``backup`` (three tensors like the
+        chunk's master): receives each segment's master, exp_avg and exp_avg_sq first."""
         for lo, hi, group, step in list(self._segments(c)):
+            h = self.hyper(self.param_groups[group])
+            if getattr(kernel, "fused", False):
+                # The native kernel reads the gradients as they are (16-bit widened, scaled by
+                # ``coef`` tile by tile, never written) and backs up in the same pass.
+                kernel.update(c.master[lo:hi], grads[lo:hi], c.exp_avg[lo:hi], c.exp_avg_sq[lo:hi],
+                              step + 1, h, scale=1.0 if coef is None else float(coef),
+                              backup=() if backup is None else [b[lo:hi] for b in backup])
+                continue
+            if backup is not None:
+                for dst, src in zip(backup, (c.master, c.exp_avg, c.exp_avg_sq)):
+                    dst[lo:hi].copy_(src[lo:hi])
             # fp32 gradient regions are ours to scale in place (they are zeroed after the step)
             # unless a speculative update may have to be redone from them; 16-bit ones are
             # converted into a temporary first.
@@ -375,8 +389,7 @@ class ChunkOptimizer:
             g = g.float() if widened else g
             if coef is not None:
                 g = g.mul_(coef.to(g.device)) if widened or not keep_grads else g * coef.to(g.device)
-            kernel.update(c.master[lo:hi], g, c.exp_avg[lo:hi], c.exp_avg_sq[lo:hi], step + 1,
-                          self.hyper(self.param_groups[group]))
+            kernel.update(c.master[lo:hi], g, c.exp_avg[lo:hi], c.exp_avg_sq[lo:hi], step + 1, h)
         for s in c.slots:
             if s.has_grad or self.m.dp.world > 1:
                 s.step += 1
@@ -408,10 +421,8 @@ class ChunkOptimizer:
             self._spec[c.index] = sp
             if self.loss_scaler is not None and not bool(torch.isfinite(grads).all()):
                 return                      # this step overflows: step() skips it
-            for dst, src in zip(self._backup[c.index], (c.master, c.exp_avg, c.exp_avg_sq)):
-                dst.copy_(src)
             coef = None if inv_scale == 1.0 else torch.tensor([inv_scale])
-            self._update(c, grads, self.host_kernel, coef, keep_grads=True)
+            self._update(c, grads, self.host_kernel, coef, keep_grads=True, backup=self._backup[c.index])
             sp.applied = True
 
     def _applied(self) -> list[int]:
@@ -427,8 +438,9 @@ class ChunkOptimizer:
         """The speculation was wrong: put master, exp_avg, exp_avg_sq and the step counts
         back exactly as they were before it."""
         sp = self._spec.pop(c.index)
-        for dst, src in zip((c.master, c.exp_avg, c.exp_avg_sq), self._backup[c.index]):
-            dst.copy_(src)
+        for lo, hi, _, _ in sp.hypers:          # the segments the update wrote
+            for dst, src in zip((c.master, c.exp_avg, c.exp_avg_sq), self._backup[c.index]):
+                dst[lo:hi].copy_(src[lo:hi])
         for s, step in zip(c.slots, sp.steps):
             s.step = step
         self.stats.rollbacks += 1

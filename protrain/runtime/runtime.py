@@ -31,7 +31,7 @@ from ..cost.layout import ChunkLayout
 from ..plan import Plan
 from ..profile.meter import OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from .activations import ActivationRuntime
-from .adam import AdamHyper, CPUAdamKernel, TorchAdamKernel
+from .adam import AdamHyper, CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
 from .boundaries import part_boundaries
 from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
@@ -53,6 +53,9 @@ class OptimizerSetup:
     grad_accumulation_steps: int = 1
     clip: float = 0.0
     loss_scaler: object | None = None
+    cpu_adam: str = "auto"
+    """Host Adam kernel: "native" (csrc, GIL-free), "deepspeed", or "auto" (native on a GPU
+    machine, DeepSpeed's on a CPU "device", where updates run inline)."""
     speculate_chunks: int | None = None
     """How many offloaded chunks (the last in execution order) update speculatively during
     backward when clipping or fp16 loss scaling is on; None: all of them, 0: none (CPU Adam
@@ -290,11 +293,16 @@ def adam_kernels(device: torch.device, setup: OptimizerSetup, offloaded: bool):
     Adam is the host one (same bits as DeepSpeed's). With every chunk on a GPU there is no
     host kernel, so a machine without a compiler trains all the same."""
     if device.type == "cuda":
-        host = (TorchAdamKernel(fused=False) if setup.torch_adam else CPUAdamKernel(setup.adamw)) \
-            if offloaded else None
-        return host, TorchAdamKernel(fused=True)
-    host = TorchAdamKernel(fused=False) if setup.torch_adam else CPUAdamKernel(setup.adamw)
+        return (host_kernel(device, setup) if offloaded else None), TorchAdamKernel(fused=True)
+    host = host_kernel(device, setup)
     return host, host
+
+
+def host_kernel(device: torch.device, setup: OptimizerSetup):
+    if setup.torch_adam:
+        return TorchAdamKernel(fused=False)
+    native = setup.cpu_adam == "native" or (setup.cpu_adam == "auto" and device.type != "cpu")
+    return NativeCPUAdamKernel(setup.adamw) if native else CPUAdamKernel(setup.adamw)
 
 
 class DeviceAccounting:
