@@ -313,9 +313,11 @@ class ChunkOptimizer:
                     self.worker.submit(lambda c=c, coef=coef: self._host_update(c, coef))
                 else:
                     self.stats.overlapped_chunks += 1      # exact update during backward
+            t_dev = time.perf_counter()
             for c in self.m.chunks:
                 if c.persistent:
                     self._device_update(c, coef)
+            t0 += time.perf_counter() - t_dev        # device Adam is not CPU Adam's exposure
             self.worker.drain()
             self.spec_enabled = not clipped
         self._reset()
@@ -530,7 +532,8 @@ class OverlapStats:
     rollbacks: int = 0
     """Speculative chunk updates undone (clipping, overflow or changed hyperparameters)."""
     exposed_s: float = 0.0
-    """The last step's wall time in ``step()``: the optimizer work backward did not hide."""
+    """The last step's wall time in ``step()`` less the device Adam's: the CPU Adam work
+    (and its wait) that backward did not hide."""
 
 
 def dist_max():
