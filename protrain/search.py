@@ -673,7 +673,8 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     mem = replace(mem, host_bytes=mem.host_bytes + backup)
     t = simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
                  cpu_overlap=config.cpu_optim_overlap, world=world,
-                 speculate_from=layout.n_chunks - n_spec if config.cpu_optim_speculative else None)
+                 speculate_from=layout.n_chunks - n_spec if config.cpu_optim_speculative else None,
+                 carry_over=config.model_states_fixed is None)
     gas = config.grad_accumulation_steps
     micro = float(simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
                            optimizer_step=False, world=world).iter_time[0]) if gas > 1 else float(t.iter_time[0])
@@ -729,7 +730,8 @@ def _speculation(profile, layout, hw, knobs, codes, config, host_bytes) -> tuple
         return n, int(backup[n])
     fits = np.flatnonzero(host_bytes + backup <= hw.host_memory)
     t = simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, np.repeat(codes, len(fits), 0),
-                 cpu_overlap=False, world=world, speculate_from=layout.n_chunks - fits).iter_time
+                 cpu_overlap=False, world=world, speculate_from=layout.n_chunks - fits,
+                 carry_over=True).iter_time
     n = int(fits[np.flatnonzero(t <= t.min() * (1 + 1e-12))[0]])
     return n, int(backup[n])
 

@@ -244,6 +244,14 @@ class ProTrainEngine(DeepSpeedEngine):
         return {"cpu_adam_overlapped_chunks": st.overlapped_chunks,
                 "cpu_adam_rollbacks": st.rollbacks, "cpu_adam_exposed_s": st.exposed_s}
 
+    def protrain_sync(self) -> None:
+        """Wait for the last step's CPU Adam updates. ``step()`` returns while offloaded chunks
+        may still be updating (their updates run into the next forward, whose uploads wait for
+        them); state_dict, checkpoints and forward passes wait by themselves. Call this before
+        reading offloaded parameters' tensors directly."""
+        if self.protrain_runtime is not None:
+            self.protrain_runtime.optimizer.sync()
+
     def destroy(self):
         """Give the parameters back as plain tensors with their trained values (with several
         ranks, every rank must call it: the shards are gathered)."""

@@ -51,5 +51,8 @@ def train(ds_config: dict, model_cfg: GPTConfig = TINY, steps: int = 20, seed: i
         engine.backward(loss * loss_factor if loss_factor != 1.0 else loss)
         engine.step()
         losses.append(loss.item())
-    weights = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    # Through state_dict, a sync point: CPU Adam of the last step may still be writing
+    # offloaded parameters (their tensors are views of host memory) when step() returns.
+    state = model.state_dict()
+    weights = {n: state[n].detach().float().cpu().clone() for n, _ in model.named_parameters()}
     return losses, weights, engine

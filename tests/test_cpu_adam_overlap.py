@@ -32,9 +32,9 @@ def test_updates_overlapping_backward_train_exactly_like_deepspeed(monkeypatch):
         finally:
             in_step[0] = False
 
-    def updating(self, c, coef):
+    def updating(self, c, coef, *rest):
         outside_step.append(not in_step[0])
-        update(self, c, coef)
+        update(self, c, coef, *rest)
     monkeypatch.setattr(ChunkOptimizer, "step", stepping)
     monkeypatch.setattr(ChunkOptimizer, "_host_update", updating)
     with deferred_streams(monkeypatch):
@@ -253,3 +253,71 @@ def test_an_fp16_overflow_after_speculative_updates_is_skipped_exactly():
     assert plain_stats.overlapped_chunks == plain_stats.rollbacks == 0
     assert spec_stats.rollbacks > 0 and spec_stats.overlapped_chunks > 0
     assert all(torch.equal(spec[n], w) for n, w in plain.items())
+
+
+def test_host_updates_run_into_the_next_forward_whose_uploads_wait_for_them(monkeypatch):
+    """Clipping on, no speculation: every offloaded chunk's update is left to step(), which
+    returns with them still queued (the worker is held at a gate until it has returned); each
+    chunk's next upload comes after its own update, and state_dict waits for the last step's.
+    Training stays exactly DeepSpeed's."""
+    import deepspeed
+    from dstrain import GPT
+    from protrain.models import synthetic_batch
+    from protrain.runtime.chunks import ChunkManager
+    model_cfg, pins = SHAPES["a mix"]
+    clip = '{"gradient_clipping": 1.0}'
+    ref_losses, ref_weights = deepspeed_run(model_cfg, clip, 4)
+    log, gate, pending_at_return = [], [threading.Event()], []
+    finish, step, upload = ChunkOptimizer._finish_chunk, ChunkOptimizer.step, ChunkManager.upload
+
+    def gated(self, c, *a):
+        gate[0].wait(timeout=30)
+        finish(self, c, *a)
+        log.append(("updated", c.index))
+
+    def stepping(self):
+        gate[0] = threading.Event()
+        step(self)
+        pending_at_return.append(sum(not e.is_set() for e in self._ready.values()))
+        log.append(("step", None))
+
+    def uploading(self, c):
+        if not c.persistent and c.state.value == "host":
+            log.append(("upload", c.index))
+        upload(self, c)
+    monkeypatch.setattr(ChunkOptimizer, "_finish_chunk", gated)
+    monkeypatch.setattr(ChunkOptimizer, "step", stepping)
+    monkeypatch.setattr(ChunkManager, "upload", uploading)
+    with deferred_streams(monkeypatch):
+        torch.manual_seed(0)
+        model = GPT(model_cfg)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=with_protrain(base_config(**json.loads(clip)), **pins,
+                                                               speculate_chunks=0))
+        losses = []
+        for i in range(4):
+            x, y = synthetic_batch(model_cfg, 2, seed=i)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if i < 3:
+                gate[0].set()
+        n_off = len(engine.protrain_runtime.chunks.offloaded())
+        threading.Timer(0.2, gate[0].set).start()        # the last step's updates, released late
+        state = model.state_dict()                          # must wait for them
+        weights = {n: state[n].float().clone() for n, _ in model.named_parameters()}
+        engine.destroy()
+    assert losses == ref_losses
+    assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
+    assert pending_at_return == [n_off] * 4
+    assert sum(k == "updated" for k, _ in log) == 4 * n_off
+    # after each step, a chunk's upload comes after that step's update of it
+    steps_seen, done = 0, set()
+    for kind, idx in log:
+        if kind == "step":
+            steps_seen, done = steps_seen + 1, set()
+        elif kind == "updated":
+            done.add(idx)
+        elif kind == "upload" and steps_seen:
+            assert idx in done, (idx, log)

@@ -70,3 +70,31 @@ def test_on_a_cpu_device_nothing_speculates():
     cfg = PlannerConfig(pins=PINS, cpu_optim_overlap=False, cpu_optim_speculative=True)
     assert search(prof, serial, cfg).n_speculate == 0
     assert search(prof, serial, replace(cfg, speculate_chunks=2)).n_speculate == 2
+
+
+def test_updates_left_by_step_are_predicted_to_run_into_the_next_forward():
+    """Clipping, nothing speculating: every offloaded update is left for after backward. The
+    runtime lets them run on into the next forward, which waits only where a chunk's upload
+    needs its update; the prediction counts that wait, not the whole tail."""
+    from protrain.cost.runtime import simulate
+    from protrain.block_mode import layout_block_modes
+    prof = analytic_profile(SHAPE, HW)
+    cfg = PlannerConfig(pins=PINS, cpu_optim_overlap=False)
+    plan = search(prof, HW, cfg)
+    k = plan.knobs
+    layout = build_layout(prof, k.chunk_size // prof.param_bytes)
+    codes = np.array([[m.code for m in layout_block_modes(prof.n_blocks, k.n_swap, k.n_checkpoint,
+                                                           k.n_ssd, k.n_selective)]])
+    args = (prof, layout, HW, k.n_persist, k.n_buffer, codes)
+    whole = simulate(*args, cpu_overlap=False)
+    carried = simulate(*args, cpu_overlap=False, carry_over=True)
+    device_end = float(whole.fwd_time[0] + whole.bwd_time[0] + whole.gpu_optim_time[0])
+    assert plan.prediction.iter_time == pytest.approx(float(carried.iter_time[0]), rel=1e-12)
+    assert float(whole.iter_time[0]) > float(carried.iter_time[0]) >= max(device_end,
+                                                                          float(carried.cpu_optim_time[0]))
+    assert plan.prediction.cpu_optim_exposed == pytest.approx(plan.prediction.iter_time - device_end)
+    # The forward's slack before the first offloaded upload is what the tail hides behind:
+    # with more chunks persistent (computed first) the wait shrinks.
+    more = replace(PINS, n_persist=PINS.n_persist + 4)
+    p2 = search(prof, HW, PlannerConfig(pins=more, cpu_optim_overlap=False))
+    assert p2.prediction.cpu_optim_exposed < plan.prediction.cpu_optim_exposed

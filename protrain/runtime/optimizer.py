@@ -11,6 +11,12 @@
   just before, and leaves the gradients untouched; ``step`` then commits it, or restores the
   copy and redoes the update with the clipped gradients (or skips it on overflow). Either way
   the result is the one a non-speculative step computes, bit for bit.
+- ``step`` does not wait for the host updates it leaves (those not done during backward):
+  they run on into the next forward, in chunk order, and each offloaded chunk's upload waits
+  for its own update (``wait_host_ready``), so no stale value is ever used. Persistent chunks
+  come first in execution order, so the next forward starts on them. Everything else that
+  reads host states waits for all of them first (``sync``: checkpoint export and import, the
+  module's state_dict, zero_grad with gradients pending, a re-plan, close).
 - With gradient accumulation, each micro-batch's gradients are added into an fp32 host
   accumulator; Adam runs on the accumulation boundary.
 
@@ -137,6 +143,16 @@ class ChunkOptimizer:
         speculative update (allocated once: 12 bytes per parameter of the chunk's shard)."""
         self._spec: dict[int, _Speculation] = {}
         """This step's speculative updates, by chunk index (written by the worker)."""
+        self._ready = {c.index: threading.Event() for c in offloaded}
+        """Set while the offloaded chunk's host states are final (no update queued or running)."""
+        for e in self._ready.values():
+            e.set()
+        # A failed worker skips the tasks that would set them: wake the waiters to raise.
+        self.worker.on_error(lambda: [e.set() for e in self._ready.values()])
+        self.m.host_ready = self.wait_host_ready
+        self.m.host_sync = self.sync
+        self.carry_over = True
+        """Let step() return before the host updates it leaves are done (see the module doc)."""
         self.spec_enabled = True
         """Whether this step speculates: not after a step that clipped or overflowed (its
         successor likely does too, and a rollback costs the backup and a second update)."""
@@ -300,29 +316,80 @@ class ChunkOptimizer:
             elif inv_scale != 1.0:
                 coef = torch.tensor([inv_scale])
             clipped = clip_coef is not None and float(clip_coef) != 1.0
-            for c in self.m.offloaded():
-                sp = self._spec.get(c.index)
+            # What is left of each offloaded chunk's update, decided here and done on the
+            # worker in chunk order (the next forward's upload order).
+            for c in sorted(self.m.offloaded(), key=lambda c: c.index):
+                sp = self._spec.pop(c.index, None)
                 if sp is not None and sp.applied:
                     if not clipped and sp.hypers == self._hypers(c, sp.steps):
-                        self._commit(c)        # exactly what the update with ``coef`` computes
-                        continue
-                    self._rollback(c)
-                    self._queued.discard(c.index)
-                if c.index not in self._queued:
-                    self._queued.add(c.index)
-                    self.worker.submit(lambda c=c, coef=coef: self._host_update(c, coef))
+                        action = "commit"      # exactly what the update with ``coef`` computes
+                        self.stats.overlapped_chunks += 1
+                    else:
+                        action = "redo"
+                        for s, step in zip(c.slots, sp.steps):
+                            s.step = step
+                        self.stats.rollbacks += 1
+                elif c.index in self._queued:
+                    action = None              # updated exactly during backward
+                    self.stats.overlapped_chunks += 1
                 else:
-                    self.stats.overlapped_chunks += 1      # exact update during backward
+                    action = "update"
+                # Hyperparameters as of now: a scheduler steps after this returns.
+                segments = self._hypers(c) if action in ("redo", "update") else None
+                self._ready[c.index].clear()
+                self.worker.submit(lambda c=c, a=action, sp=sp, coef=coef, seg=segments:
+                                   self._finish_chunk(c, a, sp, coef, seg))
             t_dev = time.perf_counter()
             for c in self.m.chunks:
                 if c.persistent:
                     self._device_update(c, coef)
+                    self._reset_chunk(c)
             t0 += time.perf_counter() - t_dev        # device Adam is not CPU Adam's exposure
-            self.worker.drain()
+            if not self.carry_over:
+                self.worker.drain()
             self.spec_enabled = not clipped
-        self._reset()
+        self._queued.clear()
+        self._dirty = False
         self.probation = False
         self.stats.exposed_s = time.perf_counter() - t0
+
+    def _finish_chunk(self, c: Chunk, action, sp, coef, segments) -> None:
+        """Worker: the rest of an offloaded chunk's step, then its gradients cleared for the
+        next one, then its upload may go."""
+        try:
+            with self._pause():
+                if action == "commit":
+                    self._commit(c)
+                elif action == "redo":
+                    self._restore(c, sp)
+                if action in ("redo", "update"):
+                    self._host_update(c, coef, segments)
+                self._reset_chunk(c)
+        finally:
+            self._ready[c.index].set()
+
+    def wait_host_ready(self, c: Chunk) -> None:
+        """Block until ``c``'s host states are final (its upload's source)."""
+        e = self._ready.get(c.index)
+        if e is None or e.is_set():
+            return
+        t = time.perf_counter()
+        e.wait()
+        if self.worker.failed:
+            self.worker.drain()                 # raises the worker's error
+        self.stats.exposed_s += time.perf_counter() - t
+
+    def sync(self) -> None:
+        """Wait for every pending host update (before reading or writing host states)."""
+        self.worker.drain()
+
+    def _reset_chunk(self, c: Chunk) -> None:
+        if c.persistent:
+            c.grad.zero_()
+        elif c.grad_acc is not None:
+            c.grad_acc.zero_()
+        for s in c.slots:
+            s.has_grad = False
 
     def _reset(self) -> None:
         self._queued.clear()
@@ -339,8 +406,11 @@ class ChunkOptimizer:
                 s.has_grad = False
 
     def zero_grad(self) -> None:
-        """Gradients are cleared by ``step``; an explicit zero_grad between micro-batches (not
-        at a boundary) discards the accumulated ones, as torch's would."""
+        """Gradients are cleared by ``step`` (DeepSpeed calls this right after it: nothing to
+        do then, and the host updates keep running); an explicit zero_grad between micro-batches
+        (not at a boundary) discards the accumulated ones, as torch's would."""
+        if not self._dirty:
+            return
         self.worker.drain()
         self._reset()
 
@@ -368,11 +438,11 @@ class ChunkOptimizer:
             yield run
 
     def _update(self, c: Chunk, grads: torch.Tensor, kernel, coef, keep_grads: bool = False,
-                backup=None) -> None:
+                backup=None, segments=None) -> None:
         """Adam on every segment of ``c`` with a gradient. ``backup`` (three tensors like the
-        chunk's master): receives each segment's master, exp_avg and exp_avg_sq first."""
-        for lo, hi, group, step in list(self._segments(c)):
-            h = self.hyper(self.param_groups[group])
+        chunk's master): receives each segment's master, exp_avg and exp_avg_sq first.
+        ``segments``: (lo, hi, step, hyperparameters) taken earlier (``_hypers``), else now."""
+        for lo, hi, step, h in (segments if segments is not None else self._hypers(c)):
             if getattr(kernel, "fused", False):
                 # The native kernel reads the gradients as they are (16-bit widened, scaled by
                 # ``coef`` tile by tile, never written) and backs up in the same pass.
@@ -434,23 +504,26 @@ class ChunkOptimizer:
         """The speculation was right: the update stands; the upload copy follows it."""
         if c.shadow is not None:
             c.shadow.copy_(c.master)
-        self.stats.overlapped_chunks += 1
 
-    def _rollback(self, c: Chunk) -> None:
-        """The speculation was wrong: put master, exp_avg, exp_avg_sq and the step counts
-        back exactly as they were before it."""
-        sp = self._spec.pop(c.index)
-        for lo, hi, _, _ in sp.hypers:          # the segments the update wrote
+    def _restore(self, c: Chunk, sp: "_Speculation") -> None:
+        """The speculation was wrong: put master, exp_avg and exp_avg_sq back exactly as they
+        were before it (the segments it wrote)."""
+        for lo, hi, _, _ in sp.hypers:
             for dst, src in zip((c.master, c.exp_avg, c.exp_avg_sq), self._backup[c.index]):
                 dst[lo:hi].copy_(src[lo:hi])
+
+    def _rollback(self, c: Chunk) -> None:
+        """Undo a speculative update entirely (states and step counts), now."""
+        sp = self._spec.pop(c.index)
+        self._restore(c, sp)
         for s, step in zip(c.slots, sp.steps):
             s.step = step
         self.stats.rollbacks += 1
 
-    def _host_update(self, c: Chunk, coef) -> None:
+    def _host_update(self, c: Chunk, coef, segments=None) -> None:
         self.streams.host_wait(c.grads_on_host)
         with self._pause():
-            self._update(c, self._landing(c), self.host_kernel, coef)
+            self._update(c, self._landing(c), self.host_kernel, coef, segments=segments)
             if c.shadow is not None:
                 c.shadow.copy_(c.master)      # the next upload's source: updated parameters
 

@@ -123,6 +123,10 @@ class ProTrainRuntime:
         self._hooks.enter_context(part_boundaries(self.blocks, self._on_enter))
         for _, p in params:
             self._hooks.callback(p.register_post_accumulate_grad_hook(self.optimizer.on_grad).remove)
+        # The module's weights read through state_dict wait for the last step's host updates
+        # (offloaded parameters are views of host memory CPU Adam may still be writing).
+        self._hooks.callback(model.register_state_dict_pre_hook(
+            lambda *a, **k: self.optimizer.sync()).remove)
         self._part_chunks = [[self.chunks.chunks[c] for c in cs] for cs in layout.part_chunks]
         self._in_backward = False
         self._next_up = 0
