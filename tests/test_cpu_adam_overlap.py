@@ -269,11 +269,16 @@ def test_host_updates_run_into_the_next_forward_whose_uploads_wait_for_them(monk
     ref_losses, ref_weights = deepspeed_run(model_cfg, clip, 4)
     log, gate, pending_at_return = [], [threading.Event()], []
     finish, step, upload = ChunkOptimizer._finish_chunk, ChunkOptimizer.step, ChunkManager.upload
+    reset = ChunkOptimizer._reset_chunk
 
     def gated(self, c, *a):
         gate[0].wait(timeout=30)
         finish(self, c, *a)
-        log.append(("updated", c.index))
+
+    def resetting(self, c):                  # the worker's last act before the chunk is ready
+        reset(self, c)
+        if not c.persistent:
+            log.append(("updated", c.index))
 
     def stepping(self):
         gate[0] = threading.Event()
@@ -282,10 +287,12 @@ def test_host_updates_run_into_the_next_forward_whose_uploads_wait_for_them(monk
         log.append(("step", None))
 
     def uploading(self, c):
-        if not c.persistent and c.state.value == "host":
+        from_host = not c.persistent and c.state.value == "host"
+        upload(self, c)                       # returns once the copy is issued (after the wait)
+        if from_host:
             log.append(("upload", c.index))
-        upload(self, c)
     monkeypatch.setattr(ChunkOptimizer, "_finish_chunk", gated)
+    monkeypatch.setattr(ChunkOptimizer, "_reset_chunk", resetting)
     monkeypatch.setattr(ChunkOptimizer, "step", stepping)
     monkeypatch.setattr(ChunkManager, "upload", uploading)
     with deferred_streams(monkeypatch):
