@@ -35,6 +35,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--chunk", default="4MiB")
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--speculate", default="auto", help='"auto" (the planner) or a number of chunks')
+    ap.add_argument("--host-thread", action="store_true",
+                    help="CPU Adam on a worker thread on this CPU (run with OMP_NUM_THREADS=1: compute "
+                         "and CPU Adam on a core each); the prediction models inline updates")
+    ap.add_argument("--no-carry", action="store_true",
+                    help="step() waits for every CPU Adam update (the behaviour before updates ran "
+                         "into the next forward)")
+    ap.add_argument("--cpu-adam", default="auto", choices=["auto", "native", "deepspeed"])
     ap.add_argument("--save", default=None)
     args = ap.parse_args(argv)
 
@@ -50,6 +57,9 @@ def main(argv=None) -> dict:
                     block_size=args.seq, tie_embeddings=False)
     section = {"enabled": True, "progress": False, "verbosity": 1, "chunk_size": args.chunk,
                "n_persist": 1, "n_checkpoint": 0, "n_swap": 0}
+    section["cpu_adam"] = args.cpu_adam
+    if args.host_thread:
+        section["host_thread"] = True
     if args.speculate != "auto":
         section["speculate_chunks"] = int(args.speculate)
     ds = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
@@ -66,6 +76,8 @@ def main(argv=None) -> dict:
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
+        if args.no_carry:
+            engine.protrain_runtime.optimizer.carry_over = False
         if i >= args.warmup:
             steps.append(time.perf_counter() - t)
             exposed.append(engine.protrain_stats()["cpu_adam_exposed_s"])

@@ -30,6 +30,7 @@ _OWN_KEYS = {
     "ssd_verify": "checksum every activation read back from the SSD (slower; for debugging)",
     "ssd_min_bytes": "tensors smaller than this stay on the device instead of going to SSD",
     "cpu_adam": "CPU Adam kernel for offloaded chunks: auto, native (csrc, GIL-free) or deepspeed",
+    "host_thread": "run CPU Adam on a worker thread even on a CPU device (benchmarks; default: on a GPU)",
     "profile_seq_len": "profile the first N tokens of each sequence and scale the profile to the "
                        "batch's length (linear parts by s, attention by s^2)",
 }
@@ -81,6 +82,9 @@ class ProTrainDSConfig:
     released and the speculative backup fused; compiled on first use), "deepspeed"
     (DeepSpeedCPUAdam: same bits, holds the GIL), or "auto": native where a GPU computes while
     CPU Adam runs, DeepSpeed's on a CPU "device" (updates run inline there)."""
+    host_thread: bool | None = None
+    """CPU Adam on a worker thread: None (default) where a GPU computes meanwhile; true also on a
+    CPU "device" (to measure the overlap on CPU, with torch and the kernel on a core each)."""
     profile_seq_len: int | None = None
     """Profile the first N tokens of the first batch's sequences and scale the profile to the
     full length (protrain.sp.scaling: linear parts by s, attention by s^2): faster at very long
@@ -120,6 +124,10 @@ class ProTrainDSConfig:
             raise ConfigError(f"{SECTION}.cpu_adam = {v!r}: must be \"auto\", \"native\" or "
                               f"\"deepspeed\"")
         kwargs["cpu_adam"] = v
+        v = data.pop("host_thread", None)
+        if v is not None and not isinstance(v, bool):
+            raise ConfigError(f"{SECTION}.host_thread = {v!r}: must be true, false or null")
+        kwargs["host_thread"] = v
         if "ssd_min_bytes" in data:
             from protrain.config import _size
             kwargs["ssd_min_bytes"] = _size(data.pop("ssd_min_bytes"), f"{SECTION}.ssd_min_bytes",

@@ -372,7 +372,8 @@ class ProTrainEngine(DeepSpeedEngine):
         plan = self._protrain_launchable(plan)
         self.protrain_plan = plan
         setup = replace(self.optimizer.runtime_setup(), speculate_chunks=plan.n_speculate,
-                        cpu_adam=self.protrain_config.cpu_adam)
+                        cpu_adam=self.protrain_config.cpu_adam,
+                        host_thread=self.protrain_config.host_thread)
         is_boundary = self.is_gradient_accumulation_boundary
         self._protrain_close_sp()
         p = plan.knobs.sequence_parallel

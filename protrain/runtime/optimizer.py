@@ -116,7 +116,7 @@ class ChunkOptimizer:
                  hyper: Callable[[dict], AdamHyper], host_kernel, device_kernel,
                  grad_accumulation_steps: int, clip: float, loss_scaler,
                  params_in_order: list[nn.Parameter], pause_accounting=None,
-                 speculate_chunks: int | None = None):
+                 speculate_chunks: int | None = None, host_thread: bool | None = None):
         self.m = manager
         self.streams = streams
         self.param_groups = param_groups
@@ -127,7 +127,8 @@ class ChunkOptimizer:
         self.clip = clip
         self.loss_scaler = loss_scaler
         self.params_in_order = params_in_order
-        self.worker = HostWorker(threaded=streams.asynchronous, bind=streams.bind_thread)
+        self.worker = HostWorker(threaded=streams.asynchronous if host_thread is None else host_thread,
+                                 bind=streams.bind_thread)
         self._pause = pause_accounting or (lambda: _nullcontext())
         self.overlap = True
         # Updates during backward are exact only when no global quantity scales them; else

@@ -56,6 +56,9 @@ class OptimizerSetup:
     cpu_adam: str = "auto"
     """Host Adam kernel: "native" (csrc, GIL-free), "deepspeed", or "auto" (native on a GPU
     machine, DeepSpeed's on a CPU "device", where updates run inline)."""
+    host_thread: bool | None = None
+    """Run CPU Adam on a worker thread (None: when a GPU computes meanwhile; True also on a CPU
+    "device", e.g. to measure the overlap on CPU with torch and the kernel on a core each)."""
     speculate_chunks: int | None = None
     """How many offloaded chunks (the last in execution order) update speculatively during
     backward when clipping or fp16 loss scaling is on; None: all of them, 0: none (CPU Adam
@@ -110,7 +113,7 @@ class ProTrainRuntime:
             grad_accumulation_steps=setup.grad_accumulation_steps, clip=setup.clip,
             loss_scaler=setup.loss_scaler, params_in_order=in_order,
             pause_accounting=self.accounting.paused if self.accounting else None,
-            speculate_chunks=setup.speculate_chunks)
+            speculate_chunks=setup.speculate_chunks, host_thread=setup.host_thread)
         self._buffer_index = {t.data_ptr(): b for b, t in enumerate(self.chunks.pool.tensors)}
         self._persistent_ptrs = {c.data.data_ptr() for c in self.chunks.chunks if c.persistent}
         self._slot_offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
