@@ -16,11 +16,13 @@ PTH = "protrain-autoload.pth"
 
 
 class BuildPyWithPth(build_py):
-    """Regular installs: put the .pth at the root of the wheel (site-packages)."""
+    """Regular installs: put the .pth at the root of the wheel (site-packages), and the native
+    sources (csrc/, compiled on first use by protrain/native.py) into the package."""
 
     def run(self):
         super().run()
         self.copy_file(PTH, os.path.join(self.build_lib, PTH))
+        self.copy_tree("csrc", os.path.join(self.build_lib, "protrain", "csrc"))
 
 
 class EditableWheelWithPth(editable_wheel):

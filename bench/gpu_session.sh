@@ -91,6 +91,13 @@ case "$stage" in
   accuracy)
     python3 bench/profile_accuracy.py --model gpt-1b --micro-batch 8 --seq 1024
     python3 bench/megatron_accuracy.py --layers 24 --hidden 2048 --heads 16 --seq 2048 --micro-batch 2
+    # CPU Adam: the kernels on this host, and the exposed time through the engine (clipping on)
+    # predicted against measured, speculation chosen by the planner and off
+    python3 bench/cpu_adam.py --numel 50e6 --save bench/results/cpu_adam-gpu-host.json
+    python3 bench/cpu_adam_exposed.py --layers 24 --hidden 2048 --heads 16 --vocab 32000 --seq 1024 \
+        --micro-batch 4 --chunk 64MiB --save bench/results/cpu_adam_exposed-gpu.json
+    python3 bench/cpu_adam_exposed.py --layers 24 --hidden 2048 --heads 16 --vocab 32000 --seq 1024 \
+        --micro-batch 4 --chunk 64MiB --speculate 0 --save bench/results/cpu_adam_exposed-gpu-nospec.json
     ;;
   *)
     echo "unknown stage $stage: all|tests|ratios|ds|ssd|megatron|accuracy"; exit 2

@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pin", type=_pin, action="append", default=[], metavar="KNOB=VALUE",
                    help=f"fix a knob ({', '.join(KNOB_NAMES)}); repeatable")
     s.add_argument("--margin", type=float, help="fragmentation margin (default 0.10)")
+    s.add_argument("--clip", type=float, default=1.0, metavar="MAX_NORM",
+                   help="gradient clipping as DeepSpeed's gradient_clipping (default 1.0; 0: off). "
+                        "With clipping or --dtype fp16 (loss scaling) CPU Adam overlaps backward "
+                        "speculatively (--pin speculate_chunks=N to fix how many chunks)")
     p.add_argument("--save", metavar="PATH", help="write the plan as JSON")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
 
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _config(args) -> PlannerConfig:
     d: dict = dict(args.pin)
-    for k in KNOB_NAMES[1:]:
+    for k in KNOB_NAMES[1:] + ("speculate_chunks",):
         if k in d and not (k == "n_persist" and d[k] == "all"):
             try:
                 d[k] = int(d[k])
@@ -116,6 +120,9 @@ def _config(args) -> PlannerConfig:
                                   + (" or all" if k == "n_persist" else "")) from None
     if args.margin is not None:
         d["memory_margin"] = args.margin
+    global_first = getattr(args, "clip", 0.0) > 0 or getattr(args, "dtype", "bf16") == "fp16"
+    d["cpu_optim_overlap"] = not global_first        # the norm / overflow check needs all gradients
+    d["cpu_optim_speculative"] = global_first
     if args.device_memory:
         d["device_memory"] = args.device_memory
     if args.host_memory:

@@ -91,6 +91,16 @@ class PlannerConfig:
     """Device bytes of model states a framework keeps itself (Megatron's parameters, gradients
     and optimizer): the search then chooses only the block activation modes, with no chunks.
     Set by the Megatron adapter."""
+    cpu_optim_speculative: bool = False
+    """CPU Adam may update offloaded chunks during backward *speculatively* (gradient clipping
+    or fp16 loss scaling on; set by the adapter): each speculating chunk first backs up its
+    master, exp_avg and exp_avg_sq (12 host bytes per parameter, and a copy's time), and the
+    update is redone after backward if the step clips or overflows. The search ranks plans
+    with CPU Adam after backward (``cpu_optim_overlap`` false); the chosen plan then gets the
+    number of speculating chunks that makes its step fastest within the host memory left."""
+    speculate_chunks: int | None = None
+    """Pin for the number of offloaded chunks that update speculatively (the last ones in
+    execution order; more than there are means all). None: the planner chooses."""
     cpu_optim_overlap: bool = True
     """Whether CPU Adam may update a chunk as soon as its gradient is on the host, overlapping
     the rest of backward (set by the adapter). Gradient clipping and fp16 loss scaling need
@@ -140,11 +150,17 @@ class PlannerConfig:
                 if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_COUNT:
                     raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number from 1 to {MAX_COUNT}")
                 kwargs[key] = v
-        if "cpu_optim_overlap" in data:
-            if not isinstance(data["cpu_optim_overlap"], bool):
-                raise ConfigError(f"{where}.cpu_optim_overlap = {data['cpu_optim_overlap']!r}: must be "
-                                  f"true or false")
-            kwargs["cpu_optim_overlap"] = data["cpu_optim_overlap"]
+        for key in ("cpu_optim_overlap", "cpu_optim_speculative"):
+            if key in data:
+                if not isinstance(data[key], bool):
+                    raise ConfigError(f"{where}.{key} = {data[key]!r}: must be true or false")
+                kwargs[key] = data[key]
+        if data.get("speculate_chunks") not in (None, "auto"):
+            v = data["speculate_chunks"]
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
+                raise ConfigError(f"{where}.speculate_chunks = {v!r}: must be a whole number from 0 "
+                                  f"to {MAX_COUNT}, or \"auto\" to let the planner choose")
+            kwargs["speculate_chunks"] = v
         if "runner_ups" in data:
             v = data["runner_ups"]
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:

@@ -129,6 +129,10 @@ class Plan(JsonValue):
     block_saved_bytes: tuple[int, ...] = ()
     """Bytes each block copies off the device when offloaded: what it saves for backward,
     including storages an earlier block saved first (sizes the host arenas of swapped blocks)."""
+    n_speculate: int = 0
+    """Offloaded chunks (the last in execution order) whose CPU Adam update runs speculatively
+    during backward under gradient clipping / fp16 loss scaling (PlannerConfig
+    ``cpu_optim_speculative``); 0 without those, where every update overlaps exactly."""
     micro_batch: int | None = None
     """Samples per micro-batch the plan was made for (None: unknown, e.g. an older plan file)."""
     seq_len: int | None = None
@@ -190,6 +194,11 @@ class Plan(JsonValue):
             ("n_swap", f"{k.n_swap}{pin('n_swap')}", f"{k.n_swap}/{n_blocks} blocks swapped to host",
              "Megatron --cpu-offloading(-num-layers); no DeepSpeed equivalent"),
         ]
+        if self.n_speculate:
+            rows.append(("n_speculate", str(self.n_speculate),
+                         f"{self.n_speculate}/{c.n_chunks - k.n_persist} offloaded chunks run CPU Adam "
+                         f"during backward before the clipping / overflow verdict (undone if wrong)",
+                         "none (DS overlaps CPU Adam only without clipping)"))
         if k.n_ssd or "n_ssd" in self.pinned:
             rows.append(("n_ssd", f"{k.n_ssd}{pin('n_ssd')}", f"{k.n_ssd}/{n_blocks} blocks to NVMe "
                          f"({fmt_bytes(p.ssd_bytes)} per iteration)", "none (SSDTrain)"))

@@ -669,8 +669,12 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         mem = replace(mem, model_state_bytes=config.model_states_fixed, host_bytes=mem.swap_host_bytes,
                       peak_device_bytes=config.model_states_fixed + mem.activation_peak_bytes)
     codes = np.array([[m.code for m in modes]], dtype=np.int8)
+    n_spec, backup = _speculation(profile, layout, hw, knobs, codes, config, mem.host_bytes)
+    mem = replace(mem, host_bytes=mem.host_bytes + backup)
     t = simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
-                 cpu_overlap=config.cpu_optim_overlap, world=world)
+                 cpu_overlap=config.cpu_optim_overlap, world=world,
+                 speculate_from=layout.n_chunks - n_spec if config.cpu_optim_speculative else None,
+                 carry_over=config.model_states_fixed is None)
     gas = config.grad_accumulation_steps
     micro = float(simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
                            optimizer_step=False, world=world).iter_time[0]) if gas > 1 else float(t.iter_time[0])
@@ -707,7 +711,29 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         candidates_evaluated=int(evaluated), candidates_total=int(total),
         params=profile.params if profile.source == "measured" else (),
         block_saved_bytes=tuple(offload_bytes(b) for b in profile.blocks),
-        micro_batch=profile.micro_batch, seq_len=profile.seq_len)
+        micro_batch=profile.micro_batch, seq_len=profile.seq_len, n_speculate=n_spec)
+
+
+def _speculation(profile, layout, hw, knobs, codes, config, host_bytes) -> tuple[int, int]:
+    """(offloaded chunks that speculate, their backup's host bytes) for a plan: the pin, else
+    the number that makes the iteration fastest among those whose backups fit the host memory
+    left (ties: fewer). Speculating a chunk only pays while CPU Adam has idle time during
+    backward; on a CPU "device" (no copy engine) it is pure extra work."""
+    n_off = layout.n_chunks - knobs.n_persist
+    if not config.cpu_optim_speculative or n_off == 0 or config.model_states_fixed is not None:
+        return 0, 0
+    world = config.data_parallel_size
+    shard = -(-np.asarray(layout.used[knobs.n_persist:], dtype=np.int64) // world) * 12
+    backup = np.concatenate([[0], np.cumsum(shard[::-1])])        # by chunks speculating
+    if config.speculate_chunks is not None:
+        n = min(config.speculate_chunks, n_off)
+        return n, int(backup[n])
+    fits = np.flatnonzero(host_bytes + backup <= hw.host_memory)
+    t = simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, np.repeat(codes, len(fits), 0),
+                 cpu_overlap=False, world=world, speculate_from=layout.n_chunks - fits,
+                 carry_over=True).iter_time
+    n = int(fits[np.flatnonzero(t <= t.min() * (1 + 1e-12))[0]])
+    return n, int(backup[n])
 
 
 def _leanest(profile, config, acts, caps, host_memory) -> tuple[float, float]:

@@ -29,12 +29,15 @@ _OWN_KEYS = {
     "ssd_path": "directory on an NVMe drive for activations the plan puts on SSD (enables the tier)",
     "ssd_verify": "checksum every activation read back from the SSD (slower; for debugging)",
     "ssd_min_bytes": "tensors smaller than this stay on the device instead of going to SSD",
+    "cpu_adam": "CPU Adam kernel for offloaded chunks: auto, native (csrc, GIL-free) or deepspeed",
+    "host_thread": "run CPU Adam on a worker thread even on a CPU device (benchmarks; default: on a GPU)",
     "profile_seq_len": "profile the first N tokens of each sequence and scale the profile to the "
                        "batch's length (linear parts by s, attention by s^2)",
 }
 _PLANNER_KEYS = {f.name for f in dataclasses.fields(PlannerConfig)} | set(KNOB_NAMES)
 _DERIVED = {"grad_accumulation_steps": "gradient_accumulation_steps",
-            "cpu_optim_overlap": "gradient_clipping / fp16"}
+            "cpu_optim_overlap": "gradient_clipping / fp16",
+            "cpu_optim_speculative": "gradient_clipping / fp16"}
 
 # Memory knobs of DeepSpeed that the plan replaces.
 REPLACED_ZERO_KEYS = ("stage", "offload_param", "offload_optimizer", "sub_group_size",
@@ -74,6 +77,14 @@ class ProTrainDSConfig:
     ssd_min_bytes: int = 2**20
     """Saved tensors (storages) smaller than this stay on the device: their I/O would cost
     more than the memory saved."""
+    cpu_adam: str = "auto"
+    """The host Adam kernel: "native" (csrc/cpu_adam.cpp: DeepSpeed's SIMD kernel with the GIL
+    released and the speculative backup fused; compiled on first use), "deepspeed"
+    (DeepSpeedCPUAdam: same bits, holds the GIL), or "auto": native where a GPU computes while
+    CPU Adam runs, DeepSpeed's on a CPU "device" (updates run inline there)."""
+    host_thread: bool | None = None
+    """CPU Adam on a worker thread: None (default) where a GPU computes meanwhile; true also on a
+    CPU "device" (to measure the overlap on CPU, with torch and the kernel on a core each)."""
     profile_seq_len: int | None = None
     """Profile the first N tokens of the first batch's sequences and scale the profile to the
     full length (protrain.sp.scaling: linear parts by s, attention by s^2): faster at very long
@@ -108,6 +119,15 @@ class ProTrainDSConfig:
         if isinstance(v, bool) or v not in (0, 1, 2):
             raise ConfigError(f"{SECTION}.verbosity = {v!r}: must be 0, 1 or 2")
         kwargs["verbosity"] = v
+        v = data.pop("cpu_adam", "auto")
+        if v not in ("auto", "native", "deepspeed"):
+            raise ConfigError(f"{SECTION}.cpu_adam = {v!r}: must be \"auto\", \"native\" or "
+                              f"\"deepspeed\"")
+        kwargs["cpu_adam"] = v
+        v = data.pop("host_thread", None)
+        if v is not None and not isinstance(v, bool):
+            raise ConfigError(f"{SECTION}.host_thread = {v!r}: must be true, false or null")
+        kwargs["host_thread"] = v
         if "ssd_min_bytes" in data:
             from protrain.config import _size
             kwargs["ssd_min_bytes"] = _size(data.pop("ssd_min_bytes"), f"{SECTION}.ssd_min_bytes",

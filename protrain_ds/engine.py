@@ -50,6 +50,7 @@ class ProTrainEngine(DeepSpeedEngine):
         self.protrain_config = protrain_config
         self.protrain_overridden = overridden
         self.protrain_runtime: ProTrainRuntime | None = None
+        self._protrain_overlap = None   # OverlapStats, kept across re-plans
         self.protrain_plan: Plan | None = None
         self.protrain_profile: ModelProfile | None = None
         self._protrain_margin = 0.0
@@ -226,6 +227,31 @@ class ProTrainEngine(DeepSpeedEngine):
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
 
+    def protrain_stats(self) -> dict:
+        """What the runtime did so far, for logs and dashboards:
+
+        - ``cpu_adam_overlapped_chunks``: offloaded chunk updates that ran during backward and
+          stood (cumulative; with clipping or fp16 they are speculative and committed);
+        - ``cpu_adam_rollbacks``: speculative chunk updates undone and redone after backward
+          because the step clipped, overflowed or its hyperparameters changed (cumulative);
+        - ``cpu_adam_exposed_s``: the last optimizer step's wall time after backward: the
+          optimizer work backward did not hide.
+        """
+        st = self._protrain_overlap
+        if st is None:
+            raise RuntimeError("protrain_stats(): ProTrain has not planned yet (it plans on the "
+                               "first forward); call it after a training step")
+        return {"cpu_adam_overlapped_chunks": st.overlapped_chunks,
+                "cpu_adam_rollbacks": st.rollbacks, "cpu_adam_exposed_s": st.exposed_s}
+
+    def protrain_sync(self) -> None:
+        """Wait for the last step's CPU Adam updates. ``step()`` returns while offloaded chunks
+        may still be updating (their updates run into the next forward, whose uploads wait for
+        them); state_dict, checkpoints and forward passes wait by themselves. Call this before
+        reading offloaded parameters' tensors directly."""
+        if self.protrain_runtime is not None:
+            self.protrain_runtime.optimizer.sync()
+
     def destroy(self):
         """Give the parameters back as plain tensors with their trained values (with several
         ranks, every rank must call it: the shards are gathered)."""
@@ -345,7 +371,9 @@ class ProTrainEngine(DeepSpeedEngine):
         _, blocks = find_blocks(self.module)
         plan = self._protrain_launchable(plan)
         self.protrain_plan = plan
-        setup = self.optimizer.runtime_setup()
+        setup = replace(self.optimizer.runtime_setup(), speculate_chunks=plan.n_speculate,
+                        cpu_adam=self.protrain_config.cpu_adam,
+                        host_thread=self.protrain_config.host_thread)
         is_boundary = self.is_gradient_accumulation_boundary
         self._protrain_close_sp()
         p = plan.knobs.sequence_parallel
@@ -362,6 +390,9 @@ class ProTrainEngine(DeepSpeedEngine):
             ssd_root=self.protrain_config.ssd_path, ssd_verify=self.protrain_config.ssd_verify,
             ssd_min_bytes=self.protrain_config.ssd_min_bytes)
         self.optimizer.runtime = self.protrain_runtime
+        # Counts are cumulative over re-plans: the new runtime goes on counting in the same record.
+        self._protrain_overlap = self._protrain_overlap or self.protrain_runtime.optimizer.stats
+        self.protrain_runtime.optimizer.stats = self._protrain_overlap
         backend = self.protrain_runtime.activations.storage_backend
         if backend and self.global_rank == 0 and self.protrain_config.verbosity >= 1:
             print(f"ProTrain: {plan.knobs.n_ssd} block(s) on NVMe via {backend} in "
@@ -509,6 +540,7 @@ def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821
     clip = engine.gradient_clipping() or 0.0
     return replace(cfg, grad_accumulation_steps=engine.gradient_accumulation_steps(),
                    cpu_optim_overlap=not (clip > 0 or engine.fp16_enabled()),
+                   cpu_optim_speculative=clip > 0 or engine.fp16_enabled(),
                    data_parallel_size=dp.world)
 
 

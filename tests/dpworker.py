@@ -27,6 +27,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
     if spec.get("protrain") is not None:
         ds["protrain"] = {"enabled": True, "device_memory": "1GiB", "progress": False,
                           "verbosity": 0, **spec["protrain"]}
+    factor = spec.get("loss_factor", 1.0)
     torch.manual_seed(0)
     model = GPT(cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
@@ -39,7 +40,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
         x, y = synthetic_batch(cfg, global_batch, seed=i)
         x, y = x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb]
         loss = engine(x, y)
-        engine.backward(loss)
+        engine.backward(loss * factor if factor != 1.0 else loss)
         engine.step()
         losses.append(loss.item())
     if spec.get("save"):
@@ -52,6 +53,8 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
         result["offloaded"] = len(rt.chunks.offloaded())
         result["most_pending_copies"] = getattr(rt.streams, "most_pending", None)
         result["races"] = getattr(rt.streams, "races", None)
+        st = rt.optimizer.stats
+        result["overlapped_chunks"], result["rollbacks"] = st.overlapped_chunks, st.rollbacks
     engine.destroy()                      # gathers sharded parameters back on every rank
     if rank == 0:
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},

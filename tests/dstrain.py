@@ -35,8 +35,10 @@ def with_protrain(cfg: dict, **section) -> dict:
     return cfg
 
 
-def train(ds_config: dict, model_cfg: GPTConfig = TINY, steps: int = 20, seed: int = 0):
-    """Train ``steps`` optimizer steps; returns (losses, final weights, engine)."""
+def train(ds_config: dict, model_cfg: GPTConfig = TINY, steps: int = 20, seed: int = 0,
+          loss_factor: float = 1.0):
+    """Train ``steps`` optimizer steps; returns (losses, final weights, engine). Backward runs
+    on ``loss * loss_factor`` (the gradient norm's scale, e.g. to keep it under clipping)."""
     torch.manual_seed(seed)
     model = GPT(model_cfg)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -46,8 +48,11 @@ def train(ds_config: dict, model_cfg: GPTConfig = TINY, steps: int = 20, seed: i
         x, y = synthetic_batch(model_cfg, ds_config["train_micro_batch_size_per_gpu"], seed=i,
                                device=engine.device)
         loss = engine(x, y)
-        engine.backward(loss)
+        engine.backward(loss * loss_factor if loss_factor != 1.0 else loss)
         engine.step()
         losses.append(loss.item())
-    weights = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    # Through state_dict, a sync point: CPU Adam of the last step may still be writing
+    # offloaded parameters (their tensors are views of host memory) when step() returns.
+    state = model.state_dict()
+    weights = {n: state[n].detach().float().cpu().clone() for n, _ in model.named_parameters()}
     return losses, weights, engine

@@ -32,14 +32,14 @@ def train(rank: int, world: int, spec: dict, out_dir: str) -> dict:
     grads = []
     update = ChunkOptimizer._update
 
-    def recording(self, c, g, kernel, coef):
+    def recording(self, c, g, kernel, coef, *args, **kwargs):
         lo = 0 if c.persistent else c.shard_lo
         hi = c.numel if c.persistent else c.shard_hi
         for s in c.slots:
             a, b = max(s.offset, lo), min(s.stop, hi)
             if a < b:
                 grads[-1].append((s.name, a - s.offset, b - s.offset, g[a - lo:b - lo].float().tolist()))
-        return update(self, c, g, kernel, coef)
+        return update(self, c, g, kernel, coef, *args, **kwargs)
     ChunkOptimizer._update = recording
 
     class Data(torch.utils.data.Dataset):

@@ -51,7 +51,7 @@ def run_rank(rank: int, world: int, port: int, runs: list[dict], out_dir: str) -
     grads = []            # per optimizer step: [(name, lo, hi, values)]
     update = ChunkOptimizer._update
 
-    def recording(self, c, g, kernel, coef):
+    def recording(self, c, g, kernel, coef, *args, **kwargs):
         lo = 0 if c.persistent else c.shard_lo
         hi = c.numel if c.persistent else c.shard_hi
         for s in c.slots:
@@ -59,7 +59,7 @@ def run_rank(rank: int, world: int, port: int, runs: list[dict], out_dir: str) -
             if a < b:
                 grads[-1].append((s.name, a - s.offset, b - s.offset,
                                   g[a - lo:b - lo].float().tolist()))
-        return update(self, c, g, kernel, coef)
+        return update(self, c, g, kernel, coef, *args, **kwargs)
     ChunkOptimizer._update = recording
 
     results = {}

@@ -1,6 +1,9 @@
 """CPU Adam on its worker thread next to backward (tests/deferred_streams.py runs it as with a
-GPU): updates overlapping backward, a gradient that arrives after its chunk left the device,
-and a worker error under gradient accumulation."""
+GPU): updates overlapping backward, speculative ones under gradient clipping and fp16 loss
+scaling (committed or exactly rolled back), a gradient that arrives after its chunk left the
+device, and a worker error under gradient accumulation."""
+import copy
+import json
 import threading
 
 import pytest
@@ -29,9 +32,9 @@ def test_updates_overlapping_backward_train_exactly_like_deepspeed(monkeypatch):
         finally:
             in_step[0] = False
 
-    def updating(self, c, coef):
+    def updating(self, c, coef, *rest):
         outside_step.append(not in_step[0])
-        update(self, c, coef)
+        update(self, c, coef, *rest)
     monkeypatch.setattr(ChunkOptimizer, "step", stepping)
     monkeypatch.setattr(ChunkOptimizer, "_host_update", updating)
     with deferred_streams(monkeypatch):
@@ -112,3 +115,216 @@ def test_a_worker_error_under_gradient_accumulation_surfaces_instead_of_hanging(
     err = outcome[0]
     assert isinstance(err, RuntimeError) and "host-side optimizer work failed" in str(err)
     assert isinstance(err.__cause__, OSError) and "injected" in str(err.__cause__)
+
+
+# Loss factors for DeepSpeed's default clipping at 1.0 on this model: gradient norms stay under
+# 1.0 after the first step (speculation always right), or wander around it (some steps clip).
+REGIMES = {"norms under the threshold": 0.25, "norms around the threshold": 0.6}
+
+
+SPECULATE = dict(speculate_chunks=99)   # all (on a CPU "device" the planner picks none: no gain)
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_speculative_updates_under_clipping_train_exactly_like_deepspeed(regime, monkeypatch):
+    """gradient_clipping 1.0 (DeepSpeed's default): offloaded chunks update during backward as
+    if nothing clips; a step that clips restores them and redoes them with the clipped
+    gradients. Every loss and weight equals plain DeepSpeed ZeRO-0's, bit for bit."""
+    model_cfg, pins = SHAPES["a mix"]
+    factor = REGIMES[regime]
+    clip = '{"gradient_clipping": 1.0}'
+    ref_losses, ref_weights = deepspeed_run(model_cfg, clip, 20, loss_factor=factor)
+    with deferred_streams(monkeypatch):
+        losses, weights, engine = train(with_protrain(base_config(**json.loads(clip)), **pins, **SPECULATE),
+                                        model_cfg, 20, loss_factor=factor)
+    stats = engine.protrain_stats()
+    engine.destroy()
+    assert losses == ref_losses
+    assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
+    assert stats["cpu_adam_overlapped_chunks"] > 0
+    if regime == "norms under the threshold":
+        assert stats["cpu_adam_rollbacks"] == 0
+    else:
+        assert stats["cpu_adam_rollbacks"] > 0
+
+
+def test_speculation_with_accumulation_and_a_scheduler_trains_exactly_like_deepspeed(monkeypatch):
+    """Only the boundary micro-step speculates; the learning rate changes every step (WarmupLR):
+    a speculative update made with this step's rate stands. The first steps clip (and stop
+    the speculation), the later ones do not (and speculate again)."""
+    extra = {"gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+    model_cfg, pins = SHAPES["a mix"]
+    ref_losses, ref_weights = deepspeed_run(model_cfg, json.dumps(extra), 12, loss_factor=0.45)
+    updates, norms = [], []
+    speculate, step = ChunkOptimizer._speculate, ChunkOptimizer.step
+
+    def counted(self, c, inv_scale):
+        updates.append(c.index)
+        speculate(self, c, inv_scale)
+
+    def stepping(self):
+        step(self)
+        norms.append(self.global_grad_norm)
+    monkeypatch.setattr(ChunkOptimizer, "_speculate", counted)
+    monkeypatch.setattr(ChunkOptimizer, "step", stepping)
+    with deferred_streams(monkeypatch):
+        losses, weights, engine = train(with_protrain(base_config(**extra), **pins, **SPECULATE), model_cfg, 12,
+                                        loss_factor=0.45)
+    stats = engine.protrain_stats()
+    n_offloaded = len(engine.protrain_runtime.chunks.offloaded())
+    engine.destroy()
+    assert losses == ref_losses
+    assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
+    assert len(norms) == 12 and norms[0] > 1.0 > norms[-1]       # both kinds of steps
+    assert stats["cpu_adam_overlapped_chunks"] > 0
+    # once per chunk and optimizer step at most: never on the non-boundary micro-steps
+    assert stats["cpu_adam_overlapped_chunks"] == len(updates) <= 11 * n_offloaded
+
+
+def test_a_changed_learning_rate_after_backward_rolls_the_speculation_back(monkeypatch):
+    """The user (or a scheduler stepped before the optimizer) changes the rate between backward
+    and step: the speculative updates used the old one, so they are redone with the new."""
+    model_cfg, pins = SHAPES["a mix"]
+    import deepspeed
+    from dstrain import GPT
+    from protrain.models import synthetic_batch
+
+    def run(cfg):
+        torch.manual_seed(0)
+        model = GPT(model_cfg)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        for i in range(4):
+            x, y = synthetic_batch(model_cfg, 2, seed=i)
+            loss = engine(x, y)
+            engine.backward(loss * 0.25)
+            for g in engine.optimizer.param_groups:
+                g["lr"] = 1e-3 * (i + 1)                 # after backward, before step
+            engine.step()
+        return engine, {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref_engine, ref = run(base_config(gradient_clipping=1.0))
+    ref_engine.destroy()
+    engine, got = run(with_protrain(base_config(gradient_clipping=1.0), **pins, **SPECULATE))
+    stats = engine.protrain_stats()
+    engine.destroy()
+    assert all(torch.equal(got[n], w) for n, w in ref.items())
+    assert stats["cpu_adam_rollbacks"] > 0
+
+
+def test_an_fp16_overflow_after_speculative_updates_is_skipped_exactly():
+    """fp16 loss scaling: chunks whose gradients are finite update speculatively; one gradient
+    of block 0 (the last chunk backward reaches) is made inf on step 3, so the step must be
+    skipped: the speculative updates are undone and training goes on exactly as a runtime that
+    never speculates."""
+    import dstrain  # noqa: F401  (the distributed environment DeepSpeed's loss scaler expects)
+    import deepspeed
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    from test_runtime import CFG, build, step
+    from protrain.config import KnobPins
+    from protrain.models import GPT, synthetic_batch
+    deepspeed.init_distributed()
+    pins = KnobPins(chunk_size=55 * 1024, n_persist=2, n_buffer=4, n_swap=1, n_checkpoint=2)
+
+    def run(speculate_chunks):
+        torch.manual_seed(0)
+        model = GPT(CFG).half()
+        scaler = CreateLossScaler(dtype=torch.float16, static_loss_scale=0, dynamic_scaling=True,
+                                  dynamic_loss_args={"init_scale": 2**8, "scale_window": 1000,
+                                                     "min_scale": 1, "delayed_shift": 1,
+                                                     "consecutive_hysteresis": False})
+        rt = build(model, loss_scaler=scaler, torch_adam=False, pins=pins,
+                   speculate_chunks=speculate_chunks)
+        poison = {"on": False}
+        w = model.transformer.h[0].mlp.c_fc.weight
+        w.register_hook(lambda g: torch.full_like(g, float("inf")) if poison["on"] else g)
+        overflowed = []
+        for i in range(6):
+            x, y = synthetic_batch(CFG, 2, seed=i)
+            poison["on"] = i == 3
+            step(rt, model, x, y, scale=scaler.cur_scale)
+            overflowed.append(rt.optimizer.overflow)
+        stats = copy.copy(rt.optimizer.stats)
+        rt.close()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, overflowed, stats, scaler.cur_scale
+    plain, plain_over, plain_stats, plain_scale = run(0)
+    spec, spec_over, spec_stats, spec_scale = run(None)
+    assert plain_over == spec_over == [False, False, False, True, False, False]
+    assert plain_scale == spec_scale
+    assert plain_stats.overlapped_chunks == plain_stats.rollbacks == 0
+    assert spec_stats.rollbacks > 0 and spec_stats.overlapped_chunks > 0
+    assert all(torch.equal(spec[n], w) for n, w in plain.items())
+
+
+def test_host_updates_run_into_the_next_forward_whose_uploads_wait_for_them(monkeypatch):
+    """Clipping on, no speculation: every offloaded chunk's update is left to step(), which
+    returns with them still queued (the worker is held at a gate until it has returned); each
+    chunk's next upload comes after its own update, and state_dict waits for the last step's.
+    Training stays exactly DeepSpeed's."""
+    import deepspeed
+    from dstrain import GPT
+    from protrain.models import synthetic_batch
+    from protrain.runtime.chunks import ChunkManager
+    model_cfg, pins = SHAPES["a mix"]
+    clip = '{"gradient_clipping": 1.0}'
+    ref_losses, ref_weights = deepspeed_run(model_cfg, clip, 4)
+    log, gate, pending_at_return = [], [threading.Event()], []
+    finish, step, upload = ChunkOptimizer._finish_chunk, ChunkOptimizer.step, ChunkManager.upload
+    reset = ChunkOptimizer._reset_chunk
+
+    def gated(self, c, *a):
+        gate[0].wait(timeout=30)
+        finish(self, c, *a)
+
+    def resetting(self, c):                  # the worker's last act before the chunk is ready
+        reset(self, c)
+        if not c.persistent:
+            log.append(("updated", c.index))
+
+    def stepping(self):
+        gate[0] = threading.Event()
+        step(self)
+        pending_at_return.append(sum(not e.is_set() for e in self._ready.values()))
+        log.append(("step", None))
+
+    def uploading(self, c):
+        from_host = not c.persistent and c.state.value == "host"
+        upload(self, c)                       # returns once the copy is issued (after the wait)
+        if from_host:
+            log.append(("upload", c.index))
+    monkeypatch.setattr(ChunkOptimizer, "_finish_chunk", gated)
+    monkeypatch.setattr(ChunkOptimizer, "_reset_chunk", resetting)
+    monkeypatch.setattr(ChunkOptimizer, "step", stepping)
+    monkeypatch.setattr(ChunkManager, "upload", uploading)
+    with deferred_streams(monkeypatch):
+        torch.manual_seed(0)
+        model = GPT(model_cfg)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=with_protrain(base_config(**json.loads(clip)), **pins,
+                                                               speculate_chunks=0))
+        losses = []
+        for i in range(4):
+            x, y = synthetic_batch(model_cfg, 2, seed=i)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if i < 3:
+                gate[0].set()
+        n_off = len(engine.protrain_runtime.chunks.offloaded())
+        threading.Timer(0.2, gate[0].set).start()        # the last step's updates, released late
+        state = model.state_dict()                          # must wait for them
+        weights = {n: state[n].float().clone() for n, _ in model.named_parameters()}
+        engine.destroy()
+    assert losses == ref_losses
+    assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
+    assert pending_at_return == [n_off] * 4
+    assert sum(k == "updated" for k, _ in log) == 4 * n_off
+    # after each step, a chunk's upload comes after that step's update of it
+    steps_seen, done = 0, set()
+    for kind, idx in log:
+        if kind == "step":
+            steps_seen, done = steps_seen + 1, set()
+        elif kind == "updated":
+            done.add(idx)
+        elif kind == "upload" and steps_seen:
+            assert idx in done, (idx, log)

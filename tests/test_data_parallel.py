@@ -36,15 +36,22 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(plan, tmp_path):
             assert r["host_bytes"] == pytest.approx(one["host_bytes"] / 2, rel=0.01)
 
 
-def test_two_ranks_with_late_copies_equal_two_ranks_with_synchronous_ones(tmp_path):
+def test_two_ranks_with_late_copies_and_speculation_equal_two_ranks_with_neither(tmp_path):
     """The all-gather / reduce-scatter on the side queues, with every copy held back until
-    waited for (tests/deferred_streams.py), train exactly as the synchronous path does."""
-    spec = dict(model=MODEL, global_batch=4, steps=6,
+    waited for (tests/deferred_streams.py), and CPU Adam speculating during backward under
+    clipping (the norm all-reduced over both ranks) with gradient accumulation, train exactly
+    as the synchronous path whose CPU Adam waits for the end of backward."""
+    spec = dict(model=MODEL, global_batch=4, steps=12, loss_factor=0.3,
+                extra={"gradient_clipping": 1.0, "gradient_accumulation_steps": 2},
                 protrain=PLANS["offloaded chunks, swap and checkpoint"])
     (tmp_path / "sync").mkdir()
     (tmp_path / "late").mkdir()
-    sync = launch(2, spec, str(tmp_path / "sync"))
-    late = launch(2, dict(spec, deferred_streams=True), str(tmp_path / "late"))
+    plan = PLANS["offloaded chunks, swap and checkpoint"]
+    sync = launch(2, dict(spec, protrain=dict(plan, speculate_chunks=0)), str(tmp_path / "sync"))
+    late = launch(2, dict(spec, deferred_streams=True, protrain=dict(plan, speculate_chunks=99)),
+                  str(tmp_path / "late"))
+    assert all(r["overlapped_chunks"] == r["rollbacks"] == 0 for r in sync)
+    assert all(r["overlapped_chunks"] > 0 for r in late)
     assert late[0]["offloaded"] > 0 and all(r["most_pending_copies"] > 0 for r in late)
     # no side work read what compute wrote after the events it waits for (the reduce-scatter
     # reads the chunk buffer's padding, zeroed on the compute stream)

@@ -28,8 +28,8 @@ SHAPES = {
 
 
 @functools.lru_cache(maxsize=None)
-def deepspeed_run(model_cfg, extra_json: str, steps: int = 20):
-    return train(base_config(**json.loads(extra_json)), model_cfg, steps)[:2]
+def deepspeed_run(model_cfg, extra_json: str, steps: int = 20, loss_factor: float = 1.0):
+    return train(base_config(**json.loads(extra_json)), model_cfg, steps, loss_factor=loss_factor)[:2]
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

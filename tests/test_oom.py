@@ -171,9 +171,9 @@ def test_a_backward_is_not_redone_once_an_update_of_its_step_was_submitted(monke
     from protrain.runtime.optimizer import ChunkOptimizer
     slow = ChunkOptimizer._host_update
 
-    def late_update(self, c, coef):
+    def late_update(self, c, coef, *rest):
         time.sleep(0.2)                      # still queued when the error comes
-        slow(self, c, coef)
+        slow(self, c, coef, *rest)
     monkeypatch.setattr(ChunkOptimizer, "_host_update", late_update)
     cfg = base_config(gradient_clipping=0.0)   # DeepSpeed's default clips at 1.0: no overlap
     with deferred_streams(monkeypatch), pytest.raises(RuntimeError, match="cannot be redone"):

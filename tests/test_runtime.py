@@ -1,5 +1,6 @@
 """The framework-neutral runtime, driven directly (as the Megatron adapter will drive it)."""
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ HW = HardwareProfile(name="test", source="measured", device_type="cpu", device_m
 PINS = KnobPins(chunk_size=110 * 1024, n_persist=2, n_buffer=4, n_swap=1, n_checkpoint=2)
 
 
-def build(model, *, lr=1e-3, clip=0.0, loss_scaler=None, torch_adam=True, pins=PINS):
+def build(model, *, lr=1e-3, clip=0.0, loss_scaler=None, torch_adam=True, pins=PINS,
+          speculate_chunks=None):
     x, y = synthetic_batch(CFG, 2, seed=100)
     prof = profile_model(model, lambda m: m(x, y), progress=False)
     plan = search(prof, HW, PlannerConfig(pins=pins))
@@ -31,7 +33,8 @@ def build(model, *, lr=1e-3, clip=0.0, loss_scaler=None, torch_adam=True, pins=P
         return AdamHyper(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                          weight_decay=g["weight_decay"], bias_correction=True, adamw=True)
     setup = OptimizerSetup(param_groups=shell.param_groups, hyper=hyper, adamw=True,
-                           torch_adam=torch_adam, clip=clip, loss_scaler=loss_scaler)
+                           torch_adam=torch_adam, clip=clip, loss_scaler=loss_scaler,
+                           speculate_chunks=speculate_chunks)
     return ProTrainRuntime(model, model.transformer.h, plan, plan.layout(),
                            [r.name for r in plan.params], torch.device("cpu"), setup,
                            swap_bytes=plan.block_saved_bytes)
@@ -123,19 +126,28 @@ def test_chunk_states_only_move_along_legal_transitions():
 
 
 def test_no_cpu_adam_is_built_when_nothing_runs_on_the_host(monkeypatch):
-    """DeepSpeed's CPU Adam needs a compiler the first time: with every chunk on a GPU it is
-    not needed and must not be built (a CPU "device" updates with it, for DeepSpeed's bits)."""
+    """The CPU Adam kernels need a compiler the first time: with every chunk on a GPU none is
+    needed and none is built. With offloaded chunks a GPU machine builds ProTrain's native one
+    (GIL-free) unless "deepspeed" is asked for; a CPU "device" updates with DeepSpeed's (inline
+    updates: the GIL does not matter, and the bits are DeepSpeed's either way)."""
     import protrain.runtime.runtime as rt_mod
     from protrain.runtime.adam import TorchAdamKernel
     from protrain.runtime.runtime import OptimizerSetup, adam_kernels
 
-    def no_compiler(*a, **k):
-        raise RuntimeError("no compiler")
-    monkeypatch.setattr(rt_mod, "CPUAdamKernel", no_compiler)
+    def no_compiler(which):
+        def build(*a, **k):
+            raise RuntimeError(f"no compiler for {which}")
+        return build
+    monkeypatch.setattr(rt_mod, "CPUAdamKernel", no_compiler("deepspeed"))
+    monkeypatch.setattr(rt_mod, "NativeCPUAdamKernel", no_compiler("native"))
     setup = OptimizerSetup(param_groups=[], hyper=None, adamw=True)
     host, device = adam_kernels(torch.device("cuda"), setup, offloaded=False)
     assert host is None and isinstance(device, TorchAdamKernel) and device.fused
-    with pytest.raises(RuntimeError, match="no compiler"):
+    with pytest.raises(RuntimeError, match="no compiler for native"):
         adam_kernels(torch.device("cuda"), setup, offloaded=True)
-    with pytest.raises(RuntimeError, match="no compiler"):
+    with pytest.raises(RuntimeError, match="no compiler for deepspeed"):
+        adam_kernels(torch.device("cuda"), replace(setup, cpu_adam="deepspeed"), offloaded=True)
+    with pytest.raises(RuntimeError, match="no compiler for deepspeed"):
         adam_kernels(torch.device("cpu"), setup, offloaded=False)
+    with pytest.raises(RuntimeError, match="no compiler for native"):
+        adam_kernels(torch.device("cpu"), replace(setup, cpu_adam="native"), offloaded=False)

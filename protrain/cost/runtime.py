@@ -102,14 +102,31 @@ def _collective_bandwidth(hw: HardwareProfile) -> float:
     return hw.collective_bandwidth
 
 
+def backup_times(layout: ChunkLayout, hw: HardwareProfile, t_adam, world: int = 1):
+    """Per-chunk time to back up master, exp_avg and exp_avg_sq (12 bytes per parameter of
+    this rank's shard) before a speculative update; without a measured host copy bandwidth,
+    as long as the update (the ratio measured on a 2-core CPU: bench/cpu_adam.py)."""
+    if hw.host_copy_bandwidth > 0:
+        return np.asarray(layout.used, dtype=np.float64) * 12 / world / hw.host_copy_bandwidth
+    return np.asarray(t_adam, dtype=np.float64)
+
+
 def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist,
              n_buffer, block_modes, *, optimizer_step: bool = True,
-             cpu_overlap: bool = True, world: int = 1) -> TimePrediction:
+             cpu_overlap: bool = True, world: int = 1, speculate_from=None,
+             carry_over: bool = False) -> TimePrediction:
     """Simulate K plans at once: n_persist[K], n_buffer[K], block_modes[K, n_blocks] (codes).
 
     ``optimizer_step=False`` simulates a micro-step that only accumulates gradients (no Adam
     on either side). ``cpu_overlap=False`` starts CPU Adam only once backward is over (the
-    global gradient norm or the fp16 overflow check needs every gradient first)."""
+    global gradient norm or the fp16 overflow check needs every gradient first); then
+    ``speculate_from[K]`` (a chunk index per plan) lets chunks from that index on update
+    speculatively during backward, each first backing up its states (``backup_times``).
+    ``carry_over``: CPU Adam left at the end of the step runs on into the next forward (the
+    runtime's behaviour), which waits only where an offloaded chunk's upload needs its update:
+    the iteration is the device's work plus that wait, and at least the CPU's busy time. The
+    search ranks plans without it (its lower bounds assume CPU Adam ends within the step);
+    the chosen plan's prediction includes it."""
     # [parts, K] / [chunks, K] layouts below: the loops read and write one part or chunk of
     # every plan at a time, which is then a contiguous row.
     modes = np.ascontiguousarray(part_modes(profile, block_modes).T)
@@ -120,6 +137,10 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     parts = profile.parts
     rows = np.arange(k_plans)
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
+    spec_from = None
+    if speculate_from is not None and not cpu_overlap:
+        spec_from = np.broadcast_to(np.asarray(speculate_from, dtype=np.int64), (k_plans,))
+        t_spec = t_adam + backup_times(layout, hw, t_adam, world)
     saved = np.array([offload_bytes(p) for p in parts], dtype=np.float64)   # what SWAP / SSD copy
     bad = (nbuf < 1) & (npers < n_chunks)
     if bad.any():
@@ -155,6 +176,8 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     r_time = (saved / min(hw.nvme_read_bandwidth, np.inf if gds else hw.h2d_bandwidth)
               if hw.nvme_read_bandwidth > 0 else saved * 0)
     uploaded = 0
+    up_start = np.zeros((n_chunks, k_plans))     # forward upload of each chunk starts at
+    done_at = np.zeros((n_chunks, k_plans))      # CPU Adam of each offloaded chunk ends at
     for p, part in enumerate(parts):
         if p >= 2:
             comp = np.maximum(comp, swap_out_end[p - 2])
@@ -165,7 +188,8 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                     offl = j >= npers
                     src = j - nbuf
                     wait = np.where(offl & (src >= npers), released[np.maximum(src, 0), rows], 0.0)
-                    end = np.maximum(np.maximum(h2d, wait), comp if serial else 0.0) + t_up[j]
+                    up_start[j] = np.maximum(np.maximum(h2d, wait), comp if serial else 0.0)
+                    end = up_start[j] + t_up[j]
                     h2d = np.where(offl, end, h2d)
                     ready[j] = np.where(offl, end, 0.0)
                     if shared:
@@ -276,9 +300,19 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             if optimizer_step and cpu_overlap:
                 c_end = np.maximum(cpu, d_end) + t_adam[c]
                 cpu = np.where(offl, c_end, cpu)
+                done_at[c] = c_end
                 cpu_busy += np.where(offl, t_adam[c], 0.0)
                 if serial:                   # inline, between two parts' compute
                     comp = np.where(offl, c_end, comp)
+            elif optimizer_step and spec_from is not None:
+                spec = offl & (c >= spec_from)
+                c_end = np.maximum(cpu, d_end) + t_spec[c]
+                cpu = np.where(spec, c_end, cpu)
+                done_at[c] = c_end
+                cpu_busy += np.where(spec, t_spec[c], 0.0)
+                if serial:
+                    comp = np.where(spec, c_end, comp)
+                deferred.append((c, offl & ~spec, d_end))
             elif optimizer_step:
                 deferred.append((c, offl, d_end))
     bwd_end = comp
@@ -287,10 +321,15 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         # layout.min_buffers(n_persist), which callers must not ask for.
         raise ValueError("n_buffer too small for this chunk layout (see ChunkLayout.min_buffers)")
 
+    tail = np.maximum(cpu, bwd_end)
     for c, offl, d_end in deferred:
         c_end = np.maximum(np.maximum(cpu, d_end), bwd_end) + t_adam[c]
         cpu = np.where(offl, c_end, cpu)
         cpu_busy += np.where(offl, t_adam[c], 0.0)
+    # The runtime runs what step() leaves in chunk order (the next forward's upload order).
+    for c, offl, d_end in sorted(deferred, key=lambda d: d[0]):
+        tail = np.where(offl, np.maximum(tail, d_end) + t_adam[c], tail)
+        done_at[c] = np.where(offl, tail, done_at[c])
     prefix = np.concatenate([[0], np.cumsum(layout.used)])
     # Device tail at the boundary: all-reduce of the persistent gradients, then device Adam.
     gpu_optim = (prefix[npers] / hw.gpu_adam_rate + persistent_allreduce_time(layout, npers, hw, world)
@@ -300,8 +339,17 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     else:
         device_end = bwd_end + gpu_optim
     iter_time = np.maximum(device_end, cpu)
+    # Exposed: CPU Adam past the device's own work. On one timeline (a CPU "device") that is
+    # the updates left for after backward (the inline ones count as backward's time).
+    exposed = np.maximum(cpu - (bwd_end if serial else device_end), 0.0)
+    if carry_over and optimizer_step and not serial and n_chunks:
+        offl_rows = np.arange(n_chunks)[:, None] >= npers[None, :]
+        late = np.where(offl_rows, done_at - device_end[None, :] - up_start, -np.inf).max(axis=0)
+        carried = np.maximum(device_end + np.maximum(late, 0.0), cpu_busy)
+        iter_time = np.minimum(iter_time, carried)
+        exposed = np.maximum(iter_time - device_end, 0.0)
     return TimePrediction(
         iter_time=iter_time, fwd_time=fwd_end, bwd_time=bwd_end - fwd_end,
         gpu_optim_time=gpu_optim, cpu_optim_time=cpu_busy,
-        cpu_optim_exposed=np.maximum(cpu - device_end, 0.0),
+        cpu_optim_exposed=exposed,
         h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes)

@@ -42,6 +42,10 @@ class HardwareProfile(JsonValue):
     """Per-rank all-to-all bandwidth between the ranks of a sequence-parallel group, bytes/s
     (time = bytes * (P - 1) / P / bandwidth, the convention of collective_bandwidth). 0:
     unknown; the planner then uses collective_bandwidth."""
+    host_copy_bandwidth: float = 0.0
+    """Bytes/s of a host-memory copy between fp32 tensors (what a speculative CPU Adam update
+    costs to back up master, exp_avg and exp_avg_sq). 0: not measured; the planner then
+    assumes the backup takes as long as the update itself (a measured CPU ratio)."""
     copy_engines: int = 2
     """Copy engines that run next to compute: 2 (one per direction, data-center GPUs), 1 (both
     directions share one queue), 0 (none: every copy, and the CPU optimizer, runs on the

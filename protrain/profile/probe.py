@@ -124,6 +124,7 @@ def _measure_rates(device: torch.device, size_mib: int, adam_params: int,
     h2d, d2h = _copy_bandwidth(device, nbytes)
     say(f"CPU Adam ({adam_params / 1e6:.0f} M params; DeepSpeedCPUAdam builds once, ~1 min)")
     cpu_adam = _cpu_adam_rate(adam_params)
+    host_copy = _host_copy_bandwidth(adam_params)
     if device.type == "cuda":
         say(f"device Adam ({adam_params / 1e6:.0f} M params)")
         gpu_adam = _device_adam_rate(device, adam_params)
@@ -132,7 +133,7 @@ def _measure_rates(device: torch.device, size_mib: int, adam_params: int,
     return HardwareProfile(
         name=name, source="measured", device_type=device.type, device_memory=0, host_memory=0,
         h2d_bandwidth=h2d, d2h_bandwidth=d2h, gpu_adam_rate=gpu_adam, cpu_adam_rate=cpu_adam,
-        copy_engines=min(engines, 2), cpu_cores=os.cpu_count() or 1, versions=_versions())
+        host_copy_bandwidth=host_copy, copy_engines=min(engines, 2), cpu_cores=os.cpu_count() or 1, versions=_versions())
 
 
 def _best_time(fn, reps: int, sync) -> float:
@@ -183,6 +184,13 @@ def _cpu_adam_rate(n: int) -> float:
         opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
     t = _best_time(opt.step, 3, lambda: None)
     return n / t
+
+
+def _host_copy_bandwidth(n: int) -> float:
+    """Bytes/s of ``copy_`` between fp32 host tensors (the backup of a speculative update)."""
+    src, dst = torch.ones(n), torch.empty(n)
+    t = _best_time(lambda: dst.copy_(src), 3, lambda: None)
+    return 4 * n / t
 
 
 def probe_collective(dp, device: torch.device, size_mib: int = 64) -> float:

@@ -52,6 +52,42 @@ class CPUAdamKernel:
             self.update(empty, empty, empty, empty, step, h)
 
 
+class NativeCPUAdamKernel:
+    """ProTrain's csrc/cpu_adam.cpp: DeepSpeed's SIMD Adam (same bits as CPUAdamKernel) with
+    the Python GIL released for the whole update, so the training thread's backward hooks
+    run meanwhile; it widens and scales the gradients tile by tile without writing them, and
+    backs up master / exp_avg / exp_avg_sq in the same pass (a speculative update)."""
+
+    fused = True
+    _next_id = 1
+
+    def __init__(self, adamw: bool, threads: int = 0):
+        from ..native import cpu_adam
+        self._op = cpu_adam()
+        self._id = NativeCPUAdamKernel._next_id
+        NativeCPUAdamKernel._next_id += 1
+        self._op.create(self._id, adamw)
+        self.threads = threads or self._op.max_threads()
+
+    def update(self, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper, *,
+               scale: float = 1.0, backup=()) -> None:
+        self._op.update(self._id, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                        h.bias_correction, master, grad, exp_avg, exp_avg_sq, scale, list(backup),
+                        None, self.threads)
+
+    def prime(self, steps_done: int, h: AdamHyper) -> None:
+        """As CPUAdamKernel.prime: the same beta^t product as an uninterrupted run."""
+        empty = torch.empty(0)
+        for step in range(1, steps_done + 1):
+            self.update(empty, empty, empty, empty, step, h)
+
+    def __del__(self):
+        try:
+            self._op.destroy(self._id)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
 class TorchAdamKernel:
     """torch's Adam/AdamW: fused on CUDA, single-tensor elsewhere (what torch.optim picks for
     CPU tensors, so results match a plain torch optimizer bit for bit)."""

@@ -28,6 +28,7 @@ once, here.
 from __future__ import annotations
 
 import enum
+from typing import Callable
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -156,6 +157,9 @@ class ChunkManager:
         self.device = device
         self.streams = streams
         self.dp = dp or DataParallel(None)
+        # Set by the optimizer: wait for a chunk's pending CPU Adam update / for all of them.
+        self.host_ready: Callable[[Chunk], None] = lambda c: None
+        self.host_sync: Callable[[], None] = lambda: None
         self.dtype = named_params[0][1].dtype
         self.half = self.dtype in (torch.float16, torch.bfloat16)
         self.n_persist = n_persist
@@ -248,6 +252,7 @@ class ChunkManager:
             self.pool.take(c.buffer)
             c.move(ChunkState.RESIDENT)
             return
+        self.host_ready(c)         # its CPU Adam update of the last step may still be running
         if not self.pool.free:
             raise RuntimeError(
                 f"chunk {c.index} is needed but all {len(self.pool)} buffers are in use; the plan's "

@@ -4,9 +4,19 @@
   updated there by the device Adam after backward.
 - An offloaded chunk's gradients are written into its device buffer over the parameters
   (backward no longer needs them once their gradient exists), copied to the host when the
-  chunk's backward is done, and updated by CPU Adam: as soon as they land (overlapping the
-  rest of backward) when nothing global is needed first, else in ``step`` once the global
-  gradient norm (clipping) or the overflow check (fp16) is known.
+  chunk's backward is done, and updated by CPU Adam as soon as they land, overlapping the
+  rest of backward. When the step needs something global first (the gradient norm for
+  clipping, the overflow check for fp16 loss scaling) the update is *speculative*: it assumes
+  no clipping and no overflow, keeps a copy of the chunk's master, exp_avg and exp_avg_sq from
+  just before, and leaves the gradients untouched; ``step`` then commits it, or restores the
+  copy and redoes the update with the clipped gradients (or skips it on overflow). Either way
+  the result is the one a non-speculative step computes, bit for bit.
+- ``step`` does not wait for the host updates it leaves (those not done during backward):
+  they run on into the next forward, in chunk order, and each offloaded chunk's upload waits
+  for its own update (``wait_host_ready``), so no stale value is ever used. Persistent chunks
+  come first in execution order, so the next forward starts on them. Everything else that
+  reads host states waits for all of them first (``sync``: checkpoint export and import, the
+  module's state_dict, zero_grad with gradients pending, a re-plan, close).
 - With gradient accumulation, each micro-batch's gradients are added into an fp32 host
   accumulator; Adam runs on the accumulation boundary.
 
@@ -19,6 +29,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -103,7 +115,8 @@ class ChunkOptimizer:
     def __init__(self, manager: ChunkManager, streams: Streams, *, param_groups: list[dict],
                  hyper: Callable[[dict], AdamHyper], host_kernel, device_kernel,
                  grad_accumulation_steps: int, clip: float, loss_scaler,
-                 params_in_order: list[nn.Parameter], pause_accounting=None):
+                 params_in_order: list[nn.Parameter], pause_accounting=None,
+                 speculate_chunks: int | None = None, host_thread: bool | None = None):
         self.m = manager
         self.streams = streams
         self.param_groups = param_groups
@@ -114,9 +127,37 @@ class ChunkOptimizer:
         self.clip = clip
         self.loss_scaler = loss_scaler
         self.params_in_order = params_in_order
-        self.worker = HostWorker(threaded=streams.asynchronous, bind=streams.bind_thread)
+        self.worker = HostWorker(threaded=streams.asynchronous if host_thread is None else host_thread,
+                                 bind=streams.bind_thread)
         self._pause = pause_accounting or (lambda: _nullcontext())
-        self.overlap = clip <= 0 and loss_scaler is None
+        self.overlap = True
+        # Updates during backward are exact only when no global quantity scales them; else
+        # they speculate (see the module docstring) on the chunks the plan chose.
+        self.speculative = clip > 0 or loss_scaler is not None
+        offloaded = sorted(self.m.offloaded(), key=lambda c: c.index)
+        n_spec = len(offloaded) if speculate_chunks is None else max(0, min(speculate_chunks, len(offloaded)))
+        # The last chunks in execution order finish backward first: most time to hide behind.
+        self.spec_chunks = {c.index for c in offloaded[len(offloaded) - n_spec:]} if self.speculative else set()
+        self._backup = {c.index: tuple(torch.empty(c.shard_size, dtype=torch.float32) for _ in range(3))
+                        for c in offloaded if c.index in self.spec_chunks}
+        """Per speculating chunk, where master, exp_avg and exp_avg_sq are kept before its
+        speculative update (allocated once: 12 bytes per parameter of the chunk's shard)."""
+        self._spec: dict[int, _Speculation] = {}
+        """This step's speculative updates, by chunk index (written by the worker)."""
+        self._ready = {c.index: threading.Event() for c in offloaded}
+        """Set while the offloaded chunk's host states are final (no update queued or running)."""
+        for e in self._ready.values():
+            e.set()
+        # A failed worker skips the tasks that would set them: wake the waiters to raise.
+        self.worker.on_error(lambda: [e.set() for e in self._ready.values()])
+        self.m.host_ready = self.wait_host_ready
+        self.m.host_sync = self.sync
+        self.carry_over = True
+        """Let step() return before the host updates it leaves are done (see the module doc)."""
+        self.spec_enabled = True
+        """Whether this step speculates: not after a step that clipped or overflowed (its
+        successor likely does too, and a rollback costs the backup and a second update)."""
+        self.stats = OverlapStats()
         # The first optimizer step after a (re)plan updates nothing during backward: an out-of-
         # memory error there can then be redone exactly (no chunk already stepped).
         self.probation = True
@@ -196,10 +237,15 @@ class ChunkOptimizer:
             slot = self._take_staging()
             self.m.offload_grads(c, self._staging[slot][:c.shard_size])
             self.worker.submit(lambda c=c, slot=slot: self._accumulate(c, slot))
-        if boundary and self.overlap and not self.probation and c.index not in self._queued \
-                and c.index not in self._late:
+        if not boundary or self.probation or c.index in self._queued or c.index in self._late:
+            return
+        if not self.speculative:
             self._queued.add(c.index)
             self.worker.submit(lambda c=c: self._host_update(c, coef=None))
+        elif c.index in self.spec_chunks and self.spec_enabled:
+            self._queued.add(c.index)
+            inv_scale = self._inv_scale()
+            self.worker.submit(lambda c=c: self._speculate(c, inv_scale))
 
     def can_redo_micro_batch(self) -> bool:
         """Whether this micro-batch's backward can be dropped and run again exactly: no chunk
@@ -229,15 +275,20 @@ class ChunkOptimizer:
             self._staging_lock.notify()
 
     # ---- step ------------------------------------------------------------------------------
+    def _inv_scale(self) -> float:
+        return 1.0 / self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
+
     def step(self) -> None:
         """The accumulation boundary's update. Sets ``overflow`` and ``global_grad_norm``."""
+        t0 = time.perf_counter()
         self.worker.drain()
         for c in self.m.offloaded():
             self.streams.host_wait(c.grads_on_host)
         self.overflow = False
         self.global_grad_norm = None
-        inv_scale = 1.0 / self.loss_scaler.cur_scale if self.loss_scaler is not None else 1.0
+        inv_scale = self._inv_scale()
         coef = None
+        clip_coef = None
         dp = self.m.dp
         with self._pause():
             if dp.world > 1:
@@ -250,8 +301,12 @@ class ChunkOptimizer:
                 if self.overflow:
                     log.info("protrain: fp16 overflow, step skipped; loss scale now %s",
                              self.loss_scaler.cur_scale)
+                    for i in self._applied():
+                        self._rollback(self.m.chunks[i])
                     self._restore_params_after_skip()
+                    self.spec_enabled = False
                     self._reset()
+                    self.stats.exposed_s = time.perf_counter() - t0
                     return
             if self.clip > 0:
                 norm = self._global_norm(inv_scale)
@@ -261,19 +316,85 @@ class ChunkOptimizer:
                 coef = clip_coef if inv_scale == 1.0 else clip_coef * inv_scale
             elif inv_scale != 1.0:
                 coef = torch.tensor([inv_scale])
-            for c in self.m.offloaded():
-                if c.index not in self._queued:
-                    self._queued.add(c.index)
-                    self.worker.submit(lambda c=c, coef=coef: self._host_update(c, coef))
+            clipped = clip_coef is not None and float(clip_coef) != 1.0
+            # What is left of each offloaded chunk's update, decided here and done on the
+            # worker in chunk order (the next forward's upload order).
+            for c in sorted(self.m.offloaded(), key=lambda c: c.index):
+                sp = self._spec.pop(c.index, None)
+                if sp is not None and sp.applied:
+                    if not clipped and sp.hypers == self._hypers(c, sp.steps):
+                        action = "commit"      # exactly what the update with ``coef`` computes
+                        self.stats.overlapped_chunks += 1
+                    else:
+                        action = "redo"
+                        for s, step in zip(c.slots, sp.steps):
+                            s.step = step
+                        self.stats.rollbacks += 1
+                elif c.index in self._queued:
+                    action = None              # updated exactly during backward
+                    self.stats.overlapped_chunks += 1
+                else:
+                    action = "update"
+                # Hyperparameters as of now: a scheduler steps after this returns.
+                segments = self._hypers(c) if action in ("redo", "update") else None
+                self._ready[c.index].clear()
+                self.worker.submit(lambda c=c, a=action, sp=sp, coef=coef, seg=segments:
+                                   self._finish_chunk(c, a, sp, coef, seg))
+            t_dev = time.perf_counter()
             for c in self.m.chunks:
                 if c.persistent:
                     self._device_update(c, coef)
-            self.worker.drain()
-        self._reset()
+                    self._reset_chunk(c)
+            t0 += time.perf_counter() - t_dev        # device Adam is not CPU Adam's exposure
+            if not self.carry_over:
+                self.worker.drain()
+            self.spec_enabled = not clipped
+        self._queued.clear()
+        self._dirty = False
         self.probation = False
+        self.stats.exposed_s = time.perf_counter() - t0
+
+    def _finish_chunk(self, c: Chunk, action, sp, coef, segments) -> None:
+        """Worker: the rest of an offloaded chunk's step, then its gradients cleared for the
+        next one, then its upload may go."""
+        try:
+            with self._pause():
+                if action == "commit":
+                    self._commit(c)
+                elif action == "redo":
+                    self._restore(c, sp)
+                if action in ("redo", "update"):
+                    self._host_update(c, coef, segments)
+                self._reset_chunk(c)
+        finally:
+            self._ready[c.index].set()
+
+    def wait_host_ready(self, c: Chunk) -> None:
+        """Block until ``c``'s host states are final (its upload's source)."""
+        e = self._ready.get(c.index)
+        if e is None or e.is_set():
+            return
+        t = time.perf_counter()
+        e.wait()
+        if self.worker.failed:
+            self.worker.drain()                 # raises the worker's error
+        self.stats.exposed_s += time.perf_counter() - t
+
+    def sync(self) -> None:
+        """Wait for every pending host update (before reading or writing host states)."""
+        self.worker.drain()
+
+    def _reset_chunk(self, c: Chunk) -> None:
+        if c.persistent:
+            c.grad.zero_()
+        elif c.grad_acc is not None:
+            c.grad_acc.zero_()
+        for s in c.slots:
+            s.has_grad = False
 
     def _reset(self) -> None:
         self._queued.clear()
+        self._spec.clear()
         if not self._dirty:
             return
         self._dirty = False
@@ -286,8 +407,11 @@ class ChunkOptimizer:
                 s.has_grad = False
 
     def zero_grad(self) -> None:
-        """Gradients are cleared by ``step``; an explicit zero_grad between micro-batches (not
-        at a boundary) discards the accumulated ones, as torch's would."""
+        """Gradients are cleared by ``step`` (DeepSpeed calls this right after it: nothing to
+        do then, and the host updates keep running); an explicit zero_grad between micro-batches
+        (not at a boundary) discards the accumulated ones, as torch's would."""
+        if not self._dirty:
+            return
         self.worker.drain()
         self._reset()
 
@@ -314,24 +438,93 @@ class ChunkOptimizer:
         if run:
             yield run
 
-    def _update(self, c: Chunk, grads: torch.Tensor, kernel, coef) -> None:
-        for lo, hi, group, step in list(self._segments(c)):
-            # fp32 gradient regions are ours to scale in place (they are zeroed after the step);
-            # 16-bit ones are converted into a temporary first.
+    def _update(self, c: Chunk, grads: torch.Tensor, kernel, coef, keep_grads: bool = False,
+                backup=None, segments=None) -> None:
+        """Adam on every segment of ``c`` with a gradient. ``backup`` (three tensors like the
+        chunk's master): receives each segment's master, exp_avg and exp_avg_sq first.
+        ``segments``: (lo, hi, step, hyperparameters) taken earlier (``_hypers``), else now."""
+        for lo, hi, step, h in (segments if segments is not None else self._hypers(c)):
+            if getattr(kernel, "fused", False):
+                # The native kernel reads the gradients as they are (16-bit widened, scaled by
+                # ``coef`` tile by tile, never written) and backs up in the same pass.
+                kernel.update(c.master[lo:hi], grads[lo:hi], c.exp_avg[lo:hi], c.exp_avg_sq[lo:hi],
+                              step + 1, h, scale=1.0 if coef is None else float(coef),
+                              backup=() if backup is None else [b[lo:hi] for b in backup])
+                continue
+            if backup is not None:
+                for dst, src in zip(backup, (c.master, c.exp_avg, c.exp_avg_sq)):
+                    dst[lo:hi].copy_(src[lo:hi])
+            # fp32 gradient regions are ours to scale in place (they are zeroed after the step)
+            # unless a speculative update may have to be redone from them; 16-bit ones are
+            # converted into a temporary first.
             g = grads[lo:hi]
-            g = g.float() if g.dtype != torch.float32 else g
+            widened = g.dtype != torch.float32
+            g = g.float() if widened else g
             if coef is not None:
-                g.mul_(coef.to(g.device))
-            kernel.update(c.master[lo:hi], g, c.exp_avg[lo:hi], c.exp_avg_sq[lo:hi], step + 1,
-                          self.hyper(self.param_groups[group]))
+                g = g.mul_(coef.to(g.device)) if widened or not keep_grads else g * coef.to(g.device)
+            kernel.update(c.master[lo:hi], g, c.exp_avg[lo:hi], c.exp_avg_sq[lo:hi], step + 1, h)
         for s in c.slots:
             if s.has_grad or self.m.dp.world > 1:
                 s.step += 1
 
-    def _host_update(self, c: Chunk, coef) -> None:
+    def _hypers(self, c: Chunk, steps: list[int] | None = None) -> list:
+        """(segment, step, hyperparameters) of each update of the chunk as it would run now
+        (a scheduler or the user may change the hyperparameters between backward and step);
+        ``steps``: the slots' step counts to assume."""
+        saved = [s.step for s in c.slots]
+        if steps is not None:
+            for s, n in zip(c.slots, steps):
+                s.step = n
+        try:
+            return [(lo, hi, step, self.hyper(self.param_groups[group]))
+                    for lo, hi, group, step in self._segments(c)]
+        finally:
+            for s, n in zip(c.slots, saved):
+                s.step = n
+
+    # ---- speculation (clipping / fp16 loss scaling) -------------------------------------------
+    def _speculate(self, c: Chunk, inv_scale: float) -> None:
+        """Worker: update ``c`` as if the step clips nothing and overflows nowhere, keeping
+        what a rollback needs. Gradients are left as they are (step() reads them for the norm
+        and the overflow check, and a redo updates from them)."""
         self.streams.host_wait(c.grads_on_host)
         with self._pause():
-            self._update(c, self._landing(c), self.host_kernel, coef)
+            grads = self._landing(c)
+            sp = _Speculation(steps=[s.step for s in c.slots], hypers=self._hypers(c))
+            self._spec[c.index] = sp
+            if self.loss_scaler is not None and not bool(torch.isfinite(grads).all()):
+                return                      # this step overflows: step() skips it
+            coef = None if inv_scale == 1.0 else torch.tensor([inv_scale])
+            self._update(c, grads, self.host_kernel, coef, keep_grads=True, backup=self._backup[c.index])
+            sp.applied = True
+
+    def _applied(self) -> list[int]:
+        return [i for i, sp in self._spec.items() if sp.applied]
+
+    def _commit(self, c: Chunk) -> None:
+        """The speculation was right: the update stands; the upload copy follows it."""
+        if c.shadow is not None:
+            c.shadow.copy_(c.master)
+
+    def _restore(self, c: Chunk, sp: "_Speculation") -> None:
+        """The speculation was wrong: put master, exp_avg and exp_avg_sq back exactly as they
+        were before it (the segments it wrote)."""
+        for lo, hi, _, _ in sp.hypers:
+            for dst, src in zip((c.master, c.exp_avg, c.exp_avg_sq), self._backup[c.index]):
+                dst[lo:hi].copy_(src[lo:hi])
+
+    def _rollback(self, c: Chunk) -> None:
+        """Undo a speculative update entirely (states and step counts), now."""
+        sp = self._spec.pop(c.index)
+        self._restore(c, sp)
+        for s, step in zip(c.slots, sp.steps):
+            s.step = step
+        self.stats.rollbacks += 1
+
+    def _host_update(self, c: Chunk, coef, segments=None) -> None:
+        self.streams.host_wait(c.grads_on_host)
+        with self._pause():
+            self._update(c, self._landing(c), self.host_kernel, coef, segments=segments)
             if c.shadow is not None:
                 c.shadow.copy_(c.master)      # the next upload's source: updated parameters
 
@@ -393,6 +586,28 @@ class ChunkOptimizer:
         for c in self.m.offloaded():
             if c.shadow is not None and c.grad_acc is None:
                 c.shadow.copy_(c.master)
+
+
+@dataclass
+class _Speculation:
+    steps: list[int]
+    """The chunk's slots' step counts before the update."""
+    hypers: list
+    """Each segment's (bounds, step, hyperparameters) it was updated with."""
+    applied: bool = False
+    """False when the gradients were not finite (the step overflows: nothing to undo)."""
+
+
+@dataclass
+class OverlapStats:
+    """What CPU Adam's overlap did (``engine.protrain_stats()``)."""
+    overlapped_chunks: int = 0
+    """Offloaded chunk updates that ran during backward and stood (cumulative)."""
+    rollbacks: int = 0
+    """Speculative chunk updates undone (clipping, overflow or changed hyperparameters)."""
+    exposed_s: float = 0.0
+    """The last step's wall time in ``step()`` less the device Adam's: the CPU Adam work
+    (and its wait) that backward did not hide."""
 
 
 def dist_max():

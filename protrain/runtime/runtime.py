@@ -31,7 +31,7 @@ from ..cost.layout import ChunkLayout
 from ..plan import Plan
 from ..profile.meter import OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from .activations import ActivationRuntime
-from .adam import AdamHyper, CPUAdamKernel, TorchAdamKernel
+from .adam import AdamHyper, CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
 from .boundaries import part_boundaries
 from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
@@ -53,6 +53,16 @@ class OptimizerSetup:
     grad_accumulation_steps: int = 1
     clip: float = 0.0
     loss_scaler: object | None = None
+    cpu_adam: str = "auto"
+    """Host Adam kernel: "native" (csrc, GIL-free), "deepspeed", or "auto" (native on a GPU
+    machine, DeepSpeed's on a CPU "device", where updates run inline)."""
+    host_thread: bool | None = None
+    """Run CPU Adam on a worker thread (None: when a GPU computes meanwhile; True also on a CPU
+    "device", e.g. to measure the overlap on CPU with torch and the kernel on a core each)."""
+    speculate_chunks: int | None = None
+    """How many offloaded chunks (the last in execution order) update speculatively during
+    backward when clipping or fp16 loss scaling is on; None: all of them, 0: none (CPU Adam
+    of every offloaded chunk then waits for the end of backward)."""
     """DeepSpeed's loss scaler for fp16, else None."""
 
 
@@ -102,7 +112,8 @@ class ProTrainRuntime:
             host_kernel=host_kernel, device_kernel=device_kernel,
             grad_accumulation_steps=setup.grad_accumulation_steps, clip=setup.clip,
             loss_scaler=setup.loss_scaler, params_in_order=in_order,
-            pause_accounting=self.accounting.paused if self.accounting else None)
+            pause_accounting=self.accounting.paused if self.accounting else None,
+            speculate_chunks=setup.speculate_chunks, host_thread=setup.host_thread)
         self._buffer_index = {t.data_ptr(): b for b, t in enumerate(self.chunks.pool.tensors)}
         self._persistent_ptrs = {c.data.data_ptr() for c in self.chunks.chunks if c.persistent}
         self._slot_offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
@@ -115,6 +126,10 @@ class ProTrainRuntime:
         self._hooks.enter_context(part_boundaries(self.blocks, self._on_enter))
         for _, p in params:
             self._hooks.callback(p.register_post_accumulate_grad_hook(self.optimizer.on_grad).remove)
+        # The module's weights read through state_dict wait for the last step's host updates
+        # (offloaded parameters are views of host memory CPU Adam may still be writing).
+        self._hooks.callback(model.register_state_dict_pre_hook(
+            lambda *a, **k: self.optimizer.sync()).remove)
         self._part_chunks = [[self.chunks.chunks[c] for c in cs] for cs in layout.part_chunks]
         self._in_backward = False
         self._next_up = 0
@@ -285,11 +300,16 @@ def adam_kernels(device: torch.device, setup: OptimizerSetup, offloaded: bool):
     Adam is the host one (same bits as DeepSpeed's). With every chunk on a GPU there is no
     host kernel, so a machine without a compiler trains all the same."""
     if device.type == "cuda":
-        host = (TorchAdamKernel(fused=False) if setup.torch_adam else CPUAdamKernel(setup.adamw)) \
-            if offloaded else None
-        return host, TorchAdamKernel(fused=True)
-    host = TorchAdamKernel(fused=False) if setup.torch_adam else CPUAdamKernel(setup.adamw)
+        return (host_kernel(device, setup) if offloaded else None), TorchAdamKernel(fused=True)
+    host = host_kernel(device, setup)
     return host, host
+
+
+def host_kernel(device: torch.device, setup: OptimizerSetup):
+    if setup.torch_adam:
+        return TorchAdamKernel(fused=False)
+    native = setup.cpu_adam == "native" or (setup.cpu_adam == "auto" and device.type != "cpu")
+    return NativeCPUAdamKernel(setup.adamw) if native else CPUAdamKernel(setup.adamw)
 
 
 class DeviceAccounting:

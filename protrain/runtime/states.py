@@ -38,6 +38,7 @@ def _local_range(m: ChunkManager, c: Chunk) -> tuple[int, int]:
 def export_pieces(m: ChunkManager, *, grads: bool = False) -> list[Piece]:
     """This rank's pieces. With ``grads``, also the gradients accumulated in this optimizer
     step (micro-batches before an accumulation boundary)."""
+    m.host_sync()            # CPU Adam of the last step may still be running on offloaded chunks
     pieces = []
     for c in m.chunks:
         if c.persistent and m.dp.rank != 0:
@@ -63,6 +64,7 @@ def import_pieces(m: ChunkManager, fetch: Callable[[str, int, int], tuple], *,
     """Fill every chunk from ``fetch(name, lo, hi) -> (master, exp_avg, exp_avg_sq, step)``
     (fp32 CPU tensors of hi - lo elements). Without ``optimizer_states`` only the weights are
     taken and Adam starts afresh."""
+    m.host_sync()
     m.evict_all()
     for c in m.chunks:
         lo, hi = _local_range(m, c)

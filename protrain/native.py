@@ -1,0 +1,80 @@
+"""Builds and loads the native pieces in csrc/ (compiled on first use, cached per machine).
+
+The model is DeepSpeed's op builder, and its CPU flags are reused as they are
+(``CPUAdamBuilder.cxx_args`` of DeepSpeed's CPU op builders: ``-O3 -march=native -fopenmp`` and the SIMD width it detects), so
+DeepSpeed's Adam kernel source compiles here exactly as it does in DeepSpeed's own op. The
+build goes through ``torch.utils.cpp_extension.load``: its cache (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``) is keyed on the sources and flags, so a changed source
+rebuilds and an unchanged one loads in milliseconds.
+
+Where csrc/ lives: at the repository root in a source checkout (editable install), copied into
+the package as ``protrain/csrc`` by a regular install (setup.py).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+class NativeBuildError(RuntimeError):
+    """A native piece could not be compiled or loaded; the message says why and what to do."""
+
+
+def csrc_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "csrc", here.parent / "csrc"):
+        if (candidate / "cpu_adam.cpp").exists():
+            return candidate
+    raise NativeBuildError(f"ProTrain's native sources (csrc/cpu_adam.cpp) are not installed next to "
+                           f"{here}; reinstall the package (pip install protrain) or set "
+                           f"\"cpu_adam\": \"deepspeed\" in the protrain section")
+
+
+def _deepspeed_csrc() -> Path:
+    import deepspeed.ops
+    root = Path(deepspeed.ops.__file__).resolve().parent / "csrc"
+    if not (root / "adam" / "cpu_adam_impl.cpp").exists():
+        raise NativeBuildError(f"DeepSpeed's CPU Adam source is missing under {root} (a DeepSpeed "
+                               f"install without csrc); reinstall deepspeed==0.19.8 from PyPI")
+    return root
+
+
+def cpu_adam():
+    """The native CPU Adam module (csrc/cpu_adam.cpp + DeepSpeed's cpu_adam_impl.cpp)."""
+    name = "protrain_cpu_adam"
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        from deepspeed.ops.op_builder.cpu.cpu_adam import CPUAdamBuilder
+        from torch.utils.cpp_extension import load
+        ds = _deepspeed_csrc()
+        flags = [f for f in CPUAdamBuilder().cxx_args() if f] + ["-UC10_USE_GLOG"]
+        sources = [str(csrc_dir() / "cpu_adam.cpp"), str(ds / "adam" / "cpu_adam_impl.cpp")]
+        try:
+            module = load(name=name, sources=sources, extra_include_paths=[str(ds / "includes")],
+                          extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as e:   # noqa: BLE001 - compiler / ninja / loader errors, re-raised below
+            raise NativeBuildError(_explain(e, sources, flags)) from e
+        _loaded[name] = module
+        return module
+
+
+def _explain(e: BaseException, sources: list[str], flags: list[str]) -> str:
+    text = str(e).strip()
+    tail = "\n".join(text.splitlines()[-15:])
+    if "ninja" in text.lower() and "not" in text.lower():
+        hint = "install ninja (pip install ninja)"
+    elif "g++" in text or "c++" in text or "error:" in text:
+        hint = "install a C++17 compiler (g++ >= 9) and check the error above"
+    else:
+        hint = "see the error above"
+    return (f"ProTrain: building the native CPU Adam failed ({hint}).\n"
+            f"  sources: {' '.join(sources)}\n  flags: {' '.join(flags)}\n  python: {sys.executable}\n"
+            f"  build cache: {os.environ.get('TORCH_EXTENSIONS_DIR', '~/.cache/torch_extensions')}\n"
+            f"{tail}\nTo train without it, set \"cpu_adam\": \"deepspeed\" in the protrain section "
+            f"(DeepSpeed's kernel: same results, holds the Python GIL while it runs).")
