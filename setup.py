@@ -54,7 +54,9 @@ setup(
         "megatron-core==0.16.1",
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.40", "accelerate>=0.30"],
+        "test": ["pytest>=7", "transformers>=4.40", "accelerate>=0.30", "matplotlib==3.11.2"],
+        # `protrain explain PLAN.json --plot out.png`: the timeline drawn
+        "plot": ["matplotlib==3.11.2"],
         "gds": ["kvikio-cu13==26.10.0"],
     },
     entry_points={"console_scripts": ["protrain=protrain.cli:main"]},

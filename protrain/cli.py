@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("explain", help="print a saved plan")
     ex.add_argument("plan", metavar="PLAN.json")
+    ex.add_argument("--plot", metavar="OUT.png", help="also draw the predicted iteration (lanes: "
+                    "compute, H2D, D2H, CPU Adam, NVMe; device memory under them); needs matplotlib")
+    ex.add_argument("--trace", metavar="TRACE.json", help="with --plot: draw a measured iteration "
+                    "beside it (the trace_file an engine wrote)")
 
     sub.add_parser("list", help="list model presets and named machines")
     return ap
@@ -250,6 +254,23 @@ def _cmd_explain(args) -> int:
         print(f"protrain: error: cannot read plan {args.plan}: {e}", file=sys.stderr)
         return 2
     print(plan.explain())
+    if args.trace and not args.plot:
+        print("protrain: error: --trace is drawn with --plot OUT.png", file=sys.stderr)
+        return 2
+    if args.plot:
+        from .timeline import Timeline, draw
+        if plan.timeline is None:
+            print(f"protrain: error: {args.plan} has no predicted timeline (written by an older "
+                  f"version); plan again to get one", file=sys.stderr)
+            return 2
+        timelines = [plan.timeline]
+        if args.trace:
+            try:
+                timelines.append(Timeline.load(args.trace))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                print(f"protrain: error: cannot read trace {args.trace}: {e}", file=sys.stderr)
+                return 2
+        print(f"drew {draw(timelines, args.plot)}")
     return 0
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from .block_mode import BlockMode, layout_block_modes, modes_string, same_counts
 from .profile.model_profile import ParamRecord
 from .serde import JsonValue
+from .timeline import Timeline
 from .units import fmt_bytes, fmt_seconds
 
 
@@ -133,6 +134,9 @@ class Plan(JsonValue):
     """Offloaded chunks (the last in execution order) whose CPU Adam update runs speculatively
     during backward under gradient clipping / fp16 loss scaling (PlannerConfig
     ``cpu_optim_speculative``); 0 without those, where every update overlaps exactly."""
+    timeline: Timeline | None = None
+    """The predicted iteration, event by event (``protrain explain PLAN.json --plot out.png``
+    draws it); None in plan files written before it existed."""
     micro_batch: int | None = None
     """Samples per micro-batch the plan was made for (None: unknown, e.g. an older plan file)."""
     seq_len: int | None = None

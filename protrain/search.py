@@ -24,6 +24,7 @@ import numpy as np
 from .block_mode import CKPT, SEL, SSD, SWAP, BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
 from .config import ALL, KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
+from .cost.predicted_timeline import predicted_timeline
 from .cost.memory import activation_walk, buffer_numel, offload_bytes, predict_memory, state_bytes
 from .cost.runtime import chunk_transfer_times, persistent_allreduce_time, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
@@ -675,6 +676,15 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
                  cpu_overlap=config.cpu_optim_overlap, world=world,
                  speculate_from=layout.n_chunks - n_spec if config.cpu_optim_speculative else None,
                  carry_over=config.model_states_fixed is None)
+    timeline = predicted_timeline(
+        profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
+        model_state_bytes=mem.model_state_bytes, memory_limit=hw.device_memory,
+        title=f"{profile.name}: {layout.n_chunks - knobs.n_persist} of {layout.n_chunks} chunks "
+              f"offloaded, blocks ckpt {knobs.n_checkpoint} swap {knobs.n_swap} ssd {knobs.n_ssd} "
+              f"sel {knobs.n_selective}",
+        cpu_overlap=config.cpu_optim_overlap, world=world,
+        speculate_from=layout.n_chunks - n_spec if config.cpu_optim_speculative else None,
+        carry_over=config.model_states_fixed is None)
     gas = config.grad_accumulation_steps
     micro = float(simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
                            optimizer_step=False, world=world).iter_time[0]) if gas > 1 else float(t.iter_time[0])
@@ -711,7 +721,8 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         candidates_evaluated=int(evaluated), candidates_total=int(total),
         params=profile.params if profile.source == "measured" else (),
         block_saved_bytes=tuple(offload_bytes(b) for b in profile.blocks),
-        micro_batch=profile.micro_batch, seq_len=profile.seq_len, n_speculate=n_spec)
+        micro_batch=profile.micro_batch, seq_len=profile.seq_len, n_speculate=n_spec,
+        timeline=timeline)
 
 
 def _speculation(profile, layout, hw, knobs, codes, config, host_bytes) -> tuple[int, int]:

@@ -30,6 +30,7 @@ _OWN_KEYS = {
     "ssd_verify": "checksum every activation read back from the SSD (slower; for debugging)",
     "ssd_min_bytes": "tensors smaller than this stay on the device instead of going to SSD",
     "cpu_adam": "CPU Adam kernel for offloaded chunks: auto, native (csrc, GIL-free) or deepspeed",
+    "trace_file": "path: record each iteration's measured timeline there (protrain explain --plot --trace)",
     "host_thread": "run CPU Adam on a worker thread even on a CPU device (benchmarks; default: on a GPU)",
     "profile_seq_len": "profile the first N tokens of each sequence and scale the profile to the "
                        "batch's length (linear parts by s, attention by s^2)",
@@ -82,6 +83,10 @@ class ProTrainDSConfig:
     released and the speculative backup fused; compiled on first use), "deepspeed"
     (DeepSpeedCPUAdam: same bits, holds the GIL), or "auto": native where a GPU computes while
     CPU Adam runs, DeepSpeed's on a CPU "device" (updates run inline there)."""
+    trace_file: str | None = None
+    """Record the measured timeline of each iteration (compute per part, chunk copies, each CPU
+    Adam update) to this JSON file, rewritten as each iteration ends (runtime/trace.py); draw it
+    beside the plan's prediction with ``protrain explain PLAN.json --plot out.png --trace FILE``."""
     host_thread: bool | None = None
     """CPU Adam on a worker thread: None (default) where a GPU computes meanwhile; true also on a
     CPU "device" (to measure the overlap on CPU, with torch and the kernel on a core each)."""
@@ -110,7 +115,7 @@ class ProTrainDSConfig:
         if not isinstance(enabled, bool):
             raise ConfigError(f"{SECTION}.enabled = {enabled!r}: must be true or false")
         kwargs: dict[str, Any] = {"enabled": enabled}
-        for key in ("plan_file", "profile_cache_dir", "ssd_path"):
+        for key in ("plan_file", "profile_cache_dir", "ssd_path", "trace_file"):
             v = data.pop(key, None)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ConfigError(f"{SECTION}.{key} = {v!r}: must be a path string")

@@ -388,7 +388,8 @@ class ProTrainEngine(DeepSpeedEngine):
             is_boundary=is_boundary,
             accounting=self.protrain_config.accounting, dp=dp or DataParallel(),
             ssd_root=self.protrain_config.ssd_path, ssd_verify=self.protrain_config.ssd_verify,
-            ssd_min_bytes=self.protrain_config.ssd_min_bytes)
+            ssd_min_bytes=self.protrain_config.ssd_min_bytes,
+            trace_file=self.protrain_config.trace_file)
         self.optimizer.runtime = self.protrain_runtime
         # Counts are cumulative over re-plans: the new runtime goes on counting in the same record.
         self._protrain_overlap = self._protrain_overlap or self.protrain_runtime.optimizer.stats

@@ -109,6 +109,14 @@ def part_modes(profile: ModelProfile, block_modes: np.ndarray) -> np.ndarray:
 def activation_walk(profile: ModelProfile, block_modes) -> tuple[np.ndarray, np.ndarray]:
     """Highest live activation bytes for each row of per-block mode codes [K, n_blocks], and
     the walk point where it happens (2*part for forward, 2*part+1 for backward)."""
+    walk = activation_walk_points(profile, block_modes)
+    where = walk.argmax(axis=1)
+    return np.maximum(walk.max(axis=1), 0), where
+
+
+def activation_walk_points(profile: ModelProfile, block_modes) -> np.ndarray:
+    """Live activation bytes at each walk point [K, 2 * parts]: each part's forward peak, then
+    its backward peak (the curve under a predicted timeline)."""
     m = part_modes(profile, block_modes)
     parts = profile.parts
     saved = np.array([p.saved_bytes for p in parts], dtype=np.int64)
@@ -147,9 +155,7 @@ def activation_walk(profile: ModelProfile, block_modes) -> tuple[np.ndarray, np.
     twice = np.where(offl & prev_offl, resaved, 0)
     rec = (m == CKPT) | (m == SEL)
     bwd = np.where(rec, np.maximum(recompute, bwd_keep), bwd_keep) + prev_swapped + twice
-    walk = np.stack([fwd, bwd], axis=2).reshape(m.shape[0], -1)
-    where = walk.argmax(axis=1)
-    return np.maximum(walk.max(axis=1), 0), where
+    return np.stack([fwd, bwd], axis=2).reshape(m.shape[0], -1)
 
 
 def offload_bytes(part) -> int:

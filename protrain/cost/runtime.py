@@ -114,7 +114,7 @@ def backup_times(layout: ChunkLayout, hw: HardwareProfile, t_adam, world: int = 
 def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist,
              n_buffer, block_modes, *, optimizer_step: bool = True,
              cpu_overlap: bool = True, world: int = 1, speculate_from=None,
-             carry_over: bool = False) -> TimePrediction:
+             carry_over: bool = False, trace: list | None = None) -> TimePrediction:
     """Simulate K plans at once: n_persist[K], n_buffer[K], block_modes[K, n_blocks] (codes).
 
     ``optimizer_step=False`` simulates a micro-step that only accumulates gradients (no Adam
@@ -126,7 +126,10 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     runtime's behaviour), which waits only where an offloaded chunk's upload needs its update:
     the iteration is the device's work plus that wait, and at least the CPU's busy time. The
     search ranks plans without it (its lower bounds assume CPU Adam ends within the step);
-    the chosen plan's prediction includes it."""
+    the chosen plan's prediction includes it.
+
+    ``trace`` (one plan): receives (lane, what, label, start, end) for every simulated piece of
+    work (protrain/timeline.py draws them)."""
     # [parts, K] / [chunks, K] layouts below: the loops read and write one part or chunk of
     # every plan at a time, which is then a contiguous row.
     modes = np.ascontiguousarray(part_modes(profile, block_modes).T)
@@ -175,6 +178,12 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
               if hw.nvme_write_bandwidth > 0 else saved * 0)
     r_time = (saved / min(hw.nvme_read_bandwidth, np.inf if gds else hw.h2d_bandwidth)
               if hw.nvme_read_bandwidth > 0 else saved * 0)
+    def ev(lane, what, label, start, end, mask=True):
+        if trace is not None and bool(np.asarray(mask).reshape(-1)[0]):
+            a, b = float(np.asarray(start).reshape(-1)[0]), float(np.asarray(end).reshape(-1)[0])
+            if b > a:
+                trace.append((lane, what, label, a, b))
+
     uploaded = 0
     up_start = np.zeros((n_chunks, k_plans))     # forward upload of each chunk starts at
     done_at = np.zeros((n_chunks, k_plans))      # CPU Adam of each offloaded chunk ends at
@@ -190,6 +199,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                     wait = np.where(offl & (src >= npers), released[np.maximum(src, 0), rows], 0.0)
                     up_start[j] = np.maximum(np.maximum(h2d, wait), comp if serial else 0.0)
                     end = up_start[j] + t_up[j]
+                    ev("h2d", "upload", f"chunk {j}", up_start[j], end, offl)
                     h2d = np.where(offl, end, h2d)
                     ready[j] = np.where(offl, end, 0.0)
                     if shared:
@@ -197,12 +207,14 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                     h2d_bytes += np.where(offl, layout.used[j] * profile.param_bytes / world, 0)
                     uploaded += 1
                 comp = np.maximum(comp, ready[c])
+            ev("compute", "fwd", part.name, comp, comp + part.fwd_time * share)
             comp = comp + part.fwd_time * share
         for c in last_of[p]:
             released[c] = comp
         if part.kind == "block":
             sw = modes[p] == SWAP
             end = np.maximum(d2h, comp) + saved[p] / hw.d2h_bandwidth
+            ev("d2h", "swap_out", part.name, end - saved[p] / hw.d2h_bandwidth, end, sw)
             d2h = np.where(sw, end, d2h)
             swap_out_end[p] = np.where(sw, end, 0.0)
             d2h_bytes += np.where(sw, saved[p], 0)
@@ -214,6 +226,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             if sd.any():
                 queue = ssd_w if gds else d2h
                 end = np.maximum(queue, comp) + w_time[p]
+                ev("nvme", "nvme_write", part.name, end - w_time[p], end, sd)
                 if gds:
                     ssd_w = np.where(sd, end, ssd_w)
                 else:
@@ -244,6 +257,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             src = np.minimum(j + nbuf, n_chunks - 1)
             end = np.maximum(np.maximum(h2d, np.where(need, grad_out[src, rows], 0.0)),
                              comp if serial else 0.0) + t_up[j]
+            ev("h2d", "upload", f"chunk {j}", end - t_up[j], end, need)
             h2d = np.where(need, end, h2d)
             avail[j] = np.where(need, end, 0.0)
             if serial:
@@ -262,15 +276,23 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         rec = (m == CKPT) | (m == SEL)
         if chunks:
             all_ready = avail[list(chunks)].max(axis=0)
+            ev("compute", "recompute", part.name, np.maximum(comp, all_ready),
+               np.maximum(comp, all_ready) + redo, rec)
             comp = np.where(rec, np.maximum(comp, all_ready) + redo, comp)
             for c, share in zip(reversed(chunks), reversed(layout.part_chunk_share[p])):
+                ev("compute", "bwd", part.name, np.maximum(comp, avail[c]),
+                   np.maximum(comp, avail[c]) + part.bwd_time * share)
                 comp = np.maximum(comp, avail[c]) + part.bwd_time * share
         else:
-            comp = np.where(rec, comp + redo, comp) + part.bwd_time
+            ev("compute", "recompute", part.name, comp, comp + redo, rec)
+            comp = np.where(rec, comp + redo, comp)
+            ev("compute", "bwd", part.name, comp, comp + part.bwd_time)
+            comp = comp + part.bwd_time
         # Prefetch the previous block's swapped activations, issued as this part starts.
         if p >= 1 and parts[p - 1].kind == "block":
             sw = modes[p - 1] == SWAP
             end = np.maximum(h2d, start) + saved[p - 1] / hw.h2d_bandwidth
+            ev("h2d", "swap_in", parts[p - 1].name, end - saved[p - 1] / hw.h2d_bandwidth, end, sw)
             h2d = np.where(sw, end, h2d)
             swap_in_end[p - 1] = np.where(sw, end, 0.0)
             h2d_bytes += np.where(sw, saved[p - 1], 0)
@@ -280,6 +302,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             if sd.any():
                 queue = ssd_r if gds else h2d
                 end = np.maximum(queue, start) + r_time[p - 1]
+                ev("nvme", "nvme_read", parts[p - 1].name, end - r_time[p - 1], end, sd)
                 if gds:
                     ssd_r = np.where(sd, end, ssd_r)
                 else:
@@ -290,6 +313,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         for c in sorted(first_of[p], reverse=True):
             offl = c >= npers
             d_end = np.maximum(d2h, comp) + t_down[c]
+            ev("d2h", "offload", f"chunk {c}", d_end - t_down[c], d_end, offl)
             d2h = np.where(offl, d_end, d2h)
             grad_out[c] = np.where(offl, d_end, comp)
             d2h_bytes += np.where(offl, layout.used[c] * profile.param_bytes / world, 0)
@@ -299,6 +323,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                 d2h = h2d = np.maximum(h2d, d2h)
             if optimizer_step and cpu_overlap:
                 c_end = np.maximum(cpu, d_end) + t_adam[c]
+                ev("cpu_adam", "adam", f"chunk {c}", c_end - t_adam[c], c_end, offl)
                 cpu = np.where(offl, c_end, cpu)
                 done_at[c] = c_end
                 cpu_busy += np.where(offl, t_adam[c], 0.0)
@@ -307,6 +332,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             elif optimizer_step and spec_from is not None:
                 spec = offl & (c >= spec_from)
                 c_end = np.maximum(cpu, d_end) + t_spec[c]
+                ev("cpu_adam", "backup_adam", f"chunk {c}", c_end - t_spec[c], c_end, spec)
                 cpu = np.where(spec, c_end, cpu)
                 done_at[c] = c_end
                 cpu_busy += np.where(spec, t_spec[c], 0.0)
@@ -330,6 +356,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     for c, offl, d_end in sorted(deferred, key=lambda d: d[0]):
         tail = np.where(offl, np.maximum(tail, d_end) + t_adam[c], tail)
         done_at[c] = np.where(offl, tail, done_at[c])
+        ev("cpu_adam", "adam", f"chunk {c}", tail - t_adam[c], tail, offl)
     prefix = np.concatenate([[0], np.cumsum(layout.used)])
     # Device tail at the boundary: all-reduce of the persistent gradients, then device Adam.
     gpu_optim = (prefix[npers] / hw.gpu_adam_rate + persistent_allreduce_time(layout, npers, hw, world)
@@ -338,6 +365,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         device_end = np.maximum(bwd_end, cpu) + gpu_optim
     else:
         device_end = bwd_end + gpu_optim
+    ev("compute", "device_adam", "persistent chunks", device_end - gpu_optim, device_end)
     iter_time = np.maximum(device_end, cpu)
     # Exposed: CPU Adam past the device's own work. On one timeline (a CPU "device") that is
     # the updates left for after backward (the inline ones count as backward's time).

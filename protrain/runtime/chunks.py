@@ -160,6 +160,7 @@ class ChunkManager:
         # Set by the optimizer: wait for a chunk's pending CPU Adam update / for all of them.
         self.host_ready: Callable[[Chunk], None] = lambda c: None
         self.host_sync: Callable[[], None] = lambda: None
+        self.tracer = None               # runtime/trace.py's recorder, when a trace is on
         self.dtype = named_params[0][1].dtype
         self.half = self.dtype in (torch.float16, torch.bfloat16)
         self.n_persist = n_persist
@@ -269,7 +270,10 @@ class ChunkManager:
         c.move(ChunkState.UPLOADING)
         buf = self.pool.tensors[b]
         mine = buf[self.dp.rank * c.shard_size:(self.dp.rank + 1) * c.shard_size]
+        t = self.tracer.now() if self.tracer is not None else 0.0
         c.ready = self.streams.copy(mine, self.host_params(c), "upload", after=self.pool.free_after[b])
+        if self.tracer is not None:
+            self.tracer.add("h2d", "upload", f"chunk {c.index}", t, self.tracer.now())
         if self.dp.world > 1:
             with self.streams.side("upload"):
                 self.dp.all_gather_(buf, c.shard_size)
@@ -315,7 +319,10 @@ class ChunkManager:
                 after = self.streams.record_on("offload")
         else:
             mine = buf[:c.numel]
+        t = self.tracer.now() if self.tracer is not None else 0.0
         done = self.streams.copy(target, mine, "offload", after=after)
+        if self.tracer is not None:
+            self.tracer.add("d2h", "offload", f"chunk {c.index}", t, self.tracer.now())
         c.grads_on_host = done
         self.pool.owner[c.buffer] = None
         self.pool.release(c.buffer, done)

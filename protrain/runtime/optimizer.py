@@ -152,6 +152,7 @@ class ChunkOptimizer:
         self.worker.on_error(lambda: [e.set() for e in self._ready.values()])
         self.m.host_ready = self.wait_host_ready
         self.m.host_sync = self.sync
+        self.tracer = None               # runtime/trace.py's recorder, when a trace is on
         self.carry_over = True
         """Let step() return before the host updates it leaves are done (see the module doc)."""
         self.spec_enabled = True
@@ -346,6 +347,7 @@ class ChunkOptimizer:
                     self._device_update(c, coef)
                     self._reset_chunk(c)
             t0 += time.perf_counter() - t_dev        # device Adam is not CPU Adam's exposure
+            self._trace("compute", "device_adam", "persistent chunks", t_dev)
             if not self.carry_over:
                 self.worker.drain()
             self.spec_enabled = not clipped
@@ -362,9 +364,11 @@ class ChunkOptimizer:
                 if action == "commit":
                     self._commit(c)
                 elif action == "redo":
+                    t = time.perf_counter()
                     self._restore(c, sp)
+                    self._trace("cpu_adam", "rollback", f"chunk {c.index}", t)
                 if action in ("redo", "update"):
-                    self._host_update(c, coef, segments)
+                    self._host_update(c, coef, segments, "redo" if action == "redo" else "adam")
                 self._reset_chunk(c)
         finally:
             self._ready[c.index].set()
@@ -495,7 +499,9 @@ class ChunkOptimizer:
             if self.loss_scaler is not None and not bool(torch.isfinite(grads).all()):
                 return                      # this step overflows: step() skips it
             coef = None if inv_scale == 1.0 else torch.tensor([inv_scale])
+            t = time.perf_counter()
             self._update(c, grads, self.host_kernel, coef, keep_grads=True, backup=self._backup[c.index])
+            self._trace("cpu_adam", "backup_adam", f"chunk {c.index}", t)
             sp.applied = True
 
     def _applied(self) -> list[int]:
@@ -521,12 +527,18 @@ class ChunkOptimizer:
             s.step = step
         self.stats.rollbacks += 1
 
-    def _host_update(self, c: Chunk, coef, segments=None) -> None:
+    def _trace(self, lane: str, what: str, label: str, start: float) -> None:
+        if self.tracer is not None:
+            self.tracer.add(lane, what, label, start, time.perf_counter())
+
+    def _host_update(self, c: Chunk, coef, segments=None, what: str = "adam") -> None:
         self.streams.host_wait(c.grads_on_host)
+        t = time.perf_counter()
         with self._pause():
             self._update(c, self._landing(c), self.host_kernel, coef, segments=segments)
             if c.shadow is not None:
                 c.shadow.copy_(c.master)      # the next upload's source: updated parameters
+        self._trace("cpu_adam", what, f"chunk {c.index}", t)
 
     def _device_update(self, c: Chunk, coef) -> None:
         self._update(c, c.grad, self.device_kernel, coef)

@@ -72,7 +72,7 @@ class ProTrainRuntime:
                  setup: OptimizerSetup, *, swap_bytes: Sequence[int],
                  is_boundary: Callable[[], bool] = lambda: True, accounting: bool = False,
                  dp: DataParallel | None = None, ssd_root=None, ssd_verify: bool = False,
-                 ssd_min_bytes: int = 2**20):
+                 ssd_min_bytes: int = 2**20, trace_file: str | None = None):
         self.model = model
         self.blocks = list(blocks)
         self.plan = plan
@@ -132,6 +132,14 @@ class ProTrainRuntime:
             lambda *a, **k: self.optimizer.sync()).remove)
         self._part_chunks = [[self.chunks.chunks[c] for c in cs] for cs in layout.part_chunks]
         self._in_backward = False
+        self.tracer = None
+        if trace_file:
+            from .trace import Tracer
+            memory = (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else (
+                (lambda: self.chunks.device_bytes() + getattr(getattr(self.accounting, "registry", None),
+                                                              "live_bytes", 0)) if accounting else None)
+            self.tracer = Tracer(trace_file, title=f"{plan.knobs}", memory=memory)
+        self.chunks.tracer = self.optimizer.tracer = self.tracer
         self._next_up = 0
         self._next_down = len(self.chunks.chunks) - 1
         self.iterations = 0
@@ -142,6 +150,8 @@ class ProTrainRuntime:
         tensors again with their current values (on the host with ``to_host``)."""
         self.optimizer.worker.drain()
         self.optimizer.worker.close()
+        if self.tracer is not None:
+            self.tracer.close()
         self._hooks.close()
         self.activations.close()
         if self.accounting is not None:
@@ -186,6 +196,8 @@ class ProTrainRuntime:
         device. Runs at the end of autograd's backward and again from the framework's
         backward epilogue."""
         boundary = self.is_boundary()
+        if self.tracer is not None:
+            self.tracer.end_backward()
         for c in self.chunks.offloaded():
             if c.state == ChunkState.RESIDENT and any(s.has_grad for s in c.slots):
                 self.optimizer.chunk_backward_done(c, boundary)
@@ -212,6 +224,8 @@ class ProTrainRuntime:
 
     # ---- boundaries -----------------------------------------------------------------------
     def _on_enter(self, phase: str, part: int, tensor) -> None:
+        if self.tracer is not None:
+            self.tracer.part(phase, f"part {part}")
         if phase == "fwd":
             self._enter_forward(part)
         else:

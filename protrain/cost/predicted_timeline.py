@@ -1,0 +1,39 @@
+"""The cost model's iteration as a Timeline (protrain/timeline.py): the runtime model's
+simulation of one plan, event by event, with the memory model's live bytes under it."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..profile.hardware import HardwareProfile
+from ..profile.model_profile import ModelProfile
+from ..timeline import Event, Timeline
+from .layout import ChunkLayout
+from .memory import activation_walk_points
+from .runtime import simulate
+
+
+def predicted_timeline(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist: int,
+                       n_buffer: int, codes: np.ndarray, *, model_state_bytes: int, title: str,
+                       memory_limit: int = 0, **simulate_kw) -> Timeline:
+    """One plan's predicted iteration. The memory curve steps at the end of each part's
+    forward and backward to the model states plus the activations live there (the memory
+    model's walk; between those points it is drawn flat)."""
+    trace: list = []
+    t = simulate(profile, layout, hw, n_persist, n_buffer, codes, trace=trace, **simulate_kw)
+    events = tuple(Event(lane, what, label, start, end) for lane, what, label, start, end in trace)
+    walk = activation_walk_points(profile, codes)[0]
+    ends: dict[tuple[str, str], float] = {}
+    for e in events:
+        if e.what in ("fwd", "bwd"):
+            key = (e.what, e.label)
+            ends[key] = max(ends.get(key, 0.0), e.end)
+    points = [(0.0, model_state_bytes)]
+    for p, part in enumerate(profile.parts):
+        for i, what in enumerate(("fwd", "bwd")):
+            if (what, part.name) in ends:
+                points.append((ends[(what, part.name)], model_state_bytes + max(int(walk[2 * p + i]), 0)))
+    points.sort()
+    stats = {"iteration_s": float(t.iter_time[0]), "cpu_adam_s": float(t.cpu_optim_time[0]),
+             "cpu_adam_exposed_s": float(t.cpu_optim_exposed[0])}
+    return Timeline(source="predicted", title=title, events=events, memory=tuple(points),
+                    memory_limit=memory_limit, stats=stats)
