@@ -138,7 +138,10 @@ class ProTrainRuntime:
             memory = (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else (
                 (lambda: self.chunks.device_bytes() + getattr(getattr(self.accounting, "registry", None),
                                                               "live_bytes", 0)) if accounting else None)
-            self.tracer = Tracer(trace_file, title=f"{plan.knobs}", memory=memory)
+            k = plan.knobs
+            self.tracer = Tracer(trace_file, memory=memory, title=(
+                f"{len(self.chunks.offloaded())} of {len(self.chunks.chunks)} chunks offloaded, blocks "
+                f"ckpt {k.n_checkpoint} swap {k.n_swap} ssd {k.n_ssd} sel {k.n_selective}"))
         self.chunks.tracer = self.optimizer.tracer = self.tracer
         self._next_up = 0
         self._next_down = len(self.chunks.chunks) - 1
