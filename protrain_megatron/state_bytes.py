@@ -24,8 +24,9 @@ class MegatronStates(JsonValue):
     """Optimizer bytes per parameter: fp32 master copy + Adam's two moments (12), or just
     the moments for fp32 training (8); 0 when the optimizer lives on the host."""
     optimizer_shards: int = 1
-    """Ranks the optimizer states are split over (data-parallel size with
-    ``--use-distributed-optimizer``, else 1)."""
+    """Ranks the optimizer states are split over: with ``--use-distributed-optimizer`` the
+    data-parallel x context-parallel ranks (Megatron shards over the data-parallel group
+    with context parallelism, whose ranks hold the same parameters), else 1."""
 
     def __post_init__(self) -> None:
         for f in ("params", "param_bytes", "grad_bytes", "optimizer_bytes", "optimizer_shards"):
@@ -47,7 +48,13 @@ class MegatronStates(JsonValue):
         fp32_grads = (not half) or bool(getattr(args, "accumulate_allreduce_grads_in_fp32", True))
         on_host = bool(getattr(args, "optimizer_cpu_offload", False)) and \
             float(getattr(args, "optimizer_offload_fraction", 1.0)) >= 1.0
-        shards = int(getattr(args, "data_parallel_size", 1) or 1) \
-            if getattr(args, "use_distributed_optimizer", False) else 1
+        # validate_args sets data_parallel_size = world / (TP x PP x CP); the distributed
+        # optimizer shards over data-parallel x context-parallel ranks (within one of its
+        # --num-distributed-optimizer-instances).
+        shards = 1
+        if getattr(args, "use_distributed_optimizer", False):
+            dp_cp = int(getattr(args, "data_parallel_size", 1) or 1) * \
+                int(getattr(args, "context_parallel_size", 1) or 1)
+            shards = max(1, dp_cp // int(getattr(args, "num_distributed_optimizer_instances", 1) or 1))
         return cls(params=int(params), param_bytes=2 if half else 4, grad_bytes=4 if fp32_grads else 2,
                    optimizer_bytes=0 if on_host else (12 if half else 8), optimizer_shards=shards)

@@ -279,6 +279,11 @@ def test_states_from_megatron_arguments():
     s = MegatronStates.from_args(bf16, 10**9)
     assert (s.param_bytes, s.grad_bytes, s.optimizer_bytes, s.optimizer_shards) == (2, 4, 12, 8)
     assert s.total_bytes == 10**9 * 6 + 10**9 * 12 // 8
+    # Context parallelism: the distributed optimizer shards over data x context parallel ranks.
+    cp = MegatronStates.from_args(NS(bf16=True, fp16=False, use_distributed_optimizer=True,
+                                     data_parallel_size=2, context_parallel_size=4), 10**9)
+    assert cp.optimizer_shards == 8 and cp.total_bytes == s.total_bytes
+    assert MegatronStates.from_args(NS(bf16=True, context_parallel_size=4), 10).optimizer_shards == 1
     fp32 = MegatronStates.from_args(NS(bf16=False, fp16=False), 100)
     assert fp32.total_bytes == 100 * (4 + 4 + 8)
     with pytest.raises(ValueError, match="optimizer_shards"):
