@@ -37,7 +37,7 @@ Sample = Mapping[str, torch.Tensor] | Callable[[nn.Module], torch.Tensor]
 """A batch for ``GPTModel.forward`` (input_ids, position_ids, attention_mask, labels), or a
 function that runs the model's forward on a batch and returns the scalar loss."""
 
-ACTIVATION_KNOBS = ("n_checkpoint", "n_swap", "n_ssd")
+ACTIVATION_KNOBS = ("n_checkpoint", "n_swap", "n_ssd", "n_selective")
 
 
 @dataclass
@@ -70,7 +70,7 @@ class AppliedPlan:
                f"  machine: {self.plan.machine}",
                f"  layers (global numbers): {layers}",
                f"  modes: {modes_string(self.plan.block_modes)} = {k.n_checkpoint} recomputed, "
-               f"{k.n_swap} swapped, {k.n_ssd} on NVMe",
+               f"{k.n_selective} selectively recomputed, {k.n_swap} swapped, {k.n_ssd} on NVMe",
                f"  applied through {self.policy.how}",
                f"  replaces --recompute-granularity/-method/-num-layers, --cpu-offloading(-num-layers)",
                f"  predicted: iteration {fmt_seconds(p.iter_time)} (forward {fmt_seconds(p.fwd_time)}, "
@@ -136,10 +136,8 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
         pins = replace(pins, n_swap=0, n_ssd=0)
         prefer_native = True
         notes.append(f"{native_only}: swap and NVMe off, recompute through Megatron's own (first layers)")
-    if pins.n_selective is None or native_only:
-        # The selective mode runs through the layer hooks (protrain.runtime.selective); until
-        # the Megatron adapter weighs it (with context parallelism, issue 13) it is offered
-        # only when pinned.
+    if native_only:
+        # The selective mode runs through ProTrain's layer hooks (protrain.runtime.selective).
         if (pins.n_selective or 0) > 0:
             raise ValueError(f"pin n_selective={pins.n_selective}: {native_only}; pin it to 0")
         pins = replace(pins, n_selective=0)
@@ -267,17 +265,23 @@ def profile_megatron(core: nn.Module, sample: Sample, *, device: torch.device,
 def scale_in_flight(profile: ModelProfile, k: int) -> ModelProfile:
     """A pipeline stage keeps up to ``k`` micro-batches' activations (1F1B): every activation
     figure times ``k``. Conservative: one micro-batch's transients are counted k times."""
-    return scale_profile(profile, memory=k)
+    return scale_profile(profile, memory=k, io=1.0)
 
 
-def scale_profile(profile: ModelProfile, *, memory: float = 1.0, time: float = 1.0) -> ModelProfile:
-    """Every activation figure times ``memory``, every compute time times ``time``."""
+def scale_profile(profile: ModelProfile, *, memory: float = 1.0, time: float = 1.0,
+                  io: float | None = None) -> ModelProfile:
+    """Every activation figure times ``memory``, every compute time times ``time``, the
+    attention operator's input/output bytes (what context parallelism's all-to-alls move)
+    times ``io`` (default ``memory``)."""
     m = lambda x: int(round(x * memory))  # noqa: E731
+    io = memory if io is None else io
     parts = tuple(replace(p, in_bytes=m(p.in_bytes), saved_bytes=m(p.saved_bytes),
                           kept_bytes=m(p.kept_bytes), resaved_bytes=m(p.resaved_bytes),
-                          in_shared_bytes=m(p.in_shared_bytes),
+                          in_shared_bytes=m(p.in_shared_bytes), sel_saved_bytes=m(p.sel_saved_bytes),
                           fwd_start=m(p.fwd_start), fwd_peak=m(p.fwd_peak), bwd_start=m(p.bwd_start),
-                          bwd_peak=m(p.bwd_peak), fwd_time=p.fwd_time * time, bwd_time=p.bwd_time * time)
+                          bwd_peak=m(p.bwd_peak), fwd_time=p.fwd_time * time, bwd_time=p.bwd_time * time,
+                          attn_fwd_time=p.attn_fwd_time * time, attn_bwd_time=p.attn_bwd_time * time,
+                          attn_io_bytes=int(round(p.attn_io_bytes * io)))
                   for p in profile.parts)
     return replace(profile, parts=parts, ops=())
 
@@ -288,8 +292,8 @@ def _prefer_native(plan: Plan, profile, hw, config, required: bool = False) -> P
     ``required``: the model can only run native recompute; raise if the prefix does not fit."""
     modes = plan.block_modes
     if native_recompute_layers(modes) is not None or any(
-            m in (BlockMode.SWAP, BlockMode.SSD) for m in modes):
-        return plan
+            m in (BlockMode.SWAP, BlockMode.SSD, BlockMode.SELECTIVE) for m in modes):
+        return plan          # Megatron's own recompute cannot run these
     n = plan.knobs.n_checkpoint
     prefix = tuple(BlockMode.CKPT if i < n else BlockMode.NONE for i in range(len(modes)))
     try:

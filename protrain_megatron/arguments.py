@@ -13,6 +13,10 @@ from protrain.units import parse_bytes
 
 FLAG = "--protrain-auto-memory"
 
+PIN_KNOBS = ("n_checkpoint", "n_swap", "n_ssd", "n_selective")
+"""The activation knobs ``--protrain-pin`` may fix (the context-parallel degree is pinned with
+Megatron's own ``--context-parallel-size``)."""
+
 REPLACED = (
     ("recompute_granularity", None, "--recompute-granularity / --recompute-activations"),
     ("recompute_method", None, "--recompute-method"),
@@ -41,7 +45,7 @@ def add_protrain_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--protrain-plan-file", default=None, metavar="FILE",
                    help="load the plan from FILE if it exists, else save the chosen plan there")
     g.add_argument("--protrain-pin", action="append", default=[], metavar="KNOB=N",
-                   help="fix a knob: n_checkpoint, n_swap or n_ssd (repeatable)")
+                   help="fix a knob: n_checkpoint, n_swap, n_ssd or n_selective (repeatable)")
     return parser
 
 
@@ -78,9 +82,9 @@ class MegatronOptions:
         pins = []
         for item in args.protrain_pin:
             knob, sep, value = item.partition("=")
-            if not sep or knob not in ("n_checkpoint", "n_swap", "n_ssd") or not value.isdigit():
+            if not sep or knob not in PIN_KNOBS or not value.isdigit():
                 raise SystemExit(f"protrain: --protrain-pin {item!r}: use KNOB=N with KNOB one of "
-                                 f"n_checkpoint, n_swap, n_ssd, e.g. --protrain-pin n_swap=0")
+                                 f"{', '.join(PIN_KNOBS)}, e.g. --protrain-pin n_swap=0")
             pins.append((knob, int(value)))
         return cls(device_memory=size("protrain_device_memory"), host_memory=size("protrain_host_memory"),
                    memory_margin=margin, ssd_path=args.protrain_ssd_path,

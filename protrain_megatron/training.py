@@ -24,6 +24,7 @@ import torch
 from .apply import AppliedPlan, decides_plan, plan_activations, scale_profile
 from .arguments import FLAG, MegatronOptions, add_protrain_arguments, take_over_flags
 from .model import decoder_layers, parallel_sizes, unwrap
+from .sdpa_attention import swap_core_attention
 from .state_bytes import MegatronStates
 
 APPLIED: list[AppliedPlan] = []
@@ -32,6 +33,9 @@ APPLIED: list[AppliedPlan] = []
 ANALYTIC_PEAK_FLOPS = 400e12
 """Device FLOP/s assumed by the analytic stage profile when the probe has no published peak
 (only the ratio of recompute to swap time depends on it)."""
+
+DEFAULT_VOCAB = 32000
+"""Vocabulary assumed when the arguments give none (the tokenizer sets it after parsing)."""
 
 REPLICATED_SHARE = 10 / 34
 """Share of a layer's activations replicated on every tensor-parallel rank without sequence
@@ -45,9 +49,28 @@ def install_arguments(module) -> None:
 
     @functools.wraps(original)
     def add_megatron_arguments(parser):
-        return add_protrain_arguments(original(parser))
+        return choose_after_parsing(add_protrain_arguments(original(parser)))
     add_megatron_arguments._protrain = True
     module.add_megatron_arguments = add_megatron_arguments
+
+
+def choose_after_parsing(parser):
+    """Make ``parser`` choose the context-parallel degree right after it parses (Megatron-LM's
+    parse_args calls it before validate_args and before any process group exists)."""
+    if getattr(parser.parse_known_args, "_protrain", False):
+        return parser
+    original = parser.parse_known_args
+
+    @functools.wraps(original)
+    def parse_known_args(args=None, namespace=None):
+        parsed, rest = original(args, namespace)
+        if getattr(parsed, "protrain_auto_memory", False) and hasattr(parsed, "context_parallel_size"):
+            from .context_parallel import decide_context_parallel
+            decide_context_parallel(parsed, parser, sys.argv[1:] if args is None else list(args))
+        return parsed, rest
+    parse_known_args._protrain = True
+    parser.parse_known_args = parse_known_args
+    return parser
 
 
 def install_training(module) -> None:
@@ -77,7 +100,10 @@ def wrap_get_model(original, get_args):
             return original(model_provider_func, *args, **kwargs)   # inference copies: untouched
         opts = MegatronOptions.from_args(margs)
         overridden = take_over_flags(margs)
-        model = original(model_provider_func, *args, **kwargs)
+        # Context parallelism without Transformer Engine's attention: Megatron's local
+        # DotProductAttention refuses it; ProTrain's all-to-all attention takes its place.
+        with swap_core_attention((getattr(margs, "context_parallel_size", 1) or 1) > 1):
+            model = original(model_provider_func, *args, **kwargs)
         APPLIED.append(apply_to_megatron_lm(model, margs, opts, overridden))
         return model
     get_model._protrain = True
@@ -158,30 +184,45 @@ def synthetic_step(ddp, args, core):
 def stage_profile(args, n_layers: int, sizes: dict):
     """Analytic profile of this pipeline stage's layers, per tensor-parallel rank (an
     estimate: a stage cannot run alone to be measured)."""
-    from dataclasses import replace
+    return analytic_stage_profile(args, n_layers, args.seq_length // max(1, sizes["cp"]), sizes["tp"],
+                                  name=f"megatron-stage{sizes['pp_rank']}")
 
-    from protrain.profile.analytic import ModelShape, analytic_profile
-    from protrain.profile.probe import probe_hardware
+
+def model_shape(args, n_layers: int, seq_len: int, name: str = "megatron"):
+    """The analytic model shape of ``n_layers`` layers of Megatron-LM's model from its
+    arguments (also before validate_args: unset sizes take Megatron's defaults)."""
+    from protrain.profile.analytic import ModelShape
     half = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
-    shape = ModelShape(
-        name=f"megatron-stage{sizes['pp_rank']}",
-        family="llama" if getattr(args, "swiglu", False) else "gpt2",
-        n_layers=n_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
-        vocab=getattr(args, "padded_vocab_size", None) or args.vocab_size,
-        seq_len=args.seq_length // max(1, sizes["cp"]), micro_batch=args.micro_batch_size,
-        kv_heads=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
+    heads = args.num_attention_heads
+    groups = getattr(args, "num_query_groups", None)
+    vocab = getattr(args, "padded_vocab_size", None) or args.vocab_size or DEFAULT_VOCAB
+    return ModelShape(
+        name=name, family="llama" if getattr(args, "swiglu", False) else "gpt2",
+        n_layers=n_layers, hidden=args.hidden_size, heads=heads, vocab=vocab,
+        seq_len=seq_len, micro_batch=args.micro_batch_size,
+        kv_heads=groups if getattr(args, "group_query_attention", False) and groups else None,
         ffn_hidden=getattr(args, "ffn_hidden_size", None),
         tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
         max_positions=getattr(args, "max_position_embeddings", None), dtype_bytes=2 if half else 4)
-    hw = probe_hardware(progress=False)
+
+
+def analytic_stage_profile(args, n_layers: int, seq_len: int, tp: int, *, hardware=None,
+                           name: str = "megatron"):
+    """The analytic profile of ``n_layers`` layers at ``seq_len`` tokens, per
+    tensor-parallel rank of ``tp``."""
+    from dataclasses import replace
+
+    from protrain.profile.analytic import analytic_profile
+    from protrain.profile.probe import probe_hardware
+    hw = hardware or probe_hardware(progress=False)
     if hw.peak_flops <= 0:
         hw = replace(hw, peak_flops=ANALYTIC_PEAK_FLOPS)
-    tp = sizes["tp"]
     if getattr(args, "sequence_parallel", False):
         share = 1 / tp
     else:
         share = REPLICATED_SHARE + (1 - REPLICATED_SHARE) / tp
-    return scale_profile(analytic_profile(shape, hw), memory=share, time=1 / tp)
+    profile = analytic_profile(model_shape(args, n_layers, seq_len, name), hw)
+    return scale_profile(profile, memory=share, time=1 / tp, io=1 / tp)
 
 
 def _rank() -> int:

@@ -32,7 +32,12 @@ def cpu_rng_states(monkeypatch) -> None:
     monkeypatch.setattr(mr, "_set_all_rng_states", set_states)
 
 
-def gpt(num_layers=4, hidden=64, heads=4, vocab=128, seq=32, seed=0, dropout=0.1):
+def gpt(num_layers=4, hidden=64, heads=4, vocab=128, seq=32, seed=0, dropout=0.1, cp=1,
+        local_attention=False, kv_heads=None, attention_dropout=None):
+    """``local_attention``: keep the local spec's DotProductAttention (CPU runs need it
+    replaced: pass it inside ``swap_core_attention``). ``attention_dropout`` (default
+    ``dropout``): 0 for the selective mode on CPU, whose fused attention kernel has no dropout
+    (with it SDPA decomposes into the math path, which keeps no attention output)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -40,9 +45,13 @@ def gpt(num_layers=4, hidden=64, heads=4, vocab=128, seq=32, seed=0, dropout=0.1
     torch.manual_seed(seed)
     cfg = TransformerConfig(num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads,
                             use_cpu_initialization=True, add_bias_linear=False,
-                            hidden_dropout=dropout, attention_dropout=dropout)
+                            hidden_dropout=dropout,
+                            attention_dropout=dropout if attention_dropout is None else attention_dropout,
+                            context_parallel_size=cp,
+                            num_query_groups=kv_heads)
     spec = get_gpt_layer_local_spec()
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if not local_attention:
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab,
                     max_sequence_length=seq, position_embedding_type="learned_absolute")
 

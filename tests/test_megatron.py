@@ -33,7 +33,9 @@ def _cpu_rng(monkeypatch):
 
 @pytest.fixture(scope="module")
 def model():
-    return gpt(num_layers=4, hidden=128, seq=SEQ)
+    # Hidden dropout on (recompute must replay the RNG); attention dropout off, so CPU's fused
+    # attention kernel runs and the selective mode can keep its output.
+    return gpt(num_layers=4, hidden=128, seq=SEQ, attention_dropout=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,8 @@ CASES = {
     "swap": ({"n_checkpoint": 0, "n_swap": 4}, True, "SSSS"),
     "ssd": ({"n_checkpoint": 0, "n_swap": 0, "n_ssd": 4}, True, "DDDD"),
     "mixed": ({"n_checkpoint": 1, "n_swap": 1, "n_ssd": 1}, True, "DSCN"),
+    "selective": ({"n_checkpoint": 0, "n_swap": 0, "n_selective": 4}, True, "AAAA"),
+    "selective-mixed": ({"n_checkpoint": 1, "n_swap": 1, "n_selective": 1}, True, "SCAN"),
 }
 
 
@@ -71,7 +75,7 @@ def test_gradients_equal_the_run_without_a_policy(case, model, sample, reference
     applied = _plan(model, sample, pins=pins, prefer_native=native, ssd_path=ssd)
     try:
         assert "".join(m.letter for m in applied.plan.block_modes) == layout
-        assert applied.policy.native == (native and case != "swap" and case != "ssd" and case != "mixed")
+        assert applied.policy.native == (native and set(layout) <= {"C", "N"})
         for _ in range(2):      # twice: the stashes are reused across iterations
             loss, grads = loss_and_grads(model, sample)
             assert torch.equal(loss, reference[0])
@@ -125,21 +129,46 @@ def test_native_plan_sets_megatrons_recompute_config(model, sample):
     assert model.config.recompute_granularity is None
 
 
+def _sdpa_flops(q, k, v, *args, out_shape=None, **kwargs):
+    """Forward FLOPs of CPU fused attention (torch's counter has no formula for the CPU
+    kernel): two [s, s] matmuls per head."""
+    b, h, s, d = q
+    return 4 * b * h * s * k[2] * d
+
+
+def _sdpa_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs):
+    return 2 * _sdpa_flops(q, k, v)
+
+
+ATTENTION_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops,
+                   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                   _sdpa_backward_flops}
+"""By operator packet, as the counter looks formulas up and reports counts."""
+
+
+def _counter():
+    return FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
+
+
 def _backward_flops(model, sample):
     torch.manual_seed(5)
     model.zero_grad(set_to_none=True)
     loss = model(**sample).float().mean()
-    with FlopCounterMode(display=False) as fc:
+    with _counter() as fc:
         loss.backward()
     return fc.get_total_flops()
 
 
-def _layer_forward_flops(model, sample):
-    with FlopCounterMode(display=False) as fc:
+def _layer_forward_flops(model, sample, attention_only=False):
+    """One decoder layer's forward FLOPs (every layer has the same), or its attention
+    kernel's alone."""
+    with _counter() as fc:
         with torch.no_grad():
             model(**sample)
     counts = fc.get_flop_counts()
-    per_layer = [sum(v.values()) for k, v in counts.items()
+    attention = set(ATTENTION_FLOPS)
+    per_layer = [sum(n for op, n in v.items() if op in attention or not attention_only)
+                 for k, v in counts.items()
                  if k.rsplit(".", 1)[0].endswith("decoder.layers") and k.rsplit(".", 1)[1].isdigit()]
     assert len(per_layer) == 4 and len(set(per_layer)) == 1, per_layer
     return per_layer[0]
@@ -149,23 +178,29 @@ def _layer_forward_flops(model, sample):
                                          ({"n_checkpoint": 1, "n_swap": 0}, False),
                                          ({"n_checkpoint": 2, "n_swap": 0}, True),
                                          ({"n_checkpoint": 4, "n_swap": 0}, False),
-                                         ({"n_checkpoint": 1, "n_swap": 2}, True)])
+                                         ({"n_checkpoint": 1, "n_swap": 2}, True),
+                                         ({"n_checkpoint": 0, "n_swap": 0, "n_selective": 4}, True),
+                                         ({"n_checkpoint": 1, "n_swap": 1, "n_selective": 2}, True)])
 def test_flop_counter_shows_exactly_the_planned_recompute(pins, native, model, sample):
     base = _backward_flops(model, sample)
     layer = _layer_forward_flops(model, sample)
-    assert layer > 0
+    attention = _layer_forward_flops(model, sample, attention_only=True)
+    assert layer > attention > 0
     applied = _plan(model, sample, pins=pins, prefer_native=native)
     try:
         got = _backward_flops(model, sample)
     finally:
         applied.close()
-    # Recompute replays each checkpointed layer's forward once in backward; nothing else.
-    assert got - base == pins["n_checkpoint"] * layer
+    # Recompute replays each checkpointed layer's forward once in backward, and each
+    # selective layer's forward but its attention (whose output was kept); nothing else.
+    assert got - base == pins["n_checkpoint"] * layer + pins.get("n_selective", 0) * (layer - attention)
 
 
 @pytest.mark.parametrize("pins", [{"n_checkpoint": 0, "n_swap": 0}, {"n_checkpoint": 0, "n_swap": 4},
                                   {"n_checkpoint": 4, "n_swap": 0}, {"n_checkpoint": 1, "n_swap": 2},
-                                  {"n_checkpoint": 0, "n_swap": 0, "n_ssd": 2}])
+                                  {"n_checkpoint": 0, "n_swap": 0, "n_ssd": 2},
+                                  {"n_checkpoint": 0, "n_swap": 0, "n_selective": 4},
+                                  {"n_checkpoint": 1, "n_swap": 1, "n_selective": 2}])
 def test_runtime_accounting_matches_the_predicted_activation_peak(pins, model, sample, tmp_path):
     applied = _plan(model, sample, pins=pins, prefer_native=False, accounting=True,
                     ssd_path=str(tmp_path) if pins.get("n_ssd") else None)
@@ -246,7 +281,7 @@ def test_plan_file_round_trip(model, sample, tmp_path):
 
 
 def test_bad_input_is_refused_with_the_fix(model, sample):
-    with pytest.raises(ValueError, match="only n_checkpoint, n_swap, n_ssd can be pinned"):
+    with pytest.raises(ValueError, match="only n_checkpoint, n_swap, n_ssd, n_selective can be pinned"):
         _plan(model, sample, pins={"n_persist": 1})
     with pytest.raises(ValueError, match="needs an SSD path"):
         _plan(model, sample, pins={"n_ssd": 1})

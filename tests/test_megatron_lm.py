@@ -43,7 +43,7 @@ def test_argument_group_and_options():
 
 @pytest.mark.parametrize("argv,message", [
     (["--protrain-device-memory", "lots"], "--protrain-device-memory: cannot read 'lots'"),
-    (["--protrain-pin", "n_persist=2"], "use KNOB=N with KNOB one of n_checkpoint, n_swap, n_ssd"),
+    (["--protrain-pin", "n_persist=2"], "use KNOB=N with KNOB one of n_checkpoint, n_swap, n_ssd, n_selective"),
     (["--protrain-pin", "n_swap"], "use KNOB=N"),
     (["--protrain-memory-margin", "1.5"], "must be in \\[0, 1\\)"),
 ])
@@ -133,10 +133,13 @@ def test_yaml_config_without_the_group_is_refused(monkeypatch):
 
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
+manual = pytest.mark.skipif(
+    not MEGATRON_LM, reason="manual check: set MEGATRON_LM_PATH to a Megatron-LM (core_v0.16.1) "
+    "source tree (megatron/training, megatron/legacy, megatron/rl; triton importable); its training "
+    "code is not on PyPI")
 
 
-@pytest.mark.skipif(not MEGATRON_LM, reason="manual check: set MEGATRON_LM_PATH to a Megatron-LM "
-                    "(core_v0.16.1) source tree; its training code is not on PyPI")
+@manual
 def test_megatron_lm_parse_args_accepts_the_flag(tmp_path):
     script = textwrap.dedent("""
         import sys
@@ -161,6 +164,35 @@ def test_megatron_lm_parse_args_accepts_the_flag(tmp_path):
     plain = run(["--protrain-device-memory", "70GiB"])
     assert plain.returncode == 2 and "unrecognized arguments: --protrain-device-memory" in plain.stderr
     assert "RESULT None None None None False" in run([]).stdout
+
+
+@manual
+def test_megatron_lm_parse_args_chooses_the_context_parallel_size(tmp_path):
+    """Megatron-LM's own parse_args, 2 ranks announced, a budget at which CP=1 does not fit:
+    the parsed arguments carry CP=2 before validate_args; a user's CP is kept."""
+    from test_megatron_cp import MODEL, _need
+    script = textwrap.dedent("""
+        from megatron.training.arguments import parse_args
+        args = parse_args()
+        print("RESULT", args.context_parallel_size, args.cp_comm_type)
+    """)
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0",
+               PYTHONPATH=os.pathsep.join([MEGATRON_LM, os.environ.get("PYTHONPATH", "")]))
+    budget = ["--protrain-device-memory", str(_need(1) - 1)]
+    run = lambda extra: subprocess.run([sys.executable, "-c", script] + MODEL + budget + extra,  # noqa: E731
+                                       env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    chosen = run([])
+    assert chosen.returncode == 0, chosen.stderr[-3000:]
+    assert "RESULT 2 ['p2p']" in chosen.stdout
+    assert "ProTrain: --context-parallel-size 2 (chosen by ProTrain)" in chosen.stdout
+    assert "CP=1 does not fit" in chosen.stdout
+    pinned = run(["--context-parallel-size", "1"])
+    assert pinned.returncode != 0 and "CP=1 does not fit" in pinned.stderr
+    roomy = subprocess.run([sys.executable, "-c", script] + MODEL + ["--protrain-device-memory", "1GiB",
+                                                                     "--context-parallel-size", "1"],
+                           env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert roomy.returncode == 0 and "RESULT 1 ['p2p']" in roomy.stdout
+    assert "(pinned by the command line)" in roomy.stdout
 
 
 def test_pipeline_stage_plans_for_its_micro_batches_in_flight(monkeypatch, tmp_path):

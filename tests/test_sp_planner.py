@@ -1,5 +1,6 @@
 """The sequence-parallel degree as a planner knob: constraints, the per-rank profile (checked
 against measured ones), the outer loop's choice and its reasons, and `protrain plan --world`."""
+import re
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,7 @@ from protrain.profile.hardware import HardwareProfile
 from protrain.profile.tracer import profile_model
 from protrain.search import InfeasibleError
 from protrain.sp import SPShape, broken_constraints, check_degree, scale_profile, valid_degrees
-from protrain.sp.planner import search_sequence_parallel
+from protrain.sp.planner import choose_degree, search_sequence_parallel
 
 CFG = GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=512)
 
@@ -131,6 +132,27 @@ def test_auto_picks_a_degree_that_fits_and_says_why(profiles):
     with pytest.raises(ConfigError, match="no position_ids"):
         search_sequence_parallel(prof, _machine(), replace(cfg, pins=KnobPins(sequence_parallel=2)),
                                  seq_len=1024, unsupported="no position_ids")
+
+
+def test_degrees_predicted_within_the_error_band_hedge_to_the_smaller(profiles):
+    prof = profiles[128]
+    # Room for P=1 only with recompute; P=2 keeps everything: it is predicted faster.
+    cfg = PlannerConfig(device_memory=int(_need(prof, 1, 1024) * 1.3), data_parallel_size=2)
+    fast_links = _machine(alltoall_bandwidth=1e15)
+    sure = search_sequence_parallel(prof, fast_links, replace(cfg, time_tolerance=0.0), seq_len=1024)
+    assert sure.knobs.sequence_parallel == 2
+    assert not any("chosen over" in n for n in sure.notes)
+    # A difference inside the model's error band: the smaller degree, and the plan says so.
+    hedged = search_sequence_parallel(prof, fast_links, replace(cfg, time_tolerance=0.5), seq_len=1024)
+    assert hedged.knobs.sequence_parallel == 1
+    step = {int(n[2]): float(n.split("step ")[1].split(" ms")[0]) for n in hedged.notes
+            if n.startswith("P=") and ": step " in n}
+    assert step[2] < step[1] <= 1.5 * step[2]
+    assert any(n.startswith("P=1: step") and n.endswith("- chosen") for n in hedged.notes), hedged.notes
+    said = re.search(r"P=1 chosen over P=2: P=2 is predicted (\d+\.\d)% faster", " ".join(hedged.notes))
+    assert said and float(said.group(1)) == pytest.approx(100 * (1 - step[2] / step[1]), abs=0.2)
+    assert "within the model's 50% error band" in " ".join(hedged.notes)
+    assert choose_degree({}, 0.05) is None
 
 
 def test_a_pinned_degree_that_breaks_a_constraint_is_refused(profiles):

@@ -67,3 +67,18 @@ def machine(name: str) -> Machine:
     except KeyError:
         raise ValueError(f"unknown machine {name!r}; known: {', '.join(MACHINES)} "
                          f"(or measure this one with `protrain probe`)") from None
+
+
+_DEVICE_NAMES = (("H200", "h200"), ("H100 PCIe", "h100-pcie-80gb"), ("H100", "h100-80gb"),
+                 ("A100-SXM4-40GB", "a100-40gb"), ("A100-SXM4-80GB", "a100-80gb"),
+                 ("A100-SXM-80GB", "a100-80gb"), ("L40S", "l40s"), ("RTX 3090", "rtx3090"))
+"""Substrings of ``torch.cuda.get_device_name`` and the machine they name, most specific first
+(PCIe A100s are left out: their link figure differs from the SXM parts' NVLink)."""
+
+
+def machine_for_device(device_name: str) -> Machine | None:
+    """The named machine of a CUDA device name (e.g. "NVIDIA H100 80GB HBM3"), None if unknown."""
+    for part, name in _DEVICE_NAMES:
+        if part.lower() in device_name.lower():
+            return MACHINES[name]
+    return None

@@ -3,7 +3,8 @@
 P changes the profile itself (each rank holds 1/P of every activation and of every FLOP, and
 pays Ulysses' all-to-alls), so for each valid P the loop derives the per-rank profile
 (protrain.sp.scaling), runs the one search (protrain.search) on it and keeps the fastest
-optimizer step; the plan's notes say what every P gave ("P=1 does not fit: ...").
+optimizer step - the smallest P predicted within the model's error band of it
+(``choose_degree``); the plan's notes say what every P gave ("P=1 does not fit: ...").
 
 A group of P ranks runs the P micro-batches its ranks received one after another, each split
 over the group (protrain.sp.batch), so the global batch stays the user's: per rank, an
@@ -11,11 +12,13 @@ optimizer step is P x gradient_accumulation_steps micro-steps of 1/P of a sequen
 model states stay sharded over all ranks (data_parallel_size = world).
 
 Framework-neutral: the DeepSpeed engine calls it with its world size; the Megatron adapter
-(with its context-parallel group) can do the same.
+calls it for the context-parallel size (protrain_megatron.context_parallel) with Megatron's
+constraints and names.
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from ..config import ConfigError, PlannerConfig
 from ..plan import Plan
@@ -33,15 +36,19 @@ def sp_shape(profile: ModelProfile, world: int, seq_len: int | None = None) -> S
 
 
 def candidate_degrees(profile: ModelProfile, config: PlannerConfig, world: int,
-                      seq_len: int | None = None, unsupported: str | None = None) -> tuple[int, ...]:
+                      seq_len: int | None = None, unsupported: str | None = None,
+                      shape: SPShape | None = None, where: str = "protrain.sequence_parallel",
+                      auto: str = '(or "auto")') -> tuple[int, ...]:
     """The degrees the loop tries: the pinned one (checked), else every valid one. A model
-    the runtime cannot split (``unsupported`` says why) gets P = 1, and a pin above 1 fails."""
+    the runtime cannot split (``unsupported`` says why) gets P = 1, and a pin above 1 fails.
+    ``shape``: the constraints (default: the profile's heads and sequence, ``world`` ranks);
+    ``where`` / ``auto``: the setting's name and how to leave it to the planner, for errors."""
     pin = config.pins.sequence_parallel
     if pin is not None and pin > 1 and unsupported:
-        raise ConfigError(f"protrain.sequence_parallel = {pin}: {unsupported}")
-    shape = sp_shape(profile, world, seq_len)
+        raise ConfigError(f"{where} = {pin}: {unsupported}")
+    shape = shape or sp_shape(profile, world, seq_len)
     if pin is not None:
-        check_degree(pin, shape)
+        check_degree(pin, shape, where, auto)
         return (pin,)
     if unsupported:
         return (1,)
@@ -51,41 +58,49 @@ def candidate_degrees(profile: ModelProfile, config: PlannerConfig, world: int,
 def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
                              config: PlannerConfig | None = None, *, seq_len: int | None = None,
                              unsupported: str | None = None,
-                             second: ModelProfile | None = None) -> Plan:
+                             second: ModelProfile | None = None, shape: SPShape | None = None,
+                             per_rank: Callable[[ModelProfile], ModelProfile] | None = None,
+                             where: str = "protrain.sequence_parallel",
+                             auto: str = '(or "auto")') -> Plan:
     """The fastest plan over the sequence-parallel degrees (and every other knob), for
     ``profile`` measured on one rank at its sequence length, training at ``seq_len`` tokens
     (default: the profile's) on ``config.data_parallel_size`` ranks. ``second``: the same
     model profiled at another length, to separate what grows with the sequence from what does
-    not (protrain.sp.scaling)."""
+    not (protrain.sp.scaling). Megatron's context parallelism passes its ``shape`` (constraints),
+    ``per_rank`` (applied to each degree's per-rank profile: micro-batches in flight) and the
+    flag's name for errors (``where``, ``auto``)."""
     config = config or PlannerConfig()
     world = config.data_parallel_size
     seq_len = seq_len or profile.seq_len
-    degrees = candidate_degrees(profile, config, world, seq_len, unsupported)
+    degrees = candidate_degrees(profile, config, world, seq_len, unsupported, shape, where, auto)
     bandwidth = alltoall_bandwidth(hw)
     inner_pins = replace(config.pins, sequence_parallel=None)
     plans: dict[int, Plan] = {}
     failures: dict[int, InfeasibleError] = {}
     a2a: dict[int, float] = {}
     for p in degrees:
-        per_rank = scale_profile(profile, seq_len=seq_len, degree=p, alltoall_bandwidth=bandwidth,
-                                 second=second)
-        a2a[p] = sum(b.comm_fwd_time + b.comm_bwd_time for b in per_rank.blocks) * \
+        scaled = scale_profile(profile, seq_len=seq_len, degree=p, alltoall_bandwidth=bandwidth,
+                               second=second)
+        a2a[p] = sum(b.comm_fwd_time + b.comm_bwd_time for b in scaled.blocks) * \
             config.grad_accumulation_steps * p
         cfg = replace(config, pins=inner_pins,
                       grad_accumulation_steps=config.grad_accumulation_steps * p)
         try:
-            plans[p] = search(per_rank, hw, cfg)
+            plans[p] = search(per_rank(scaled) if per_rank else scaled, hw, cfg)
         except InfeasibleError as e:
             failures[p] = e
-    why = _reasons(degrees, plans, failures, a2a, profile, world, seq_len, unsupported,
+    chosen = choose_degree(plans, config.time_tolerance)
+    why = _reasons(degrees, plans, failures, a2a, shape or sp_shape(profile, world, seq_len),
+                   unsupported, chosen, config.time_tolerance,
                    pinned=config.pins.sequence_parallel is not None)
     if not plans:
         last = failures[max(failures)]
-        raise InfeasibleError("no sequence-parallel degree fits: " + "; ".join(why) + "."
-                              + ("" if len(failures) == 1 else f" With P={max(failures)}: {last}"),
+        k = (shape.knob if shape else "P")
+        raise InfeasibleError(f"no {'context' if k == 'CP' else 'sequence'}-parallel degree fits: "
+                              + "; ".join(why) + "."
+                              + ("" if len(failures) == 1 else f" With {k}={max(failures)}: {last}"),
                               device_needed=last.device_needed, host_needed=last.host_needed,
                               micro_batch_fit=last.micro_batch_fit)
-    chosen = min(plans, key=lambda p: (plans[p].prediction.step_time, p))
     plan = plans[chosen]
     pinned = plan.pinned + (("sequence_parallel",) if config.pins.sequence_parallel is not None else ())
     return replace(plan, knobs=replace(plan.knobs, sequence_parallel=chosen), pinned=tuple(sorted(pinned)),
@@ -93,29 +108,47 @@ def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
                    search_seconds=sum(x.search_seconds for x in plans.values()))
 
 
-def _reasons(degrees, plans, failures, a2a, profile, world, seq_len, unsupported,
-             pinned: bool = False) -> list[str]:
+def choose_degree(plans: dict[int, Plan], tolerance: float) -> int | None:
+    """The degree to run: the smallest one predicted within ``tolerance`` (the runtime
+    model's error band) of the fastest. A smaller degree moves fewer all-to-all bytes and
+    splits each sequence over fewer ranks, and a difference inside the band is one the model
+    cannot vouch for (the same hedge as the search's among plans of one degree). Ranks that
+    plan alone (Megatron's choice at argument parsing) also agree more often this way."""
+    if not plans:
+        return None
+    fastest = min(p.prediction.step_time for p in plans.values())
+    return min(p for p, plan in plans.items() if plan.prediction.step_time <= fastest * (1 + tolerance))
+
+
+def _reasons(degrees, plans, failures, a2a, shape: SPShape, unsupported, best: int | None,
+             tolerance: float, pinned: bool = False) -> list[str]:
     """One line per degree tried, and why the others were not."""
-    best = min(plans, key=lambda p: (plans[p].prediction.step_time, p)) if plans else None
     out = []
+    k = shape.knob
+    world = shape.world
     for p in degrees:
         if p in failures:
             e = failures[p]
             need = f"needs {fmt_bytes(e.device_needed)} of device memory" if e.device_needed else \
                 f"needs {fmt_bytes(e.host_needed)} of host memory" if e.host_needed else str(e).split(";")[0]
-            out.append(f"P={p} does not fit: {need}")
+            out.append(f"{k}={p} does not fit: {need}")
             continue
         pr = plans[p].prediction
-        line = (f"P={p}: step {fmt_seconds(pr.step_time)}, peak {fmt_bytes(pr.peak_device_bytes)}, "
+        line = (f"{k}={p}: step {fmt_seconds(pr.step_time)}, peak {fmt_bytes(pr.peak_device_bytes)}, "
                 f"modes {''.join(m.letter for m in plans[p].block_modes)}"
                 + (f", all-to-all {fmt_seconds(a2a[p])} per step" if p > 1 else ""))
         out.append(line + (" - chosen" if p == best else ""))
+    fastest = min(plans, key=lambda p: (plans[p].prediction.step_time, p)) if plans else None
+    if fastest is not None and fastest != best:
+        gain = 1 - plans[fastest].prediction.step_time / plans[best].prediction.step_time
+        out.append(f"{k}={best} chosen over {k}={fastest}: {k}={fastest} is predicted {gain:.1%} faster, "
+                   f"within the model's {tolerance:.0%} error band, and moves more all-to-all bytes")
     if unsupported and world > 1:
         out.append(f"sequence parallelism off: {unsupported}")
     elif len(degrees) == 1 and world > 1 and degrees[0] == 1 and not pinned:
-        shape = sp_shape(profile, world, seq_len)
         others = [p for p in range(2, world + 1) if world % p == 0]
         if others:
-            out.append(f"P>1 not possible: P={others[0]}: " + "; ".join(broken_constraints(others[0], shape)))
+            out.append(f"{k}>1 not possible: {k}={others[0]}: "
+                       + "; ".join(broken_constraints(others[0], shape)))
     return out
 
