@@ -334,12 +334,17 @@ class ProTrainEngine(DeepSpeedEngine):
                     self.protrain_profile = profile
                     if cfg.plan_file:
                         plan.save(cfg.plan_file)
-            except (InfeasibleError, ConfigError) as e:
+            except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast below
                 error = (type(e).__name__, str(e))
                 failure = e
         shared = dp.broadcast_object((plan.to_dict() if plan is not None else None, loaded, error))
         if shared[2] is not None:          # rank 0 could not plan: every rank stops, saying why
             kind, msg = shared[2]
+            if failure is not None and not isinstance(failure, (InfeasibleError, ConfigError)):
+                raise failure              # rank 0: its own error, traceback and all
+            if kind not in ("InfeasibleError", "ConfigError"):
+                raise RuntimeError(f"ProTrain: rank 0 failed while profiling and planning "
+                                   f"({kind}: {msg}); see rank 0's traceback")
             if kind == "InfeasibleError":
                 e = failure if dp.rank == 0 else None
                 raise InfeasibleError(f"ProTrain: no plan fits: {msg}",

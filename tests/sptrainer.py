@@ -84,7 +84,9 @@ def train(rank: int, world: int, spec: dict, out_dir: str) -> dict:
     engine = trainer.model_wrapped
     result = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
               "grads": grads, "engine": type(engine).__name__,
-              "sp": engine.protrain_plan.knobs.sequence_parallel}
+              "sp": engine.protrain_plan.knobs.sequence_parallel,
+              "modes": "".join(m.letter for m in engine.protrain_plan.block_modes),
+              "offloaded": len(engine.protrain_runtime.chunks.offloaded())}
     engine.destroy()
     if rank == 0:
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},

@@ -20,7 +20,8 @@ def llama(spec):
     cfg = LlamaConfig(vocab_size=m.get("vocab", 128), hidden_size=m.get("hidden", 64),
                       intermediate_size=m.get("ffn", 128), num_hidden_layers=m.get("layers", 2),
                       num_attention_heads=m.get("heads", 4), num_key_value_heads=m.get("kv_heads", 4),
-                      max_position_embeddings=max(256, spec["seq"]), attn_implementation="sdpa")
+                      max_position_embeddings=max(256, spec["seq"]),
+                      attn_implementation=m.get("attn", "sdpa"))
     return LlamaForCausalLM(cfg)
 
 
@@ -158,8 +159,13 @@ def _train(rank, world, spec, grads, out_dir) -> dict:
                 extra = {}
                 if spec.get("num_items"):   # the Trainer's loss: a sum over the global batch's count
                     extra["num_items_in_batch"] = (labels[:, 1:] != -100).sum()
-                out = engine(input_ids=x, labels=y, **extra)
-                loss = out.loss
+                if spec.get("loss_outside"):   # the script computes the loss from the logits
+                    logits = engine(input_ids=x).logits
+                    loss = torch.nn.functional.cross_entropy(
+                        logits[:, :-1].flatten(0, 1).float(), y[:, 1:].flatten(), ignore_index=-100)
+                else:
+                    out = engine(input_ids=x, labels=y, **extra)
+                    loss = out.loss
             else:   # the built-in GPT takes next-token targets
                 loss = engine(x, torch.where(y == -100, y, torch.roll(x, -1, 1)))
             engine.backward(loss)

@@ -129,6 +129,33 @@ def test_native_plan_sets_megatrons_recompute_config(model, sample):
     assert model.config.recompute_granularity is None
 
 
+def test_the_search_chooses_the_selective_mode_where_it_is_faster(model, sample, reference):
+    """Unpinned, at a budget that holds every layer's attention output but not every
+    activation: the search puts layers in the selective mode, faster than the best plan
+    without it, and the plan trains exactly."""
+    pinned = _plan(model, sample, pins={"n_checkpoint": 0, "n_swap": 0, "n_selective": 4})
+    profile = pinned.profile
+    pinned.close()
+    budget = int(pinned.plan.prediction.peak_device_bytes * 1.1) + 1
+    keep = _plan(model, sample, profile=profile, pins={"n_checkpoint": 0, "n_swap": 0, "n_selective": 0},
+                 device_memory=2**40)
+    keep.close()
+    assert keep.plan.prediction.peak_device_bytes * 1.1 > budget        # keeping all does not fit
+    without = _plan(model, sample, profile=profile, pins={"n_swap": 0, "n_selective": 0},
+                    device_memory=budget, prefer_native=False)
+    without.close()
+    applied = _plan(model, sample, profile=profile, pins={"n_swap": 0}, device_memory=budget)
+    try:
+        assert applied.plan.knobs.n_selective >= 1, applied.plan.block_modes
+        assert applied.plan.prediction.step_time < without.plan.prediction.step_time
+        assert not applied.policy.native                  # Megatron's own recompute has no such mode
+        loss, grads = loss_and_grads(model, sample)
+        assert torch.equal(loss, reference[0])
+        assert all(torch.equal(grads[n], reference[1][n]) for n in reference[1])
+    finally:
+        applied.close()
+
+
 def _sdpa_flops(q, k, v, *args, out_shape=None, **kwargs):
     """Forward FLOPs of CPU fused attention (torch's counter has no formula for the CPU
     kernel): two [s, s] matmuls per head."""

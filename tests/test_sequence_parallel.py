@@ -1,9 +1,9 @@
 """Ulysses sequence parallelism chosen by the planner and run by the engine, for unchanged
 scripts: a tiny Hugging Face Llama (from a config, MHA and GQA, labels with -100) trained on 2
 and 4 gloo ranks gives the losses and gradients of a 1-rank run on the same samples, with
-offloaded chunks and checkpointed, selective and swapped blocks in the plan, through an
+offloaded chunks and checkpointed, selective, swapped and SSD blocks in the plan, through an
 ordinary DeepSpeed loop and through the Hugging Face Trainer; "auto" picks P=2 where P=1 does
-not fit; checkpoints move between P=2 and P=1.
+not fit; checkpoints move between P=2 and P=1; models it cannot split are refused with the fix.
 
 Process start-up and imports cost more than these trainings, so each launch runs several of
 them one after another (tests/spworker.py) and the tests share the launches."""
@@ -28,6 +28,7 @@ def ckpt_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, ckpt_dir):
+    ssd = str(tmp_path_factory.mktemp("sp_ssd"))
     runs = [
         _run("gqa", 2, 2, 2, eval=True,
              protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_selective=1, n_swap=0)),
@@ -39,8 +40,17 @@ def two(tmp_path_factory, ckpt_dir):
         _run("ck2", 2, 2, 1, start=2, protrain=dict(OFFLOADED, sequence_parallel=1),
              load=str(ckpt_dir / "a"), save=str(ckpt_dir / "b")),
         _run("ck3", 2, 2, 1, start=3, protrain=dict(OFFLOADED, sequence_parallel=2), load=str(ckpt_dir / "b")),
+        # a block's saved tensors on the SSD tier, the same samples as "gqa"
+        _run("ssd", 2, 2, 2, protrain=dict(OFFLOADED, sequence_parallel=2, n_ssd=1, n_checkpoint=0,
+                                           n_swap=0, n_selective=0, ssd_path=ssd, ssd_min_bytes=0)),
         # the Hugging Face Trainer with the "protrain" key in its DeepSpeed JSON
-        _run("trainer", 2, 4, 3, trainer=True, protrain=dict(sequence_parallel=2)),
+        _run("trainer", 2, 4, 3, trainer=True,
+             protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_swap=0, n_selective=0)),
+        # refused, saying what to do: attention that is not SDPA, a loss computed outside forward
+        # (rank 0 fails while profiling: its peer must not wait for the plan for ever)
+        dict(_run("eager", 2, 2, 1, protrain=dict(sequence_parallel=2), expect_error=True),
+             model=dict(kind="llama", kv_heads=2, layers=2, attn="eager")),
+        _run("outside", 2, 2, 1, loss_outside=True, protrain=dict(sequence_parallel=2), expect_error=True),
     ]
     return launch(2, runs, str(tmp_path_factory.mktemp("sp_two")))
 
@@ -82,13 +92,13 @@ def _same_training(runs, reference, gas=1):
             assert err <= 1e-5, (step, name, float(err))
 
 
-@pytest.mark.parametrize("case", ["gqa", "mha"])
+@pytest.mark.parametrize("case", ["gqa", "mha", "ssd"])
 def test_two_ranks_train_like_one_rank_on_the_same_samples(two, ref, case):
     runs = two[case]
     assert all(r["sp"] == 2 for r in runs)
     assert runs[0]["offloaded"] > 0
-    assert runs[0]["modes"] == {"gqa": "CA", "mha": "SN"}[case]
-    _same_training(runs, ref[case], gas=2 if case == "mha" else 1)
+    assert runs[0]["modes"] == {"gqa": "CA", "mha": "SN", "ssd": "DN"}[case]
+    _same_training(runs, ref["gqa" if case == "ssd" else case], gas=2 if case == "mha" else 1)
     if case == "gqa":        # evaluation forwards (no_grad, eval mode) give each rank its loss
         got = [r["eval"] for r in runs]
         assert [x for g in got for x in g] == pytest.approx(ref[case][0]["eval"], rel=1e-5)
@@ -121,9 +131,21 @@ def test_four_ranks_p4_and_p2_times_data_parallel(four, ref):
     _same_training(four["p2dp2"], ref["four"])
 
 
+def test_models_the_runtime_cannot_split_are_refused_with_the_fix(two):
+    for r in two["eager"]:     # attention not through SDPA: load the model with sdpa, or P=1
+        assert "attn_implementation=\"sdpa\"" in r["error"] and "sequence_parallel" in r["error"], r
+    # A loss computed outside forward: the profile (rank 0) needs it from forward, says so, and
+    # the other rank, waiting for the plan, stops too instead of hanging.
+    outside = [r["error"] for r in two["outside"]]
+    assert "return the loss or a Hugging Face ModelOutput with .loss from forward" in outside[0]
+    assert outside[1].startswith("RuntimeError: ProTrain: rank 0 failed while profiling and planning "
+                                 "(TypeError: cannot find a loss"), outside[1]
+
+
 def test_hugging_face_trainer_with_sequence_parallelism(two, ref):
     runs = two["trainer"]
     assert all(r["engine"] == "ProTrainEngine" and r["sp"] == 2 for r in runs)
+    assert runs[0]["modes"] == "CN" and runs[0]["offloaded"] > 0
     reference = ref["trainer"]
     # The Trainer logs the loss of the whole global batch (averaged over ranks) and scales the
     # loss by the world size before backward: the engine learnt that factor at the first step.
