@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -47,11 +48,29 @@ def _loss(model, batch):
     return tokens.float().sum() / (B * SEQ)
 
 
-def _run(model, batch, group=None):
+class _AllToAlls(TorchDispatchMode):
+    """Counts the all-to-alls issued while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _run(model, batch, group=None, result=None, key=None):
+    """Loss and gradients (summed over ``group``); ``result[key]``: the all-to-alls backward
+    issued (autograd's for the gradients, and any a recompute re-issues)."""
     torch.manual_seed(5)
     model.zero_grad(set_to_none=True)
     loss = _loss(model, batch)
-    loss.backward()
+    with _AllToAlls() as counted:
+        loss.backward()
+    if result is not None:
+        result[key] = counted.count
     loss = loss.detach().clone()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     if group is not None:
@@ -130,14 +149,14 @@ def main(rank: int, world: int, port: str, out_dir: str, config: str) -> None:
     result["attention"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
     local = get_batch_on_this_cp_rank(_full_batch())
     group = ps.get_context_parallel_group()
-    result["cp"] = _run(model, local, group)
+    result["cp"] = _run(model, local, group, result, "a2a_backward")
 
     # 4. With an activation plan (every CP rank profiles, the group's first rank decides).
     if cfg.get("pins") is not None:
         applied = plan_activations(model, lambda m: _loss(m, local), hardware=hw, pins=cfg["pins"],
                                    prefer_native=False, progress=False, verbose=False)
         result["modes"] = "".join(m.letter for m in applied.plan.block_modes)
-        result["planned"] = _run(model, local, group)
+        result["planned"] = _run(model, local, group, result, "a2a_backward_planned")
         applied.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

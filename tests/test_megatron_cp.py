@@ -6,7 +6,8 @@ megatron-core through ProTrain's all-to-all attention.
   the planner picks CP=2, and the CP=2 model (Megatron's zig-zag sequence split, learned
   positions, the local layer spec with its attention swapped) gives the loss and every
   gradient of CP=1 on the same batch; with an activation plan (the selective mode, a mixed
-  plan) on top the gradients are those of CP=2 without one, bit for bit.
+  plan) on top the gradients are those of CP=2 without one, bit for bit, and a selective
+  layer's backward issues no all-to-all of its forward again.
 - One process: the argument-parsing hook with Megatron-LM's flags: chosen, pinned, refused,
   ``--cp-comm-type a2a`` with Transformer Engine.
 """
@@ -86,6 +87,11 @@ def test_the_planner_picks_cp2_and_it_trains_like_cp1(tmp_path, kv_heads, pins, 
         assert r["modes"] == modes
         assert r["planned"][0] == cp_loss
         assert r["planned"][1] == cp_grads
+        # Backward issues an all-to-all for the gradient of each forward one (4 per layer:
+        # q, k, v, output); a recomputed (C) layer issues its forward 4 again, a selective (A)
+        # layer none: its all-to-all outputs were kept.
+        assert r["a2a_backward"] == 4 * 4
+        assert r["a2a_backward_planned"] - r["a2a_backward"] == 4 * modes.count("C")
     assert results[0]["ref"] == results[1]["ref"] and results[0]["cp"] == results[1]["cp"]
 
 

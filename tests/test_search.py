@@ -1,6 +1,5 @@
 """Search: equals brute force, monotone in memory, pins, actionable errors, speed."""
 import itertools
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -220,14 +219,15 @@ def test_impossible_pins_are_named():
         search(prof, hw, PlannerConfig(chunk_sizes=(1 * MiB,), pins=KnobPins(n_persist=0)))
 
 
-def test_80_block_model_plans_in_under_a_second():
+def test_80_block_model_plans():
+    # How long it takes is measured in bench/plan_time.py (bench/results/plan_time.json), not
+    # here: a wall-clock bound in a unit test fails on a loaded 2-core machine.
     hw = machine("h100-80gb").profile(host_memory=1024 * GiB)
     prof = analytic_profile(PRESETS["llama2-70b"], hw)
     assert prof.n_blocks == 80
-    t0 = time.perf_counter()
     plan = search(prof, hw)
-    assert time.perf_counter() - t0 < 1.0
     assert plan.prediction.peak_device_bytes * 1.1 <= hw.device_memory
+    assert plan.candidates_evaluated < plan.candidates_total       # the bound pruned
 
 
 def test_the_planner_uses_the_ssd_tier_when_memory_is_tight_and_the_drive_keeps_up():
