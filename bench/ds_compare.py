@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -140,7 +139,10 @@ def write_record(name: str, tag: str, args, results: list[dict], **extra) -> Pat
     import deepspeed
     import torch
     cuda = torch.cuda.is_available()
-    device = torch.cuda.get_device_name(0) if cuda else (platform.processor() or "cpu")
+    from protrain.profile.probe import _cpu_model
+    # Timings compare only on one machine: the CPU model says which (ratios move with its
+    # compute-to-copy balance).
+    device = torch.cuda.get_device_name(0) if cuda else f"cpu ({_cpu_model()})"
     record = dict(command=f"python bench/{name}.py " + " ".join(sys.argv[1:]), device=device,
                   torch=torch.__version__, deepspeed=deepspeed.__version__,
                   model=dict(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab),

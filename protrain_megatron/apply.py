@@ -72,7 +72,7 @@ class AppliedPlan:
                f"  modes: {modes_string(self.plan.block_modes)} = {k.n_checkpoint} recomputed, "
                f"{k.n_selective} selectively recomputed, {k.n_swap} swapped, {k.n_ssd} on NVMe",
                f"  applied through {self.policy.how}",
-               f"  replaces --recompute-granularity/-method/-num-layers, --cpu-offloading(-num-layers)",
+               "  replaces --recompute-granularity/-method/-num-layers, --cpu-offloading(-num-layers)",
                f"  predicted: iteration {fmt_seconds(p.iter_time)} (forward {fmt_seconds(p.fwd_time)}, "
                f"backward {fmt_seconds(p.bwd_time)})",
                f"  predicted peak device memory {fmt_bytes(p.peak_device_bytes)} = model states "

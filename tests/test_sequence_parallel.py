@@ -8,7 +8,6 @@ not fit; checkpoints move between P=2 and P=1; models it cannot split are refuse
 Process start-up and imports cost more than these trainings, so each launch runs several of
 them one after another (tests/spworker.py) and the tests share the launches."""
 import pytest
-import torch
 
 from spworker import full_grads, launch
 
