@@ -166,6 +166,10 @@ def decide_context_parallel(args, parser, argv) -> ContextParallelChoice | None:
     pinned = user_set(parser, argv, "context_parallel_size")
     if getattr(args, "hierarchical_context_parallel_sizes", None) and not pinned:
         return None          # the user's hierarchical CP layout: theirs to size
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if not pinned and world % (tp * pp) == 0 and world // (tp * pp) < 2:
+        return None          # one rank per tensor x pipeline group: CP is 1, nothing to probe
     opts = MegatronOptions.from_args(args)
     try:
         choice = choose_context_parallel(args, opts, world=world, pinned=pinned)

@@ -173,6 +173,11 @@ def test_parsing_chooses_cp_where_cp1_does_not_fit(launch, capsys):
     reasons = capsys.readouterr().out
     assert roomy.context_parallel_size in (1, 2)
     assert f"CP={roomy.context_parallel_size}: step" in reasons and "CP=1: step" in reasons
+    # One rank per tensor x pipeline group: nothing to choose, nothing probed or printed.
+    context_parallel.parse_time_hardware = None          # (restored by the fixture)
+    single = launch(MODEL + budget, world=1)
+    assert single.context_parallel_size == 1 and not hasattr(single, "protrain_cp_choice")
+    assert "context-parallel-size" not in capsys.readouterr().out
     # Without the flag nothing is chosen.
     plain = launch([a for a in MODEL if a != "--protrain-auto-memory"] + budget)
     assert plain.context_parallel_size == 1 and not hasattr(plain, "protrain_cp_choice")
