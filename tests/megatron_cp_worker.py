@@ -10,7 +10,7 @@ tests/test_megatron_cp.py.
    ProTrain's all-to-all attention takes its place), the batch split as Megatron-LM splits it
    (get_batch_on_this_cp_rank: chunks r and 2 CP - 1 - r), the loss the token-weighted sum
    over the CP group, gradients summed over it (what Megatron's DDP does over dp x cp).
-4. The same with an activation plan applied (pins from the test: e.g. the selective mode).
+4. The same with each activation plan the test pins (e.g. the selective mode) applied.
 Loss and every gradient are written out for the test to compare with the reference."""
 from __future__ import annotations
 
@@ -151,13 +151,16 @@ def main(rank: int, world: int, port: str, out_dir: str, config: str) -> None:
     group = ps.get_context_parallel_group()
     result["cp"] = _run(model, local, group, result, "a2a_backward")
 
-    # 4. With an activation plan (every CP rank profiles, the group's first rank decides).
-    if cfg.get("pins") is not None:
-        applied = plan_activations(model, lambda m: _loss(m, local), hardware=hw, pins=cfg["pins"],
+    # 4. With each activation plan in turn (every CP rank profiles, the group's first rank
+    # decides).
+    result["plans"] = []
+    for pins in cfg.get("plans", []):
+        applied = plan_activations(model, lambda m: _loss(m, local), hardware=hw, pins=pins,
                                    prefer_native=False, progress=False, verbose=False)
-        result["modes"] = "".join(m.letter for m in applied.plan.block_modes)
-        result["planned"] = _run(model, local, group, result, "a2a_backward_planned")
+        planned = {"modes": "".join(m.letter for m in applied.plan.block_modes)}
+        planned["run"] = _run(model, local, group, planned, "a2a_backward")
         applied.close()
+        result["plans"].append(planned)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
