@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 pytest.importorskip("megatron.core")
 
 from dpworker import free_port  # noqa: E402
-from megatron_cpu import batch, cpu_rng_states, gpt, loss_and_grads  # noqa: E402
+from megatron_cpu import batch, cpu_rng_states, gpt, loss_and_grads, two_ranks  # noqa: E402
 
 from protrain.block_mode import BlockMode  # noqa: E402
 from protrain.profile.hardware import HardwareProfile  # noqa: E402
@@ -354,21 +354,7 @@ def test_states_from_megatron_arguments():
 
 def _two_ranks(tmp_path, mode, pins):
     import json
-    import os
-    import subprocess
-    import sys
-    worker = os.path.join(os.path.dirname(__file__), "megatron_worker.py")
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, worker, str(r), "2", port, str(tmp_path), json.dumps(pins), mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:          # one rank failing must not leave the other waiting forever
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return two_ranks("megatron_worker.py", tmp_path, json.dumps(pins), mode)
 
 
 def test_tensor_parallel_ranks_profile_together_and_apply_rank0s_plan(tmp_path, model):

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-from dpworker import free_port  # noqa: E402
+from megatron_cpu import two_ranks  # noqa: E402
 
 from protrain.profile.hardware import HardwareProfile  # noqa: E402
 from protrain.search import InfeasibleError  # noqa: E402
@@ -37,21 +34,6 @@ HW = HardwareProfile(name="cpu-test", source="measured", device_type="cpu", devi
                      host_memory=2**30, h2d_bandwidth=1e9, d2h_bandwidth=1e9, gpu_adam_rate=1e9,
                      cpu_adam_rate=1e8, collective_bandwidth=1e9)
 """The worker's machine figures (fixed: the choice must not depend on this machine's load)."""
-
-
-def _two_ranks(tmp_path, cfg):
-    worker = os.path.join(os.path.dirname(__file__), "megatron_cp_worker.py")
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, worker, str(r), "2", port, str(tmp_path), json.dumps(cfg)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:          # one rank failing must not leave the other waiting forever
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def _assert_close(ref, got, rel=1e-5):
@@ -69,7 +51,7 @@ PLANS = ({"n_checkpoint": 0, "n_swap": 0, "n_selective": 4}, {"n_checkpoint": 1,
 
 def test_the_planner_picks_cp2_and_it_trains_like_cp1(tmp_path):
     # One key/value head for two CP ranks: replicated before the all-to-all.
-    results = _two_ranks(tmp_path, {"kv_heads": 1, "plans": PLANS})
+    results = two_ranks("megatron_cp_worker.py", tmp_path, json.dumps({"kv_heads": 1, "plans": PLANS}))
     for r in results:
         # The budget is one byte below CP=1's leanest plan, which CP=2 undercuts.
         assert r["needs"]["2"] < r["needs"]["1"]
