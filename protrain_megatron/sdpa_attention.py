@@ -85,17 +85,25 @@ class SDPACoreAttention(torch.nn.Module):
         return heads_to_seq(_to_zigzag_order(o, p), self.cp_group, p)
 
 
+@functools.lru_cache(maxsize=None)
+def _chunk_index(cp: int, device: torch.device, inverse: bool) -> torch.Tensor:
+    """The zig-zag chunk order (or its inverse) on ``device``, made once: built per call it
+    would be a synchronous host-to-device copy from pageable memory on the compute stream,
+    four times per layer per forward."""
+    order = zigzag_order(cp)
+    return (torch.argsort(order) if inverse else order).to(device)
+
+
 def _to_sequence_order(x, cp):
     b, n, s, h = x.shape
     chunks = x.reshape(b, n, 2 * cp, s // (2 * cp), h)
-    inverse = torch.argsort(zigzag_order(cp)).to(x.device)
-    return chunks.index_select(2, inverse).reshape(b, n, s, h)
+    return chunks.index_select(2, _chunk_index(cp, x.device, True)).reshape(b, n, s, h)
 
 
 def _to_zigzag_order(x, cp):
     b, n, s, h = x.shape
     chunks = x.reshape(b, n, 2 * cp, s // (2 * cp), h)
-    return chunks.index_select(2, zigzag_order(cp).to(x.device)).reshape(b, n, s, h)
+    return chunks.index_select(2, _chunk_index(cp, x.device, False)).reshape(b, n, s, h)
 
 
 def _cp_group(pg_collection):
