@@ -79,6 +79,25 @@ class Prediction:
     """Bytes copied device to host per iteration (gradients, swap-outs)."""
     ssd_bytes: int = 0
     """Bytes written to (and read back from) NVMe per iteration; also the disk space needed."""
+    iter_time_unspeculated: float = 0.0
+    """With speculating chunks (``Plan.n_speculate``): the iteration when nothing speculates -
+    the runtime's rule after a step that clipped or overflowed (0: an older plan file)."""
+    iter_time_rolled_back: float = 0.0
+    """With speculating chunks: the iteration whose speculation was wrong (the step clips):
+    the speculated chunks restored from their backups and updated again after backward."""
+
+    def expected_iter_time(self, clip_fraction: float) -> float:
+        """The mean iteration when a fraction of the steps clip (or overflow), independently,
+        under the runtime's rule: a step speculates unless the one before clipped; right, it
+        takes ``iter_time``; wrong, ``iter_time_rolled_back``; unspeculated,
+        ``iter_time_unspeculated``."""
+        if not 0.0 <= clip_fraction <= 1.0:
+            raise ValueError(f"clip_fraction={clip_fraction}: a fraction of steps, from 0 to 1")
+        if not self.iter_time_unspeculated:
+            return self.iter_time
+        f = clip_fraction
+        return ((1 - f) * ((1 - f) * self.iter_time + f * self.iter_time_rolled_back)
+                + f * self.iter_time_unspeculated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +222,11 @@ class Plan(JsonValue):
                          f"{self.n_speculate}/{c.n_chunks - k.n_persist} offloaded chunks run CPU Adam "
                          f"during backward before the clipping / overflow verdict (undone if wrong)",
                          "none (DS overlaps CPU Adam only without clipping)"))
+            if p.iter_time_unspeculated:
+                rows.append(("", "", f"iteration {fmt_seconds(p.iter_time)} if the step does not clip, "
+                             f"{fmt_seconds(p.iter_time_rolled_back)} if it does (undone, redone); "
+                             f"{fmt_seconds(p.iter_time_unspeculated)} after a clipped step "
+                             f"(no speculation then)", ""))
         if k.n_ssd or "n_ssd" in self.pinned:
             rows.append(("n_ssd", f"{k.n_ssd}{pin('n_ssd')}", f"{k.n_ssd}/{n_blocks} blocks to NVMe "
                          f"({fmt_bytes(p.ssd_bytes)} per iteration)", "none (SSDTrain)"))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .block_mode import CKPT, SEL, SSD, SWAP, BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
+from .block_mode import CKPT, SEL, BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
 from .config import ALL, KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
 from .cost.predicted_timeline import predicted_timeline
@@ -326,7 +326,11 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     else:   # bounced through the host: on the upload queue with the chunk re-uploads
         bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / hw.h2d_bandwidth + ssd_in)
     adam = adam_suffix[np_idx]
-    if config.cpu_optim_overlap:
+    if _carries_over(config, hw) and not config.cpu_optim_overlap:
+        # Updates left for after backward run on into the next forward (cost.runtime's
+        # carry_over): the step is at least the device's work and at least CPU Adam's.
+        cpu_lb = adam - fwd_lb
+    elif config.cpu_optim_overlap:
         # CPU Adam starts at the earliest once the last chunk's gradient is complete (after
         # the backward of the parts from its first user on) and has left the device.
         first = layout.chunk_first_part[nch - 1] if nch else 0
@@ -416,13 +420,78 @@ def _state_bytes(profile: ModelProfile, config: PlannerConfig):
     return state_bytes(profile.param_bytes, config.grad_accumulation_steps > 1)
 
 
+def _carries_over(config: PlannerConfig, hw: HardwareProfile) -> bool:
+    """Whether CPU Adam left at the end of a step runs into the next forward (the runtime does,
+    except with fixed model states; on a CPU "device" it runs inline anyway)."""
+    return config.model_states_fixed is None and hw.copy_engines > 0
+
+
+def _speculates(config: PlannerConfig) -> bool:
+    return config.cpu_optim_speculative and config.model_states_fixed is None
+
+
+def _boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, host_bytes):
+    """(iteration time, offloaded chunks speculating) of each plan's boundary micro-step: what
+    the search ranks and ``evaluate`` predicts, one function for both.
+
+    Without speculation the count is 0. With it (clipping / fp16 loss scaling): the pin, else
+    the fastest of three counts whose backups fit the host memory left (ties: fewer) - none;
+    all of them; and the chunks whose backup is done before backward ends when all speculate
+    (a chunk whose backup is not only delays the updates left for after backward by it: the
+    count where the curve turns, read off that one simulation, as the CPU reaches the chunks
+    in the same order whichever of the later ones speculate)."""
+    world = config.data_parallel_size
+    k = len(np.atleast_1d(n_persist))
+    npers = np.broadcast_to(np.asarray(n_persist, dtype=np.int64), (k,))
+    nbuf = np.broadcast_to(np.asarray(n_buffer, dtype=np.int64), (k,))
+    codes = np.broadcast_to(codes, (k, codes.shape[-1]))
+
+    def run(n_spec, rows=slice(None)):
+        return simulate(profile, layout, hw, npers[rows], nbuf[rows], codes[rows],
+                        cpu_overlap=config.cpu_optim_overlap, world=world,
+                        carry_over=_carries_over(config, hw),
+                        speculate_from=layout.n_chunks - n_spec if n_spec is not None else None)
+    if not _speculates(config):
+        return run(None).iter_time, np.zeros(k, dtype=np.int64)
+    n_off = layout.n_chunks - npers
+    if config.speculate_chunks is not None:
+        n = np.minimum(config.speculate_chunks, n_off)
+        return run(n).iter_time, n
+    top = _backup_from_top(layout, world)
+    room = hw.host_memory - np.broadcast_to(np.asarray(host_bytes, dtype=np.int64), (k,))
+    n_fit = np.minimum(n_off, np.searchsorted(top, room, side="right") - 1).clip(min=0)
+    none = run(np.zeros(k, dtype=np.int64)).iter_time
+    best, count = none.copy(), np.zeros(k, dtype=np.int64)
+    some = np.flatnonzero(n_fit > 0)
+    if len(some):
+        every = run(n_fit[some], some)
+        turn = np.minimum(every.spec_useful, n_fit[some])
+        mid = np.flatnonzero((turn > 0) & (turn < n_fit[some]))
+        # candidates in increasing count: a later one wins only if strictly faster
+        for rows, n, t in ((some[mid], turn[mid], run(turn[mid], some[mid]).iter_time if len(mid) else None),
+                           (some, n_fit[some], every.iter_time)):
+            if t is None:
+                continue
+            faster = t < best[rows] * (1 - 1e-12)
+            best[rows] = np.where(faster, t, best[rows])
+            count[rows] = np.where(faster, n, count[rows])
+    return best, count
+
+
+def _backup_from_top(layout, world: int) -> np.ndarray:
+    """Host bytes of the backups of the last k chunks, at index k (12 bytes - master, exp_avg,
+    exp_avg_sq - per parameter of this rank's shard)."""
+    shard = -(-np.asarray(layout.used, dtype=np.int64) // world) * 12
+    return np.concatenate([[0], np.cumsum(shard[::-1])])
+
+
 def _simulate_points(profile, hw, config, acts, grid: _Grid, idx: np.ndarray,
                      n_buffer=None) -> np.ndarray:
     """Time of one optimizer step: the boundary micro-step plus the others, if any."""
     nb = grid.n_buffer[idx] if n_buffer is None else n_buffer
     args = (profile, grid.layout, hw, grid.n_persist[idx], nb, acts.codes(grid.a[idx]))
     world = config.data_parallel_size
-    t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world).iter_time
+    t = _boundary_times(*args[:2], hw, config, *args[3:], grid.host[idx])[0]
     if config.grad_accumulation_steps > 1:
         t = t + (config.grad_accumulation_steps - 1) * simulate(
             *args, optimizer_step=False, world=world).iter_time
@@ -670,21 +739,27 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         mem = replace(mem, model_state_bytes=config.model_states_fixed, host_bytes=mem.swap_host_bytes,
                       peak_device_bytes=config.model_states_fixed + mem.activation_peak_bytes)
     codes = np.array([[m.code for m in modes]], dtype=np.int8)
-    n_spec, backup = _speculation(profile, layout, hw, knobs, codes, config, mem.host_bytes)
-    mem = replace(mem, host_bytes=mem.host_bytes + backup)
-    t = simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
-                 cpu_overlap=config.cpu_optim_overlap, world=world,
-                 speculate_from=layout.n_chunks - n_spec if config.cpu_optim_speculative else None,
-                 carry_over=config.model_states_fixed is None)
+    n_spec = int(_boundary_times(profile, layout, hw, config, knobs.n_persist, knobs.n_buffer, codes,
+                                 mem.host_bytes)[1][0])
+    mem = replace(mem, host_bytes=mem.host_bytes + int(_backup_from_top(layout, world)[n_spec]))
+    spec_from = layout.n_chunks - n_spec if _speculates(config) else None
+    timed = lambda **kw: simulate(  # noqa: E731
+        profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes, cpu_overlap=config.cpu_optim_overlap,
+        world=world, carry_over=_carries_over(config, hw), **kw)
+    t = timed(speculate_from=spec_from)
+    # The runtime's rule: a step after one that clipped (or overflowed) does not speculate; a
+    # speculated step that clips restores and redoes its chunks.
+    unspeculated = float((timed(speculate_from=layout.n_chunks) if n_spec else t).iter_time[0])
+    rolled_back = float((timed(speculate_from=spec_from, speculation_wrong=True) if n_spec
+                         else t).iter_time[0])
     timeline = predicted_timeline(
         profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
         model_state_bytes=mem.model_state_bytes, memory_limit=hw.device_memory,
         title=f"{profile.name}: {layout.n_chunks - knobs.n_persist} of {layout.n_chunks} chunks "
               f"offloaded, blocks ckpt {knobs.n_checkpoint} swap {knobs.n_swap} ssd {knobs.n_ssd} "
               f"sel {knobs.n_selective}",
-        cpu_overlap=config.cpu_optim_overlap, world=world,
-        speculate_from=layout.n_chunks - n_spec if config.cpu_optim_speculative else None,
-        carry_over=config.model_states_fixed is None)
+        cpu_overlap=config.cpu_optim_overlap, world=world, speculate_from=spec_from,
+        carry_over=_carries_over(config, hw))
     gas = config.grad_accumulation_steps
     micro = float(simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
                            optimizer_step=False, world=world).iter_time[0]) if gas > 1 else float(t.iter_time[0])
@@ -708,7 +783,8 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         cpu_optim_exposed=f(t.cpu_optim_exposed), peak_device_bytes=mem.peak_device_bytes,
         model_state_bytes=mem.model_state_bytes, activation_peak_bytes=mem.activation_peak_bytes,
         peak_at=mem.peak_at, host_bytes=mem.host_bytes, swap_host_bytes=mem.swap_host_bytes,
-        h2d_bytes=int(t.h2d_bytes[0]), d2h_bytes=int(t.d2h_bytes[0]), ssd_bytes=mem.ssd_bytes)
+        h2d_bytes=int(t.h2d_bytes[0]), d2h_bytes=int(t.d2h_bytes[0]), ssd_bytes=mem.ssd_bytes,
+        iter_time_unspeculated=unspeculated, iter_time_rolled_back=rolled_back)
     return Plan(
         knobs=knobs, block_modes=modes,
         chunks=ChunkSummary(n_chunks=layout.n_chunks, chunk_numel=layout.chunk_numel,
@@ -723,28 +799,6 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         block_saved_bytes=tuple(offload_bytes(b) for b in profile.blocks),
         micro_batch=profile.micro_batch, seq_len=profile.seq_len, n_speculate=n_spec,
         timeline=timeline)
-
-
-def _speculation(profile, layout, hw, knobs, codes, config, host_bytes) -> tuple[int, int]:
-    """(offloaded chunks that speculate, their backup's host bytes) for a plan: the pin, else
-    the number that makes the iteration fastest among those whose backups fit the host memory
-    left (ties: fewer). Speculating a chunk only pays while CPU Adam has idle time during
-    backward; on a CPU "device" (no copy engine) it is pure extra work."""
-    n_off = layout.n_chunks - knobs.n_persist
-    if not config.cpu_optim_speculative or n_off == 0 or config.model_states_fixed is not None:
-        return 0, 0
-    world = config.data_parallel_size
-    shard = -(-np.asarray(layout.used[knobs.n_persist:], dtype=np.int64) // world) * 12
-    backup = np.concatenate([[0], np.cumsum(shard[::-1])])        # by chunks speculating
-    if config.speculate_chunks is not None:
-        n = min(config.speculate_chunks, n_off)
-        return n, int(backup[n])
-    fits = np.flatnonzero(host_bytes + backup <= hw.host_memory)
-    t = simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, np.repeat(codes, len(fits), 0),
-                 cpu_overlap=False, world=world, speculate_from=layout.n_chunks - fits,
-                 carry_over=True).iter_time
-    n = int(fits[np.flatnonzero(t <= t.min() * (1 + 1e-12))[0]])
-    return n, int(backup[n])
 
 
 def _leanest(profile, config, acts, caps, host_memory) -> tuple[float, float]:

@@ -43,13 +43,20 @@ def test_clipping_and_fp16_change_the_predicted_cpu_adam_overlap(tmp_path):
         assert r.returncode == 0, r.stderr
         return Plan.load(path), r.stdout
     clipped, table = plan()
-    exact, _ = plan("--clip", "0")
+    exact, exact_table = plan("--clip", "0")
     roomy, roomy_table = plan("--host-memory", "256GiB")
     fp16, _ = plan("--clip", "0", "--dtype", "fp16", "--host-memory", "256GiB")
-    assert exact.n_speculate == 0 and clipped.n_speculate == 0      # no host memory left for backups
+    assert exact.n_speculate == 0 and "n_speculate" not in exact_table
     assert clipped.prediction.cpu_optim_exposed > exact.prediction.cpu_optim_exposed
-    assert roomy.n_speculate > 0 and "n_speculate" in roomy_table and "n_speculate" not in table
+    # backups only where host memory is left for them: more of it, more chunks speculate
+    for p in (clipped, roomy):
+        assert p.prediction.host_bytes <= p.host_memory
+    assert roomy.n_speculate > clipped.n_speculate and "n_speculate" in roomy_table
     assert fp16.n_speculate > 0
+    # the plan prints what a clipped step costs under the runtime's rule
+    assert "if the step does not clip" in roomy_table
+    p = roomy.prediction
+    assert p.iter_time <= p.iter_time_unspeculated <= p.iter_time_rolled_back
 
 
 def test_model_too_large_for_host_memory_fails_with_what_is_needed():

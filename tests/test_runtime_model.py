@@ -20,7 +20,7 @@ def run(profile, n_persist, n_buffer, modes, **kw):
 def run_on(hw, profile, n_persist, n_buffer, modes, **kw):
     layout = build_layout(profile, 100)
     t = simulate(profile, layout, hw, n_persist, n_buffer, np.array([modes]), **kw)
-    return {k: float(getattr(t, k)[0]) for k in t.__dataclass_fields__}
+    return {k: float(getattr(t, k)[0]) for k in t.__dataclass_fields__ if getattr(t, k) is not None}
 
 
 def test_all_persistent_is_compute_plus_device_adam():

@@ -8,11 +8,12 @@ import pytest
 from protrain.block_mode import layout_block_modes
 from protrain.config import KnobPins, PlannerConfig
 from protrain.cost.layout import build_layout, chunk_capacities
-from protrain.cost.memory import buffer_numel, predict_memory, ssd_bytes, state_bytes, swap_host_bytes
+from protrain.cost.memory import predict_memory, ssd_bytes, state_bytes, swap_host_bytes
 from protrain.cost.runtime import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
 from protrain.profile.machines import machine
-from protrain.search import plan_key, InfeasibleError, bytes_moved, hedged_key, max_ssd_blocks, search
+from protrain.search import (InfeasibleError, _boundary_times, bytes_moved, evaluate, hedged_key,
+                             max_ssd_blocks, plan_key, search)
 from protrain.units import GiB, MiB
 
 SMALL = ModelShape("small", "gpt2", n_layers=4, hidden=256, heads=4, vocab=2048, seq_len=256,
@@ -61,14 +62,16 @@ def brute_force(profile, hw, config):
                     if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory and \
                             mem.ssd_bytes <= hw.nvme_free_bytes / (1 + config.memory_margin):
                         rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes, nd, nl,
-                                     mem.ssd_bytes))
+                                     mem.ssd_bytes, mem.host_bytes))
         if not rows:
             continue
         args = (profile, layout, hw, [r[0] for r in rows], [r[1] for r in rows],
                 np.array([[m.code for m in r[4]] for r in rows]))
-        t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world)
+        t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world)   # bytes moved
+        # the boundary's time as the search defines it (carry-over, speculation), every point
+        boundary = _boundary_times(*args[:3], config, *args[3:], [r[9] for r in rows])[0]
         micro = simulate(*args, optimizer_step=False, world=world) if gas > 1 else None
-        step = t.iter_time + ((gas - 1) * micro.iter_time if micro is not None else 0.0)
+        step = boundary + ((gas - 1) * micro.iter_time if micro is not None else 0.0)
         moved = bytes_moved(t, micro, gas, np.array([float(r[8]) for r in rows]), hw)
         for r, ti, mi in zip(rows, step, moved):
             points.append((mi, ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3], r[6], r[7])))
@@ -109,6 +112,27 @@ def test_search_equals_brute_force(case, gas, overlap, world, ssd):
     ref = brute_force(prof, hw, config)
     got = (plan.prediction.step_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())
     assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
+
+
+@pytest.mark.parametrize("dev, host, n_speculate", [(7 * GiB // 100, 4 * GiB, 1), (5 * GiB // 100, 4 * GiB, 1),
+                                                    (5 * GiB // 100, 45 * MiB, 0)])
+def test_search_with_speculating_chunks_equals_brute_force(dev, host, n_speculate):
+    """Clipping on: each point's time is the one with its best speculating count, given the
+    host memory its backups find left (45 MiB: none fits) - the ranking is the prediction."""
+    hw = small_hw(device_memory=dev, host_memory=host)
+    prof = analytic_profile(SMALL, hw)
+    config = PlannerConfig(chunk_sizes=(1 * MiB, 2 * MiB), cpu_optim_overlap=False, cpu_optim_speculative=True)
+    plan = search(prof, hw, config)
+    ref = brute_force(prof, hw, config)
+    got = (plan.prediction.step_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())
+    assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
+    assert plan.n_speculate == n_speculate and plan.chunks.n_chunks > plan.knobs.n_persist
+    assert plan.prediction.host_bytes <= host
+    # runner-ups carry the time they were ranked with: each is its own plan's prediction
+    assert plan.alternatives
+    for alt in plan.alternatives:
+        assert alt.iter_time == pytest.approx(evaluate(prof, hw, alt.knobs, config).prediction.step_time,
+                                              rel=1e-12)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))

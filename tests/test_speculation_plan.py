@@ -98,3 +98,35 @@ def test_updates_left_by_step_are_predicted_to_run_into_the_next_forward():
     more = replace(PINS, n_persist=PINS.n_persist + 4)
     p2 = search(prof, HW, PlannerConfig(pins=more, cpu_optim_overlap=False))
     assert p2.prediction.cpu_optim_exposed < plan.prediction.cpu_optim_exposed
+
+
+def test_the_runtime_rule_after_a_clipped_step_is_priced():
+    """A step after one that clipped does not speculate (the unspeculated plan's iteration); a
+    speculated step that clips restores and redoes its chunks (slower than not speculating);
+    the mean over a clipping fraction follows the rule, and a plan that never speculates is
+    indifferent to clipping."""
+    from protrain.cost.runtime import simulate
+    from protrain.block_mode import layout_block_modes
+    prof, after, spec = plans()
+    p = spec.prediction
+    assert p.iter_time < p.iter_time_unspeculated < p.iter_time_rolled_back
+    assert p.iter_time_unspeculated == pytest.approx(after.prediction.iter_time, rel=1e-12)
+    k = spec.knobs
+    layout = build_layout(prof, k.chunk_size // prof.param_bytes)
+    codes = np.array([[m.code for m in layout_block_modes(prof.n_blocks, k.n_swap, k.n_checkpoint,
+                                                           k.n_ssd, k.n_selective)]])
+    trace = []
+    wrong = simulate(prof, layout, HW, k.n_persist, k.n_buffer, codes, cpu_overlap=False,
+                     speculate_from=layout.n_chunks - spec.n_speculate, speculation_wrong=True,
+                     carry_over=True, trace=trace)
+    assert float(wrong.iter_time[0]) == pytest.approx(p.iter_time_rolled_back, rel=1e-12)
+    restored = {e[2] for e in trace if e[1] == "rollback"}
+    assert restored == {f"chunk {c}" for c in range(layout.n_chunks - spec.n_speculate, layout.n_chunks)}
+    means = [p.expected_iter_time(f) for f in np.linspace(0, 1, 11)]
+    assert means[0] == p.iter_time and means[-1] == pytest.approx(p.iter_time_unspeculated, rel=1e-12)
+    assert all(p.iter_time <= m <= p.iter_time_rolled_back for m in means)
+    assert p.expected_iter_time(0.25) == pytest.approx(
+        0.75 * (0.75 * p.iter_time + 0.25 * p.iter_time_rolled_back) + 0.25 * p.iter_time_unspeculated)
+    assert after.prediction.expected_iter_time(0.5) == after.prediction.iter_time
+    with pytest.raises(ValueError, match="clip_fraction"):
+        p.expected_iter_time(1.5)

@@ -66,6 +66,10 @@ class TimePrediction:
     of the last CPU Adam step."""
     h2d_bytes: np.ndarray
     d2h_bytes: np.ndarray
+    spec_useful: np.ndarray | None = None
+    """With ``speculate_from``: how many of the speculating chunks (from the first one CPU
+    Adam reaches) had their backup done before backward's end - the rest would only have
+    delayed the updates left for after it (``protrain.search`` chooses the count from it)."""
 
 
 def chunk_transfer_times(layout: ChunkLayout, profile: ModelProfile, hw: HardwareProfile,
@@ -114,14 +118,17 @@ def backup_times(layout: ChunkLayout, hw: HardwareProfile, t_adam, world: int = 
 def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist,
              n_buffer, block_modes, *, optimizer_step: bool = True,
              cpu_overlap: bool = True, world: int = 1, speculate_from=None,
-             carry_over: bool = False, trace: list | None = None) -> TimePrediction:
+             speculation_wrong: bool = False, carry_over: bool = False,
+             trace: list | None = None) -> TimePrediction:
     """Simulate K plans at once: n_persist[K], n_buffer[K], block_modes[K, n_blocks] (codes).
 
     ``optimizer_step=False`` simulates a micro-step that only accumulates gradients (no Adam
     on either side). ``cpu_overlap=False`` starts CPU Adam only once backward is over (the
     global gradient norm or the fp16 overflow check needs every gradient first); then
     ``speculate_from[K]`` (a chunk index per plan) lets chunks from that index on update
-    speculatively during backward, each first backing up its states (``backup_times``).
+    speculatively during backward, each first backing up its states (``backup_times``);
+    ``speculation_wrong``: the step clips (or overflows), so after backward every speculated
+    chunk is restored from its backup and updated again, in the order of the others.
     ``carry_over``: CPU Adam left at the end of the step runs on into the next forward (the
     runtime's behaviour), which waits only where an offloaded chunk's upload needs its update:
     the iteration is the device's work plus that wait, and at least the CPU's busy time. The
@@ -143,7 +150,9 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     spec_from = None
     if speculate_from is not None and not cpu_overlap:
         spec_from = np.broadcast_to(np.asarray(speculate_from, dtype=np.int64), (k_plans,))
-        t_spec = t_adam + backup_times(layout, hw, t_adam, world)
+        t_backup = backup_times(layout, hw, t_adam, world)
+        t_spec = t_adam + t_backup
+        spec_ready = np.full((n_chunks, k_plans), np.inf)   # backup of a speculating chunk done at
     saved = np.array([offload_bytes(p) for p in parts], dtype=np.float64)   # what SWAP / SSD copy
     bad = (nbuf < 1) & (npers < n_chunks)
     if bad.any():
@@ -241,7 +250,9 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     swap_in_end = np.zeros((len(parts), k_plans))
     cpu = zeros.copy()
     cpu_busy = zeros.copy()
-    deferred: list[tuple[int, np.ndarray, np.ndarray]] = []  # (chunk, offloaded?, grads on host at)
+    # Updates left for after backward: (chunk, which plans, grads on host at, extra time: the
+    # restore before a redo).
+    deferred: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | float]] = []
     next_chunk = n_chunks - 1                  # next chunk (descending) whose upload to issue
     for p in range(len(parts) - 1, -1, -1):
         part = parts[p]
@@ -336,11 +347,15 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                 cpu = np.where(spec, c_end, cpu)
                 done_at[c] = c_end
                 cpu_busy += np.where(spec, t_spec[c], 0.0)
+                spec_ready[c] = np.where(spec, c_end - t_adam[c], np.inf)
                 if serial:
                     comp = np.where(spec, c_end, comp)
-                deferred.append((c, offl & ~spec, d_end))
+                if speculation_wrong:
+                    deferred.append((c, offl, d_end, np.where(spec, t_backup[c], 0.0)))
+                else:
+                    deferred.append((c, offl & ~spec, d_end, 0.0))
             elif optimizer_step:
-                deferred.append((c, offl, d_end))
+                deferred.append((c, offl, d_end, 0.0))
     bwd_end = comp
     if np.isnan(bwd_end).any():
         # A buffer was reused before its chunk was done with: n_buffer is below
@@ -348,15 +363,18 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         raise ValueError("n_buffer too small for this chunk layout (see ChunkLayout.min_buffers)")
 
     tail = np.maximum(cpu, bwd_end)
-    for c, offl, d_end in deferred:
-        c_end = np.maximum(np.maximum(cpu, d_end), bwd_end) + t_adam[c]
+    for c, offl, d_end, extra in deferred:
+        c_end = np.maximum(np.maximum(cpu, d_end), bwd_end) + t_adam[c] + extra
         cpu = np.where(offl, c_end, cpu)
-        cpu_busy += np.where(offl, t_adam[c], 0.0)
+        cpu_busy += np.where(offl, t_adam[c] + extra, 0.0)
     # The runtime runs what step() leaves in chunk order (the next forward's upload order).
-    for c, offl, d_end in sorted(deferred, key=lambda d: d[0]):
-        tail = np.where(offl, np.maximum(tail, d_end) + t_adam[c], tail)
+    for c, offl, d_end, extra in sorted(deferred, key=lambda d: d[0]):
+        start = np.maximum(tail, d_end)
+        ev("cpu_adam", "rollback", f"chunk {c}", start, start + extra, offl & (np.asarray(extra) > 0))
+        tail = np.where(offl, start + extra + t_adam[c], tail)
         done_at[c] = np.where(offl, tail, done_at[c])
-        ev("cpu_adam", "adam", f"chunk {c}", tail - t_adam[c], tail, offl)
+        ev("cpu_adam", "redo" if speculation_wrong and c >= np.asarray(spec_from).reshape(-1)[0] else "adam",
+           f"chunk {c}", tail - t_adam[c], tail, offl)
     prefix = np.concatenate([[0], np.cumsum(layout.used)])
     # Device tail at the boundary: all-reduce of the persistent gradients, then device Adam.
     gpu_optim = (prefix[npers] / hw.gpu_adam_rate + persistent_allreduce_time(layout, npers, hw, world)
@@ -380,4 +398,5 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         iter_time=iter_time, fwd_time=fwd_end, bwd_time=bwd_end - fwd_end,
         gpu_optim_time=gpu_optim, cpu_optim_time=cpu_busy,
         cpu_optim_exposed=exposed,
-        h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes)
+        h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes,
+        spec_useful=(spec_ready < bwd_end[None, :]).sum(axis=0) if spec_from is not None else None)
