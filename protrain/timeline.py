@@ -81,6 +81,17 @@ _COLORS = {"fwd": "#4878d0", "bwd": "#ee854a", "recompute": "#d65f5f", "device_a
 def draw(timelines: list[Timeline] | Timeline, out: str | Path) -> Path:
     """Draw one timeline, or several side by side on a common time axis (predicted beside
     measured), to an image file (PNG, SVG, PDF: by extension)."""
+    fig = figure(timelines)
+    import matplotlib.pyplot as plt
+    out = Path(out)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def figure(timelines: list[Timeline] | Timeline):
+    """The matplotlib figure ``draw`` saves: a column per timeline, the lanes above (one bar
+    per event, y = the lane's row), the device memory curve below."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -128,7 +139,4 @@ def draw(timelines: list[Timeline] | Timeline, out: str | Path) -> Path:
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=7,
                frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    out = Path(out)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig
