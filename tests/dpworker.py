@@ -7,17 +7,37 @@ import sys
 
 
 def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None:
+    """One rank: ``spec["runs"]`` are training runs {name: spec}, done in turn in the same
+    processes (each writes into out_dir/name): the start-up is paid once."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     sys.path.insert(0, os.path.dirname(__file__))
+    runs = spec["runs"]
+    engine = None
+    for name, one in runs.items():
+        out = os.path.join(out_dir, name)
+        os.makedirs(out, exist_ok=True)
+        result, engine = train_run(rank, world, one, out)
+        if name == list(runs)[-1]:
+            result["process_groups_left"] = leave(engine)
+        del engine
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+
+
+def train_run(rank: int, world: int, spec: dict, out_dir: str):
+    """Train as ``spec`` says; (what the test reads, the destroyed engine)."""
     import torch
     import deepspeed
+    import protrain.runtime.runtime as rt_mod
     from protrain.models import GPT, GPTConfig, synthetic_batch
+    from protrain.runtime.streams import Streams
 
     if spec.get("deferred_streams"):       # copies as late as CUDA may run them
-        import protrain.runtime.runtime as rt_mod
         from deferred_streams import DeferredStreams
         rt_mod.Streams = DeferredStreams
+    else:
+        rt_mod.Streams = Streams
     cfg = GPTConfig(**spec["model"])
     global_batch = spec["global_batch"]
     mb = global_batch // world
@@ -35,17 +55,21 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
         path, client = engine.load_checkpoint(spec["load"])
         assert path is not None and client == {"note": "resume me"}, (path, client)
     start = spec.get("start", 0)
-    losses = []
+    losses, norms = [], []     # norms: ProTrain's global gradient norm at each boundary
     for i in range(start, start + spec["steps"]):
         x, y = synthetic_batch(cfg, global_batch, seed=i)
         x, y = x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb]
         loss = engine(x, y)
         engine.backward(loss * factor if factor != 1.0 else loss)
+        boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
         losses.append(loss.item())
+        rt = getattr(engine, "protrain_runtime", None)
+        if rt is not None and boundary:
+            norms.append(rt.optimizer.global_grad_norm)
     if spec.get("save"):
         engine.save_checkpoint(spec["save"], client_state={"note": "resume me"})
-    result = {"losses": losses, "global_steps": engine.global_steps, "lr": engine.get_lr()}
+    result = {"losses": losses, "norms": norms, "global_steps": engine.global_steps, "lr": engine.get_lr()}
     rt = getattr(engine, "protrain_runtime", None)
     if rt is not None:
         result["host_bytes"] = rt.chunks.host_bytes()
@@ -59,10 +83,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
     if rank == 0:
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, "weights.pt"))
-    result["process_groups_left"] = leave(engine)
-    del engine
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    return result, engine
 
 
 def leave(engine) -> list[str]:
@@ -101,7 +122,14 @@ def free_port() -> int:
 
 
 def launch(world: int, spec: dict, out_dir: str) -> list[dict]:
+    """Each rank's result of one run."""
+    return launch_runs(world, {"": spec}, out_dir)[""]
+
+
+def launch_runs(world: int, runs: dict[str, dict], out_dir: str) -> dict[str, list[dict]]:
+    """Several runs in turn in one launch: {name: each rank's result}; weights in out_dir/name."""
     import torch.multiprocessing as mp
-    mp.start_processes(run_rank, args=(world, free_port(), spec, out_dir), nprocs=world,
+    mp.start_processes(run_rank, args=(world, free_port(), {"runs": runs}, out_dir), nprocs=world,
                        start_method="spawn", join=True)
-    return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
+    return {name: [json.load(open(os.path.join(out_dir, name, f"rank{r}.json"))) for r in range(world)]
+            for name in runs}

@@ -3,7 +3,7 @@ states of offloaded chunks."""
 import pytest
 import torch
 
-from dpworker import launch
+from dpworker import launch, launch_runs
 
 MODEL = dict(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=64, tie_embeddings=False)
 PLANS = {
@@ -36,20 +36,62 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(plan, tmp_path):
             assert r["host_bytes"] == pytest.approx(one["host_bytes"] / 2, rel=0.01)
 
 
-def test_two_ranks_with_late_copies_and_speculation_equal_two_ranks_with_neither(tmp_path):
-    """The all-gather / reduce-scatter on the side queues, with every copy held back until
-    waited for (tests/deferred_streams.py), and CPU Adam speculating during backward under
-    clipping (the norm all-reduced over both ranks) with gradient accumulation, train exactly
-    as the synchronous path whose CPU Adam waits for the end of backward."""
-    spec = dict(model=MODEL, global_batch=4, steps=12, loss_factor=0.3,
-                extra={"gradient_clipping": 1.0, "gradient_accumulation_steps": 2},
-                protrain=PLANS["offloaded chunks, swap and checkpoint"])
-    (tmp_path / "sync").mkdir()
-    (tmp_path / "late").mkdir()
-    plan = PLANS["offloaded chunks, swap and checkpoint"]
-    sync = launch(2, dict(spec, protrain=dict(plan, speculate_chunks=0)), str(tmp_path / "sync"))
-    late = launch(2, dict(spec, deferred_streams=True, protrain=dict(plan, speculate_chunks=99)),
-                  str(tmp_path / "late"))
+# Loss factors for DeepSpeed's default clipping at 1.0 on MODEL with a global batch of 4: every
+# global gradient norm under 1.0 (speculation always right), or norms falling through 1.0 (the
+# steps that clip stop the next one's speculation; a speculated step that clips rolls back).
+REGIMES = {"under the threshold": 0.25, "around the threshold": 0.8}
+SPECULATING = dict(PLANS["offloaded chunks, swap and checkpoint"], speculate_chunks=99)
+
+
+@pytest.fixture(scope="module")
+def clipped_runs(tmp_path_factory):
+    """One 2-rank launch, runs in turn: plain DeepSpeed ZeRO-0 and ProTrain (CPU Adam
+    speculating on every offloaded chunk, copies as late as CUDA may run them) in both
+    regimes, 20 steps each; and, with gradient accumulation, ProTrain speculating against
+    ProTrain whose CPU Adam waits for the end of backward."""
+    clip = {"gradient_clipping": 1.0}
+    runs = {}
+    for regime, factor in REGIMES.items():
+        spec = dict(model=MODEL, global_batch=4, steps=20, loss_factor=factor, extra=clip)
+        runs[f"deepspeed {regime}"] = dict(spec, protrain=None)
+        runs[f"protrain {regime}"] = dict(spec, deferred_streams=True, protrain=SPECULATING)
+    gas = dict(model=MODEL, global_batch=4, steps=24, loss_factor=0.3,
+               extra=dict(clip, gradient_accumulation_steps=2))
+    runs["accumulation, waiting"] = dict(gas, protrain=dict(SPECULATING, speculate_chunks=0))
+    runs["accumulation, speculating"] = dict(gas, deferred_streams=True, protrain=SPECULATING)
+    out = tmp_path_factory.mktemp("clipped")
+    return out, launch_runs(2, runs, str(out))
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_two_ranks_speculating_under_clipping_equal_deepspeed_zero0_exactly(regime, clipped_runs):
+    """The clipping norm is all-reduced over both ranks' shards (DeepSpeed's arithmetic to the
+    bit: protrain/runtime/optimizer.py, _sharded_norms); a speculated step that clips is
+    rolled back and redone on both ranks."""
+    out, runs = clipped_runs
+    ref, got = runs[f"deepspeed {regime}"], runs[f"protrain {regime}"]
+    for a, b in zip(ref, got):
+        assert a["losses"] == b["losses"]
+    w1 = torch.load(out / f"deepspeed {regime}" / "weights.pt")
+    w2 = torch.load(out / f"protrain {regime}" / "weights.pt")
+    assert all(torch.equal(w2[n], w) for n, w in w1.items())
+    norms = got[0]["norms"]
+    assert len(norms) == 20 and got[1]["norms"] == norms           # one global norm
+    assert got[0]["offloaded"] > 0 and all(r["races"] == 0 for r in got)
+    assert all(r["overlapped_chunks"] > 0 for r in got)
+    if regime == "under the threshold":
+        assert max(norms) < 1.0 and all(r["rollbacks"] == 0 for r in got)
+    else:
+        assert min(norms) < 1.0 < max(norms) and all(r["rollbacks"] > 0 for r in got)
+
+
+def test_two_ranks_with_accumulation_speculating_equal_the_runtime_that_waits(clipped_runs):
+    """With gradient accumulation each micro-step's gradients are reduce-scattered (summed over
+    ranks, then over micro-steps: ZeRO-3's order, not ZeRO-0's, so the comparison is with
+    ProTrain itself): only the boundary speculates, every copy held back until waited for, and
+    training is exactly the synchronous path's."""
+    out, runs = clipped_runs
+    sync, late = runs["accumulation, waiting"], runs["accumulation, speculating"]
     assert all(r["overlapped_chunks"] == r["rollbacks"] == 0 for r in sync)
     assert all(r["overlapped_chunks"] > 0 for r in late)
     assert late[0]["offloaded"] > 0 and all(r["most_pending_copies"] > 0 for r in late)
@@ -58,6 +100,7 @@ def test_two_ranks_with_late_copies_and_speculation_equal_two_ranks_with_neither
     assert all(r["races"] == 0 for r in late)
     for a, b in zip(sync, late):
         assert a["losses"] == b["losses"]
-    w1 = torch.load(tmp_path / "sync" / "weights.pt")
-    w2 = torch.load(tmp_path / "late" / "weights.pt")
+    w1 = torch.load(out / "accumulation, waiting" / "weights.pt")
+    w2 = torch.load(out / "accumulation, speculating" / "weights.pt")
     assert all(torch.equal(w2[n], w) for n, w in w1.items())
+    assert all(r["process_groups_left"] == [] for r in late)

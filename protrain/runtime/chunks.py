@@ -299,11 +299,13 @@ class ChunkManager:
         c.move(ChunkState.CACHED)
         self.pool.release(c.buffer, self.streams.compute_event())
 
-    def offload_grads(self, c: Chunk, target: torch.Tensor) -> None:
+    def offload_grads(self, c: Chunk, target: torch.Tensor, check=None) -> None:
         """The chunk's backward is done: its buffer holds its gradients (parameters without a
         gradient are zeroed first); with several ranks they are summed and averaged into this
         rank's shard (reduce-scatter); the shard is copied to ``target`` on the offload queue
-        and the buffer is free once the copy is done."""
+        and the buffer is free once the copy is done. ``check(c, shard)``: called with this
+        rank's gradients on the device, on the queue that made them, before the copy (which
+        waits for what it enqueues: results are valid once ``c.grads_on_host`` is)."""
         buf = self.pool.tensors[c.buffer]
         for s in c.slots:
             if not s.has_grad:
@@ -311,14 +313,21 @@ class ChunkManager:
         if self.dp.world > 1:
             buf[c.numel:self.dp.world * c.shard_size].zero_()   # the reduce-scatter reads it
         c.move(ChunkState.GRADS)
-        after = self.streams.compute_event()     # after every write above
         if self.dp.world > 1:
+            after = self.streams.compute_event()     # after every write above
             with self.streams.side("offload", after=after):
                 mine = self.dp.reduce_scatter_(buf, c.shard_size)
                 mine.div_(self.dp.world)          # DeepSpeed averages gradients over ranks
+                if check is not None:
+                    check(c, mine)
                 after = self.streams.record_on("offload")
         else:
             mine = buf[:c.numel]
+            if check is not None:
+                check(c, mine)
+            # after every write above and the check's reads: the buffer is reused once the
+            # copy (which waits for this) is done
+            after = self.streams.compute_event()
         t = self.tracer.now() if self.tracer is not None else 0.0
         done = self.streams.copy(target, mine, "offload", after=after)
         if self.tracer is not None:
