@@ -26,7 +26,7 @@ from .config import ALL, KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
 from .cost.predicted_timeline import predicted_timeline
 from .cost.memory import activation_walk, buffer_numel, offload_bytes, predict_memory, state_bytes
-from .cost.runtime import chunk_transfer_times, persistent_allreduce_time, simulate
+from .cost.runtime import check_times, chunk_transfer_times, persistent_allreduce_time, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
 from .profile.hardware import HardwareProfile
 from .profile.model_profile import ModelProfile
@@ -326,10 +326,14 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     else:   # bounced through the host: on the upload queue with the chunk re-uploads
         bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / hw.h2d_bandwidth + ssd_in)
     adam = adam_suffix[np_idx]
-    if _carries_over(config, hw) and not config.cpu_optim_overlap:
+    if _weak_cpu_bound(config, hw):
         # Updates left for after backward run on into the next forward (cost.runtime's
-        # carry_over): the step is at least the device's work and at least CPU Adam's.
-        cpu_lb = adam - fwd_lb
+        # carry_over): the step is at least the device's work and at least CPU Adam's, with
+        # the verdict checks when there are (clipping / fp16).
+        checks = 0.0
+        if not config.cpu_optim_overlap and _checks_on_host(config):
+            checks = np.concatenate([np.cumsum(check_times(layout, hw, world)[::-1])[::-1], [0.0]])[np_idx]
+        cpu_lb = adam + checks - fwd_lb
     elif config.cpu_optim_overlap:
         # CPU Adam starts at the earliest once the last chunk's gradient is complete (after
         # the backward of the parts from its first user on) and has left the device.
@@ -379,7 +383,7 @@ def _refine_cpu_bound(profile: ModelProfile, hw: HardwareProfile, config: Planne
     offload, plus Adam over c and every offloaded chunk below it. Near the optimum of a
     CPU-bound model thousands of plans differ by less than the slack of the coarse bound
     (which counts only the last chunk and no recompute); this one tells them apart."""
-    if not config.cpu_optim_overlap or not len(idx):
+    if not config.cpu_optim_overlap or not len(idx) or _weak_cpu_bound(config, hw):
         return grid.lower_bound[idx]
     layout = grid.layout
     nch = layout.n_chunks
@@ -423,7 +427,21 @@ def _state_bytes(profile: ModelProfile, config: PlannerConfig):
 def _carries_over(config: PlannerConfig, hw: HardwareProfile) -> bool:
     """Whether CPU Adam left at the end of a step runs into the next forward (the runtime does,
     except with fixed model states; on a CPU "device" it runs inline anyway)."""
-    return config.model_states_fixed is None and hw.copy_engines > 0
+    return config.model_states_fixed is None and (hw.copy_engines > 0 or hw.cpu_adam_thread)
+
+
+def _weak_cpu_bound(config: PlannerConfig, hw: HardwareProfile) -> bool:
+    """Whether CPU Adam may end after the step's device work by less than its chain through
+    backward: updates carried into the next forward - those left for after backward, or, on a
+    CPU "device" whose CPU Adam has a thread, any (the next forward's first upload waits for
+    compute there, not only for its update)."""
+    return _carries_over(config, hw) and (not config.cpu_optim_overlap or hw.copy_engines <= 0)
+
+
+def _checks_on_host(config: PlannerConfig) -> bool:
+    """Where the runtime takes the step's verdict inputs: on the host for accumulated
+    gradients, else on the device before the gradients leave (runtime/optimizer.py)."""
+    return config.grad_accumulation_steps > 1
 
 
 def _speculates(config: PlannerConfig) -> bool:
@@ -449,7 +467,7 @@ def _boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, hos
     def run(n_spec, rows=slice(None)):
         return simulate(profile, layout, hw, npers[rows], nbuf[rows], codes[rows],
                         cpu_overlap=config.cpu_optim_overlap, world=world,
-                        carry_over=_carries_over(config, hw),
+                        carry_over=_carries_over(config, hw), checks_on_host=_checks_on_host(config),
                         speculate_from=layout.n_chunks - n_spec if n_spec is not None else None)
     if not _speculates(config):
         return run(None).iter_time, np.zeros(k, dtype=np.int64)
@@ -745,7 +763,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     spec_from = layout.n_chunks - n_spec if _speculates(config) else None
     timed = lambda **kw: simulate(  # noqa: E731
         profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes, cpu_overlap=config.cpu_optim_overlap,
-        world=world, carry_over=_carries_over(config, hw), **kw)
+        world=world, carry_over=_carries_over(config, hw), checks_on_host=_checks_on_host(config), **kw)
     t = timed(speculate_from=spec_from)
     # The runtime's rule: a step after one that clipped (or overflowed) does not speculate; a
     # speculated step that clips restores and redoes its chunks.
@@ -759,7 +777,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
               f"offloaded, blocks ckpt {knobs.n_checkpoint} swap {knobs.n_swap} ssd {knobs.n_ssd} "
               f"sel {knobs.n_selective}",
         cpu_overlap=config.cpu_optim_overlap, world=world, speculate_from=spec_from,
-        carry_over=_carries_over(config, hw))
+        carry_over=_carries_over(config, hw), checks_on_host=_checks_on_host(config))
     gas = config.grad_accumulation_steps
     micro = float(simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
                            optimizer_step=False, world=world).iter_time[0]) if gas > 1 else float(t.iter_time[0])

@@ -34,7 +34,8 @@ class Event:
     """One of LANES."""
     what: str
     """Kind of work: fwd, bwd, recompute, device_adam, upload, offload, swap_out, swap_in,
-    adam, backup_adam (a speculative update), rollback, redo, nvme_write, nvme_read, wait."""
+    adam, backup_adam (a speculative update), rollback, redo, check (a chunk's clipping norms /
+    overflow test), nvme_write, nvme_read, wait."""
     label: str
     """Which instance: "block 3", "chunk 12", ..."""
     start: float
@@ -75,7 +76,7 @@ class Timeline(JsonValue):
 _COLORS = {"fwd": "#4878d0", "bwd": "#ee854a", "recompute": "#d65f5f", "device_adam": "#956cb4",
            "upload": "#6acc64", "offload": "#8c613c", "swap_out": "#dc7ec0", "swap_in": "#797979",
            "adam": "#82c6e2", "backup_adam": "#d5bb67", "rollback": "#000000", "redo": "#b33",
-           "nvme_write": "#8172b3", "nvme_read": "#64b5cd", "wait": "#cccccc"}
+           "nvme_write": "#8172b3", "nvme_read": "#64b5cd", "wait": "#cccccc", "check": "#2ca02c"}
 
 
 def draw(timelines: list[Timeline] | Timeline, out: str | Path) -> Path:

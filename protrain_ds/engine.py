@@ -538,7 +538,11 @@ class ProTrainEngine(DeepSpeedEngine):
 
     def _hardware(self):
         from protrain.profile.probe import probe_hardware
-        return probe_hardware(self.device, progress=self.protrain_config.verbosity >= 2)
+        hw = probe_hardware(self.device, progress=self.protrain_config.verbosity >= 2)
+        if hw.copy_engines <= 0 and self.protrain_config.host_thread:
+            # a CPU "device" whose CPU Adam runs on the worker thread: not inline any more
+            hw = replace(hw, cpu_adam_thread=True)
+        return hw
 
 
 def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821

@@ -8,7 +8,7 @@ import pytest
 
 from protrain.block_mode import CKPT, NONE, SWAP
 from protrain.cost.layout import build_layout
-from protrain.cost.runtime import simulate
+from protrain.cost.runtime import CHECK_PER_ADAM, simulate
 
 from conftest import chain_profile, slow_link
 
@@ -116,9 +116,23 @@ def test_offloaded_chunks_need_a_buffer(nb):
 def test_cpu_adam_after_backward_when_it_cannot_overlap():
     # As test_one_buffer_...: backward ends at 85; grads of chunk 2 on the host at 58, of
     # chunk 1 at 88. CPU Adam may only start after backward (85): chunk 2 85-89, chunk 1
-    # 89-93 (waits for its grads at 88 and for the CPU).
+    # 89-93 (waits for its grads at 88 and for the CPU). The verdict checks ran on the device.
     t = run(chain_profile(), 1, 1, [NONE, NONE], cpu_overlap=False)
     assert t["iter_time"] == 93 and t["cpu_optim_time"] == 8
+    # Checked on the host as they land (accumulated gradients; 1 s: 58-59, 88-89): Adam can
+    # start after backward and the checks, chunk 2 89-93, chunk 1 93-97.
+    t = run_on(slow_link(grad_check_rate=100.0), chain_profile(), 1, 1, [NONE, NONE], cpu_overlap=False,
+               checks_on_host=True)
+    assert t["iter_time"] == 97 and t["cpu_optim_time"] == 8 + 2
+    # unmeasured, the check rate is CHECK_PER_ADAM times CPU Adam's
+    t = run(chain_profile(), 1, 1, [NONE, NONE], cpu_overlap=False, checks_on_host=True)
+    check = 4 / CHECK_PER_ADAM
+    assert t["iter_time"] == pytest.approx(88 + check + 8) and t["cpu_optim_time"] == pytest.approx(8 + 2 * check)
+    # on a CPU "device" the device's checks are on its one timeline, before each offload
+    inline = run_on(slow_link(copy_engines=0, grad_check_rate=100.0), chain_profile(), 1, 1, [NONE, NONE],
+                    cpu_overlap=False)
+    plain = run_on(slow_link(copy_engines=0, grad_check_rate=100.0), chain_profile(), 1, 1, [NONE, NONE])
+    assert inline["bwd_time"] == plain["bwd_time"] + 2 - 8     # checks in, CPU Adam out of backward
 
 
 def test_accumulation_micro_step_has_no_optimizer():
@@ -176,6 +190,22 @@ def test_without_a_copy_engine_every_transfer_and_cpu_adam_is_on_the_compute_tim
     assert t["iter_time"] == 95 == 22 + 44 + 2 * 5 + 2 * 5 + 2 * 4 + 1
     async_ = run(chain_profile(), 1, 2, [NONE, NONE])["iter_time"]
     assert async_ == 77 and t["h2d_bytes"] == 2 * 400
+
+
+def test_a_cpu_adam_thread_takes_the_updates_off_the_compute_timeline():
+    """The same CPU "device" with CPU Adam on a thread of its own: copies still on the compute
+    timeline, the two updates (4 each) beside it; the second ends with backward, after the
+    pre part's backward began - it is exposed past the device's work only where it runs over."""
+    t = run_on(slow_link(copy_engines=0, cpu_adam_thread=True), chain_profile(), 1, 2, [NONE, NONE])
+    assert t["fwd_time"] == 32
+    # bwd: post 32-34; block1 34-54; chunk 2 grads 54-59 (Adam 59-63 beside); block0 59-79;
+    #      grads 79-84 (Adam 84-88 beside); pre 84-86; device Adam 86-87; Adam ends at 88.
+    assert t["bwd_time"] == 86 - 32 and t["iter_time"] == 88
+    assert t["cpu_optim_exposed"] == 1 and t["cpu_optim_time"] == 8
+    # with the updates left for after backward, they run on into the next forward
+    wait = run_on(slow_link(copy_engines=0, cpu_adam_thread=True), chain_profile(), 1, 2, [NONE, NONE],
+                  cpu_overlap=False, carry_over=True)
+    assert wait["iter_time"] < 87 + 8
 
 
 def test_one_copy_engine_for_both_directions_sits_between():

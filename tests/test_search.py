@@ -114,13 +114,13 @@ def test_search_equals_brute_force(case, gas, overlap, world, ssd):
     assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
 
 
-@pytest.mark.parametrize("dev, host, n_speculate", [(7 * GiB // 100, 4 * GiB, 1), (5 * GiB // 100, 4 * GiB, 1),
-                                                    (5 * GiB // 100, 45 * MiB, 0)])
+@pytest.mark.parametrize("dev, host, n_speculate", [(15 * GiB // 100, 4 * GiB, 3), (20 * GiB // 100, 4 * GiB, 1),
+                                                    (15 * GiB // 100, 47 * MiB, 1)])
 def test_search_with_speculating_chunks_equals_brute_force(dev, host, n_speculate):
     """Clipping on: each point's time is the one with its best speculating count, given the
-    host memory its backups find left (45 MiB: none fits) - the ranking is the prediction."""
-    hw = small_hw(device_memory=dev, host_memory=host)
-    prof = analytic_profile(SMALL, hw)
+    host memory its backups find left (47 MiB: room for one) - the ranking is the prediction."""
+    hw = small_hw(device_memory=dev, host_memory=host, grad_check_rate=3e9)
+    prof = analytic_profile(replace(SMALL, micro_batch=16), hw)
     config = PlannerConfig(chunk_sizes=(1 * MiB, 2 * MiB), cpu_optim_overlap=False, cpu_optim_speculative=True)
     plan = search(prof, hw, config)
     ref = brute_force(prof, hw, config)
@@ -129,10 +129,25 @@ def test_search_with_speculating_chunks_equals_brute_force(dev, host, n_speculat
     assert plan.n_speculate == n_speculate and plan.chunks.n_chunks > plan.knobs.n_persist
     assert plan.prediction.host_bytes <= host
     # runner-ups carry the time they were ranked with: each is its own plan's prediction
-    assert plan.alternatives
+    assert plan.alternatives or host < GiB          # the tight host leaves one plan
     for alt in plan.alternatives:
         assert alt.iter_time == pytest.approx(evaluate(prof, hw, alt.knobs, config).prediction.step_time,
                                               rel=1e-12)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_search_on_a_cpu_device_with_a_cpu_adam_thread_equals_brute_force(overlap):
+    """No copy engine, CPU Adam on a core of its own (a CPU "device" with "host_thread"):
+    updates carried into the next forward make the CPU chain through backward no bound."""
+    hw = small_hw(device_memory=7 * GiB // 100, copy_engines=0, cpu_adam_thread=True)
+    prof = analytic_profile(SMALL, hw)
+    config = PlannerConfig(chunk_sizes=(1 * MiB, 2 * MiB), cpu_optim_overlap=overlap,
+                           cpu_optim_speculative=not overlap)
+    plan = search(prof, hw, config)
+    ref = brute_force(prof, hw, config)
+    got = (plan.prediction.step_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())
+    assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
+    assert plan.chunks.n_chunks > plan.knobs.n_persist
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))

@@ -13,9 +13,10 @@ from protrain.search import evaluate, search
 from protrain.units import GiB, MiB
 
 SHAPE = ModelShape("spec", "gpt2", n_layers=8, hidden=1024, heads=8, vocab=4096, seq_len=512,
-                   micro_batch=1)
-# A GPU whose step is bound by CPU Adam when it waits for the end of backward.
-HW = replace(machine("rtx3090").profile(host_memory=64 * GiB), cpu_adam_rate=2e8)
+                   micro_batch=8)
+# A GPU whose step is bound by CPU Adam when it waits for the end of backward (and whose
+# updates left for after it cannot all hide under the next forward).
+HW = replace(machine("rtx3090").profile(host_memory=64 * GiB), cpu_adam_rate=5e8, grad_check_rate=3e9)
 PINS = KnobPins(chunk_size=16 * MiB, n_persist=1, n_buffer=3, n_swap=0, n_checkpoint=8, n_ssd=0,
                 n_selective=0)
 

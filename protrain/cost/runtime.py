@@ -33,7 +33,9 @@ host and occupy the D2H / H2D queues.
 
 Copy concurrency (``HardwareProfile.copy_engines``): with one copy engine the two copy queues
 are one FIFO; with none (a CPU "device") every copy and every CPU Adam step runs on the
-compute timeline where the runtime issues it, so offloading costs its full transfer time.
+compute timeline where the runtime issues it, so offloading costs its full transfer time -
+unless CPU Adam has a thread of its own (``HardwareProfile.cpu_adam_thread``: a CPU "device"
+whose runtime runs CPU Adam on its worker thread, on a core of its own).
 """
 from __future__ import annotations
 
@@ -106,6 +108,20 @@ def _collective_bandwidth(hw: HardwareProfile) -> float:
     return hw.collective_bandwidth
 
 
+def check_times(layout: ChunkLayout, hw: HardwareProfile, world: int = 1):
+    """Per-chunk time to take a chunk's part of the step's verdict on the host (its parameters'
+    gradient norms for clipping, or the overflow test) as its gradients land."""
+    rate = hw.grad_check_rate if hw.grad_check_rate > 0 else CHECK_PER_ADAM * hw.cpu_adam_rate
+    return np.asarray(layout.used, dtype=np.float64) / world / rate
+
+
+CHECK_PER_ADAM = 1.7
+"""Gradient elements checked per CPU Adam update, where the check rate was not measured
+(published machines): an fp32 norm against DeepSpeedCPUAdam on this project's 2-core CPU,
+2.9 G elements/s against 1.7 G parameters/s (both memory-bound: a check reads 4 bytes per
+element, an update reads and writes 28)."""
+
+
 def backup_times(layout: ChunkLayout, hw: HardwareProfile, t_adam, world: int = 1):
     """Per-chunk time to back up master, exp_avg and exp_avg_sq (12 bytes per parameter of
     this rank's shard) before a speculative update; without a measured host copy bandwidth,
@@ -119,7 +135,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
              n_buffer, block_modes, *, optimizer_step: bool = True,
              cpu_overlap: bool = True, world: int = 1, speculate_from=None,
              speculation_wrong: bool = False, carry_over: bool = False,
-             trace: list | None = None) -> TimePrediction:
+             checks_on_host: bool = False, trace: list | None = None) -> TimePrediction:
     """Simulate K plans at once: n_persist[K], n_buffer[K], block_modes[K, n_blocks] (codes).
 
     ``optimizer_step=False`` simulates a micro-step that only accumulates gradients (no Adam
@@ -129,6 +145,11 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     speculatively during backward, each first backing up its states (``backup_times``);
     ``speculation_wrong``: the step clips (or overflows), so after backward every speculated
     chunk is restored from its backup and updated again, in the order of the others.
+    ``checks_on_host``: the step's verdict inputs (each offloaded chunk's gradient norms for
+    clipping, its overflow test) are taken on the host as its gradients land, on the CPU
+    queue (accumulated gradients); else on the device before they leave it, where they are
+    bandwidth-bound reads left out of the model - except on a CPU "device", where they sit on
+    the compute timeline. Both only without ``cpu_overlap`` (clipping / fp16).
     ``carry_over``: CPU Adam left at the end of the step runs on into the next forward (the
     runtime's behaviour), which waits only where an offloaded chunk's upload needs its update:
     the iteration is the device's work plus that wait, and at least the CPU's busy time. The
@@ -148,10 +169,15 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     rows = np.arange(k_plans)
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
     spec_from = None
+    # Clipping / fp16 (no overlap): each offloaded chunk's gradients are checked (norms,
+    # overflow), on the host as they land (before or in its speculative update), or on the
+    # device before they leave.
+    t_check = check_times(layout, hw, world) if not cpu_overlap and optimizer_step else np.zeros(n_chunks)
+    t_host_check = t_check if checks_on_host else np.zeros(n_chunks)
     if speculate_from is not None and not cpu_overlap:
         spec_from = np.broadcast_to(np.asarray(speculate_from, dtype=np.int64), (k_plans,))
         t_backup = backup_times(layout, hw, t_adam, world)
-        t_spec = t_adam + t_backup
+        t_spec = t_host_check + t_adam + t_backup
         spec_ready = np.full((n_chunks, k_plans), np.inf)   # backup of a speculating chunk done at
     saved = np.array([offload_bytes(p) for p in parts], dtype=np.float64)   # what SWAP / SSD copy
     bad = (nbuf < 1) & (npers < n_chunks)
@@ -179,6 +205,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     if (modes == SSD).any() and (hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0):
         raise ValueError("plans with SSD blocks need the NVMe bandwidths of the SSD path")
     serial = hw.copy_engines <= 0
+    inline = serial and not hw.cpu_adam_thread     # CPU Adam on the compute timeline too
     shared = hw.copy_engines == 1
     gds = hw.nvme_gds
     ssd_w = zeros.copy()                      # the NVMe write queue (GDS)
@@ -192,6 +219,18 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             a, b = float(np.asarray(start).reshape(-1)[0]), float(np.asarray(end).reshape(-1)[0])
             if b > a:
                 trace.append((lane, what, label, a, b))
+
+    def _check(c, which, d_end, cpu, comp):
+        """An offloaded chunk's verdict check on the CPU queue as its gradients land."""
+        if not t_host_check[c]:
+            return cpu, comp
+        end = np.maximum(cpu, d_end) + t_host_check[c]
+        ev("cpu_adam", "check", f"chunk {c}", end - t_host_check[c], end, which)
+        nonlocal_busy[0] += np.where(which, t_host_check[c], 0.0)
+        if inline:
+            comp = np.where(which, end, comp)
+        return np.where(which, end, cpu), comp
+    nonlocal_busy = [np.zeros(k_plans)]
 
     uploaded = 0
     up_start = np.zeros((n_chunks, k_plans))     # forward upload of each chunk starts at
@@ -323,6 +362,9 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         # Chunks whose gradient is now complete: offload and step on the CPU.
         for c in sorted(first_of[p], reverse=True):
             offl = c >= npers
+            if serial and not checks_on_host and t_check[c]:     # the "device" checks, inline
+                ev("compute", "check", f"chunk {c}", comp, comp + t_check[c], offl)
+                comp = np.where(offl, comp + t_check[c], comp)
             d_end = np.maximum(d2h, comp) + t_down[c]
             ev("d2h", "offload", f"chunk {c}", d_end - t_down[c], d_end, offl)
             d2h = np.where(offl, d_end, d2h)
@@ -338,7 +380,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                 cpu = np.where(offl, c_end, cpu)
                 done_at[c] = c_end
                 cpu_busy += np.where(offl, t_adam[c], 0.0)
-                if serial:                   # inline, between two parts' compute
+                if inline:                   # between two parts' compute
                     comp = np.where(offl, c_end, comp)
             elif optimizer_step and spec_from is not None:
                 spec = offl & (c >= spec_from)
@@ -348,20 +390,23 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
                 done_at[c] = c_end
                 cpu_busy += np.where(spec, t_spec[c], 0.0)
                 spec_ready[c] = np.where(spec, c_end - t_adam[c], np.inf)
-                if serial:
+                if inline:
                     comp = np.where(spec, c_end, comp)
                 if speculation_wrong:
                     deferred.append((c, offl, d_end, np.where(spec, t_backup[c], 0.0)))
                 else:
                     deferred.append((c, offl & ~spec, d_end, 0.0))
+                cpu, comp = _check(c, offl & ~spec, d_end, cpu, comp)
             elif optimizer_step:
                 deferred.append((c, offl, d_end, 0.0))
+                cpu, comp = _check(c, offl, d_end, cpu, comp)
     bwd_end = comp
     if np.isnan(bwd_end).any():
         # A buffer was reused before its chunk was done with: n_buffer is below
         # layout.min_buffers(n_persist), which callers must not ask for.
         raise ValueError("n_buffer too small for this chunk layout (see ChunkLayout.min_buffers)")
 
+    cpu_busy += nonlocal_busy[0]
     tail = np.maximum(cpu, bwd_end)
     for c, offl, d_end, extra in deferred:
         c_end = np.maximum(np.maximum(cpu, d_end), bwd_end) + t_adam[c] + extra
@@ -379,7 +424,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     # Device tail at the boundary: all-reduce of the persistent gradients, then device Adam.
     gpu_optim = (prefix[npers] / hw.gpu_adam_rate + persistent_allreduce_time(layout, npers, hw, world)
                  if optimizer_step else np.zeros(k_plans))
-    if serial:                        # one timeline: CPU Adam, then the "device" Adam
+    if inline:                        # one timeline: CPU Adam, then the "device" Adam
         device_end = np.maximum(bwd_end, cpu) + gpu_optim
     else:
         device_end = bwd_end + gpu_optim
@@ -387,8 +432,8 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     iter_time = np.maximum(device_end, cpu)
     # Exposed: CPU Adam past the device's own work. On one timeline (a CPU "device") that is
     # the updates left for after backward (the inline ones count as backward's time).
-    exposed = np.maximum(cpu - (bwd_end if serial else device_end), 0.0)
-    if carry_over and optimizer_step and not serial and n_chunks:
+    exposed = np.maximum(cpu - (bwd_end if inline else device_end), 0.0)
+    if carry_over and optimizer_step and not inline and n_chunks:
         offl_rows = np.arange(n_chunks)[:, None] >= npers[None, :]
         late = np.where(offl_rows, done_at - device_end[None, :] - up_start, -np.inf).max(axis=0)
         carried = np.maximum(device_end + np.maximum(late, 0.0), cpu_busy)

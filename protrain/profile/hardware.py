@@ -51,6 +51,14 @@ class HardwareProfile(JsonValue):
     directions share one queue), 0 (none: every copy, and the CPU optimizer, runs on the
     compute timeline - a CPU "device", where the runtime copies synchronously and runs CPU
     Adam inline, since they would compete for the same cores)."""
+    grad_check_rate: float = 0.0
+    """Gradient elements per second the host checks for the step's verdict (a parameter's norm
+    for clipping, the overflow test for fp16), measured as an fp32 norm. 0: not measured; the
+    planner then assumes cost.runtime.CHECK_PER_ADAM times the CPU Adam rate."""
+    cpu_adam_thread: bool = False
+    """Without copy engines: CPU Adam runs on a thread (and core) of its own next to compute
+    anyway - a CPU "device" whose runtime uses its worker thread (``"host_thread": true``);
+    copies stay on the compute timeline. With copy engines CPU Adam always has its own."""
     nvme_write_bandwidth: float = 0.0
     """Write bandwidth of the SSD path for activations, bytes/s (0: no SSD tier)."""
     nvme_read_bandwidth: float = 0.0
