@@ -252,6 +252,19 @@ class ProTrainEngine(DeepSpeedEngine):
         if self.protrain_runtime is not None:
             self.protrain_runtime.optimizer.sync()
 
+    def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
+        """DeepSpeed's, with the full values of parameters whose chunks are sharded over ranks
+        (what save_16bit_model writes): every rank must call it, as with ZeRO-3."""
+        sd = super().module_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
+        if self.protrain_runtime is None:
+            return sd
+        full = self.protrain_runtime.chunks.gathered()
+        for name, p in self.module.named_parameters():
+            if p in full and prefix + name in sd:
+                sd[prefix + name] = full[p]
+        return sd
+
     def destroy(self):
         """Give the parameters back as plain tensors with their trained values (with several
         ranks, every rank must call it: the shards are gathered)."""

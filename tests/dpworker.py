@@ -69,6 +69,8 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
             norms.append(rt.optimizer.global_grad_norm)
     if spec.get("save"):
         engine.save_checkpoint(spec["save"], client_state={"note": "resume me"})
+    if spec.get("save_16bit"):                      # every rank calls it (ZeRO-3's contract)
+        engine.save_16bit_model(os.path.join(out_dir, "16bit"), "model.bin")
     result = {"losses": losses, "norms": norms, "global_steps": engine.global_steps, "lr": engine.get_lr()}
     rt = getattr(engine, "protrain_runtime", None)
     if rt is not None:

@@ -54,7 +54,8 @@ def clipped_runs(tmp_path_factory):
     for regime, factor in REGIMES.items():
         spec = dict(model=MODEL, global_batch=4, steps=20, loss_factor=factor, extra=clip)
         runs[f"deepspeed {regime}"] = dict(spec, protrain=None)
-        runs[f"protrain {regime}"] = dict(spec, deferred_streams=True, protrain=SPECULATING)
+        runs[f"protrain {regime}"] = dict(spec, deferred_streams=True, protrain=SPECULATING,
+                                          save_16bit=True)
     gas = dict(model=MODEL, global_batch=4, steps=24, loss_factor=0.3,
                extra=dict(clip, gradient_accumulation_steps=2))
     runs["accumulation, waiting"] = dict(gas, protrain=dict(SPECULATING, speculate_chunks=0))
@@ -75,6 +76,10 @@ def test_two_ranks_speculating_under_clipping_equal_deepspeed_zero0_exactly(regi
     w1 = torch.load(out / f"deepspeed {regime}" / "weights.pt")
     w2 = torch.load(out / f"protrain {regime}" / "weights.pt")
     assert all(torch.equal(w2[n], w) for n, w in w1.items())
+    # the 16-bit export right after the last step (updates still running, shards on two
+    # ranks): the whole trained model
+    exported = torch.load(out / f"protrain {regime}" / "16bit" / "model.bin")
+    assert set(exported) >= set(w1) and all(torch.equal(exported[n].float(), w) for n, w in w1.items())
     norms = got[0]["norms"]
     assert len(norms) == 20 and got[1]["norms"] == norms           # one global norm
     assert got[0]["offloaded"] > 0 and all(r["races"] == 0 for r in got)

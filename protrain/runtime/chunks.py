@@ -373,6 +373,27 @@ class ChunkManager:
                 total += sum(t.numel() * t.element_size() for t in tensors.values())
         return total
 
+    def gathered(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each offloaded parameter's full current value on the host, when shards hold them
+        (several ranks; empty with one: every parameter's tensor holds its value then). A
+        collective: every rank must call it. The layout is left as it is."""
+        world = self.dp.world
+        out: dict[nn.Parameter, torch.Tensor] = {}
+        if world == 1:
+            return out
+        self.host_sync()
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        for c in self.chunks:
+            if c.persistent:
+                continue
+            full = torch.empty(world * c.shard_size, dtype=self.dtype, device=dev)
+            full[self.dp.rank * c.shard_size:(self.dp.rank + 1) * c.shard_size].copy_(self.host_params(c))
+            self.dp.all_gather_(full, c.shard_size)
+            full = full.cpu()
+            for s in c.slots:
+                out[s.param] = full[s.offset:s.stop].view(s.shape)
+        return out
+
     def close(self, to_host: bool = False, gather: bool = True) -> None:
         """Leave every parameter as a standalone tensor holding its current value (persistent
         ones on the device, offloaded ones on the host; all on the host with ``to_host``) and
