@@ -165,19 +165,14 @@ def test_speculative_updates_under_clipping_train_exactly_like_deepspeed(regime,
         assert (speculated[i] > 0) == (norms[i - 1] < 1.0), (i, norms[i - 1], speculated[i])
 
 
-# With accumulation 2 and WarmupLR: the first steps clip (and stop the speculation), the later
-# ones stay under 1.0 (speculation right); or norms fall through 1.0 late (a speculated step
-# clips: rolled back).
-ACCUMULATION_REGIMES = {"clipped, then under the threshold": 0.45, "around the threshold": 0.8}
-
-
-@pytest.mark.parametrize("regime", list(ACCUMULATION_REGIMES))
-def test_speculation_with_accumulation_and_a_scheduler_trains_exactly_like_deepspeed(regime, monkeypatch):
+def test_speculation_with_accumulation_and_a_scheduler_trains_exactly_like_deepspeed(monkeypatch):
     """Only the boundary micro-step speculates; the learning rate changes every step (WarmupLR):
-    a speculative update made with this step's rate stands."""
+    a speculative update made with this step's rate stands. Both regimes in one run: the first
+    steps clip (and stop the speculation), later ones stay under 1.0 (speculation right), and
+    a speculated step clips again (rolled back)."""
     extra = {"gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
-    factor = ACCUMULATION_REGIMES[regime]
+    factor = 0.65
     model_cfg, pins = SHAPES["a mix"]
     ref_losses, ref_weights = deepspeed_run(model_cfg, json.dumps(extra), 20, loss_factor=factor)
     updates, norms = [], []
@@ -200,13 +195,10 @@ def test_speculation_with_accumulation_and_a_scheduler_trains_exactly_like_deeps
     engine.destroy()
     assert losses == ref_losses
     assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
-    assert len(norms) == 20 and norms[0] > 1.0
+    assert len(norms) == 20 and norms[0] > 1.0 > norms[-1]
     # once per chunk and optimizer step at most: never on the non-boundary micro-steps
     assert stats["cpu_adam_overlapped_chunks"] + stats["cpu_adam_rollbacks"] == len(updates) <= 19 * n_offloaded
-    if regime == "around the threshold":
-        assert min(norms) < 1.0 and stats["cpu_adam_rollbacks"] > 0
-    else:
-        assert norms[-1] < 1.0 and stats["cpu_adam_overlapped_chunks"] > 0 and stats["cpu_adam_rollbacks"] == 0
+    assert stats["cpu_adam_overlapped_chunks"] > 0 and stats["cpu_adam_rollbacks"] > 0
 
 
 def test_a_changed_learning_rate_after_backward_rolls_the_speculation_back(monkeypatch):
