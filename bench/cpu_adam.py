@@ -16,8 +16,8 @@ that thread for the whole update. For each kernel, on the same tensors:
   against the unfused Python sequence it replaces (what the chunk path did before).
 
 How, on a machine that may be shared and noisy: all kernels use ``--threads`` OpenMP threads
-(native as its argument; torch's and DeepSpeed's kernels read it from the calling thread,
-set with ``torch.set_num_threads`` on this thread and on the worker); each is warmed up; then
+(native as its argument; torch's and DeepSpeed's kernels read it from the calling thread, set
+with ``torch.set_num_threads`` on this thread and on the worker); each is warmed up; then
 ``--repeat`` rounds, each running every kernel once alone and once beside, in a fresh random
 order (interleaved: drift of the machine reaches all kernels alike). Reported are medians over
 the rounds and, for the pairs compared (native and torch against DeepSpeed, each fused pass
@@ -45,7 +45,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# protrain-autoload.pth imports protrain at interpreter start from wherever it is installed;
+# measure this checkout's (its native kernel is built from its csrc/).
+for _name in [k for k in sys.modules if k == "protrain" or k.startswith("protrain.")]:
+    if not str(getattr(sys.modules[_name], "__file__", "") or "").startswith(str(ROOT)):
+        del sys.modules[_name]
 
 
 class Worker(threading.Thread):
@@ -205,7 +211,9 @@ def main(argv=None) -> dict:
         done += 1
         for k, (alone, took, prog, free) in got.items():
             r = rounds[k]
-            r["alone"].append(alone), r["beside"].append(took), r["progress"].append(prog)
+            r["alone"].append(alone)
+            r["beside"].append(took)
+            r["progress"].append(prog)
             r["free"].append(free)
 
     med = statistics.median
@@ -232,7 +240,7 @@ def main(argv=None) -> dict:
         print(f"{redone} round(s) run again: other processes were busy", flush=True)
     result = {"command": "python bench/cpu_adam.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-              "numel": n, "threads": args.threads, "rounds": args.repeat, "rounds_redone": redone,
+              "native_module": nat.__file__, "numel": n, "threads": args.threads, "rounds": args.repeat, "rounds_redone": redone,
               "max_other_cores": args.max_other, "gil_switch_interval_s": sys.getswitchinterval(),
               "rows": rows}
     if args.save:

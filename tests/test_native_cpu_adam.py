@@ -21,8 +21,8 @@ def op():
 def test_updates_equal_deepspeed_cpu_adam_bit_for_bit(op, dtype):
     """Sizes around the SIMD spans and the 64K tile, a scaled step, 16-bit gradients widened in
     the kernel, 1 to 3 threads (shares that end inside a tile, a last share with the scalar
-    tail); the backup holds the states from just before, the upload copy the updated master in
-    its dtype, the gradients stay untouched."""
+    tail), a step with nothing to fuse; the backup holds the states from just before, the
+    upload copy the updated master in its dtype, the gradients stay untouched."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     ds = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], adamw_mode=True)
     op.create(901, True)
