@@ -2,17 +2,33 @@
 
 The question behind it: CPU Adam runs on a worker thread while the training thread keeps
 going (backward hooks, the next forward's first parts). A kernel that holds the GIL stalls
-that thread for the whole update. For each kernel, in one run on the same tensors:
+that thread for the whole update. For each kernel, on the same tensors:
 
-- ``Gparam/s``: parameters updated per second on the worker thread while the main thread
-  spins in Python (the situation during training), median of ``--repeat`` updates;
-- ``progress``: the main thread's spin iterations during the update, as a fraction of its
-  free rate (measured alone just before);
+- ``Gparam/s alone``: parameters updated per second, the kernel on this thread, nothing else;
+- ``Gparam/s beside``: the same on a persistent worker thread (as in training) while this
+  thread spins in a Python loop; it includes the GIL hand-offs such a thread pays (a thread
+  waiting for the GIL gets it from a spinning one after ``sys.getswitchinterval()``, 5 ms);
+- ``progress``: the spinning thread's loop rate during that update, as a fraction of its free
+  rate; the free rate is measured right before each such update, with the identical loop
+  beside the same worker, which sleeps (GIL released) for as long as the kernel took alone --
+  so the same loop, thread set-up and GIL hand-offs, only without the kernel's work;
 - for 16-bit training and for a speculative (backed-up) update, the fused native pass
   against the unfused Python sequence it replaces (what the chunk path did before).
 
-    python bench/cpu_adam.py                       # 20 M fp32 parameters
-    python bench/cpu_adam.py --numel 50e6 --threads 1 --save bench/results/cpu_adam-cpu.json
+How, on a machine that may be shared and noisy: all kernels use ``--threads`` OpenMP threads
+(native as its argument; torch's and DeepSpeed's kernels read it from the calling thread, set
+with ``torch.set_num_threads`` on this thread and on the worker); each is warmed up; then
+``--repeat`` rounds, each running every kernel once alone and once beside, in a fresh random
+order (interleaved: drift of the machine reaches all kernels alike). Reported are medians over
+the rounds and, for the pairs compared (native and torch against DeepSpeed, each fused pass
+against its unfused sequence), ``speedup``: the median over rounds of that round's time ratio.
+On Linux the CPU time that other processes used during a round is read from /proc/stat (the
+machine's busy time less this process's own); a round in which they used more than
+``--max-other`` cores is discarded and run again (at most ``--repeat`` extra rounds; the count
+is saved).
+
+    python bench/cpu_adam.py                       # 20 M fp32 parameters, all cores
+    python bench/cpu_adam.py --numel 20e6 --threads 2 --repeat 31 --save bench/results/cpu_adam-cpu.json
 """
 from __future__ import annotations
 
@@ -20,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import threading
@@ -28,80 +45,89 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+# protrain-autoload.pth imports protrain at interpreter start from wherever it is installed;
+# measure this checkout's (its native kernel is built from its csrc/).
+for _name in [k for k in sys.modules if k == "protrain" or k.startswith("protrain.")]:
+    if not str(getattr(sys.modules[_name], "__file__", "") or "").startswith(str(ROOT)):
+        del sys.modules[_name]
 
 
-def spin_rate(seconds: float = 0.3) -> float:
-    """Python loop iterations per second on this thread, nothing else running: the same loop
-    as the one measured beside an update (``on_worker``), stopped by a timer."""
-    done = threading.Event()
-    timer = threading.Timer(seconds, done.set)
-    n, start = 0, time.perf_counter()
-    timer.start()
-    while not done.is_set():
-        n += 1
-    return n / (time.perf_counter() - start)
+class Worker(threading.Thread):
+    """One persistent thread that runs what it is given, as the training's CPU Adam worker."""
+
+    def __init__(self, threads: int):
+        super().__init__(daemon=True)
+        self.threads = threads
+        self.go, self.done = threading.Event(), threading.Event()
+        self.fn, self.took = None, 0.0
+        self.start()
+
+    def run(self):
+        torch.set_num_threads(self.threads)     # this thread's OpenMP threads (DeepSpeed, torch)
+        while True:
+            self.go.wait()
+            self.go.clear()
+            t = time.perf_counter()
+            self.fn()
+            self.took = time.perf_counter() - t
+            self.done.set()
+
+    def beside(self, fn) -> tuple[float, float]:
+        """Run ``fn`` on the worker while this thread spins: (seconds fn took there, this
+        thread's loop iterations per second meanwhile)."""
+        self.fn = fn
+        self.done.clear()
+        n = 0
+        start = time.perf_counter()
+        self.go.set()
+        while not self.done.is_set():
+            n += 1
+        return self.took, n / (time.perf_counter() - start)
 
 
-def on_worker(fn) -> tuple[float, int]:
-    """Run ``fn`` on a thread while this one spins; (seconds fn took, spin iterations)."""
-    done = threading.Event()
-    took = [0.0]
+class OtherLoad:
+    """CPU time (in cores) other processes used between ``start`` and ``stop`` (Linux
+    /proc/stat: the machine's busy time less this process's); None where unavailable."""
 
-    def work():
-        t = time.perf_counter()
-        fn()
-        took[0] = time.perf_counter() - t
-        done.set()
+    def __init__(self):
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-    th = threading.Thread(target=work)
-    n = 0
-    start = time.perf_counter()
-    th.start()
-    while not done.is_set():
-        n += 1
-    wall = time.perf_counter() - start
-    th.join()
-    return took[0], n / wall * took[0] if wall > 0 else 0
+    def _busy(self):
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        return (sum(v) - v[3] - v[4]) / self.tick     # all but idle and iowait, seconds
 
+    def start(self):
+        t = os.times()
+        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), t.user + t.system
 
-def alone(fn, repeat) -> float:
-    """Median seconds of ``fn`` on this thread, nothing else running."""
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def measure(name, fn, numel, repeat):
-    """Throughput alone; then on a worker while this thread spins: the worker's throughput and
-    the spinning thread's progress against its free rate, measured just before (after a pause:
-    OpenMP's worker threads spin for a while after a parallel region and would depress it)."""
-    t_alone = alone(fn, repeat)
-    time.sleep(0.5)
-    free = max(spin_rate() for _ in range(3))     # the best of three: the machine is shared
-    runs = [on_worker(fn) for _ in range(repeat)]
-    t = statistics.median(r[0] for r in runs)
-    progress = statistics.median(r[1] / (free * r[0]) for r in runs if r[0] > 0)
-    row = {"kernel": name, "seconds_alone": t_alone, "gparam_per_s_alone": numel / t_alone / 1e9,
-           "seconds": t, "gparam_per_s": numel / t / 1e9, "progress": progress, "free_spin_rate": free}
-    print(f"{name:34s} alone {row['gparam_per_s_alone']:6.3f} Gparam/s | beside a spinning thread "
-          f"{row['gparam_per_s']:6.3f} Gparam/s, its progress {progress:5.1%}", flush=True)
-    return row
+    def stop(self):
+        busy = self._busy()
+        if busy is None or self.busy0 is None:
+            return None
+        t = os.times()
+        own = t.user + t.system - self.own0
+        return max(0.0, busy - self.busy0 - own) / (time.perf_counter() - self.t0)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=float, default=20e6)
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                    help="OpenMP threads for the native kernel (default: cores - 1, one core "
-                         "left to the training thread)")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="OpenMP threads for every kernel (default: torch's, all cores)")
+    ap.add_argument("--repeat", type=int, default=15, help="interleaved rounds")
+    ap.add_argument("--max-other", type=float, default=0.25,
+                    help="redo a round in which other processes used more cores than this")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the per-round kernel order")
     ap.add_argument("--save", default=None)
     args = ap.parse_args(argv)
     n = int(args.numel)
+    torch.set_num_threads(args.threads)
 
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from protrain import native
@@ -142,20 +168,81 @@ def main(argv=None) -> dict:
             dst.copy_(src)
         ds_update()
 
-    print(f"{n / 1e6:.0f} M parameters, native kernel on {args.threads} thread(s); torch and "
-          f"DeepSpeed's kernel use {torch.get_num_threads()}", flush=True)
-    rows = [measure("DeepSpeedCPUAdam (GIL held)", ds_update, n, args.repeat),
-            measure("torch _fused_adamw_ (GIL free)", torch_fused, n, args.repeat),
-            measure("protrain native (GIL free)", nat_update, n, args.repeat),
-            measure("bf16 chain: DeepSpeed + torch ops", ds_bf16_chain, n, args.repeat),
-            measure("bf16 chain: native fused",
-                    lambda: nat_update(g16, 0.5, copy=shadow), n, args.repeat),
-            measure("backup + update: torch copy + DS", ds_backup_chain, n, args.repeat),
-            measure("backup + update: native fused", lambda: nat_update(bk=backup), n,
-                    args.repeat)]
+    DS, DS16, DSBK = ("DeepSpeedCPUAdam (GIL held)", "bf16 chain: DeepSpeed + torch ops",
+                      "backup + update: torch copy + DS")
+    kernels = {   # name: (function, the kernel it is compared with)
+        DS: (ds_update, None),
+        "torch _fused_adamw_ (GIL free)": (torch_fused, DS),
+        "protrain native (GIL free)": (nat_update, DS),
+        DS16: (ds_bf16_chain, None),
+        "bf16 chain: native fused": (lambda: nat_update(g16, 0.5, copy=shadow), DS16),
+        DSBK: (ds_backup_chain, None),
+        "backup + update: native fused": (lambda: nat_update(bk=backup), DSBK),
+    }
+    print(f"{n / 1e6:.0f} M parameters, {args.threads} OpenMP thread(s) for every kernel, "
+          f"{args.repeat} interleaved rounds", flush=True)
+    worker = Worker(args.threads)
+    for fn, _ in kernels.values():     # warm up: first calls, the worker's OpenMP team
+        fn()
+        fn()
+        worker.beside(fn)
+
+    names = list(kernels)
+    rounds = {k: {"alone": [], "beside": [], "progress": [], "free": []} for k in names}
+    order_rng = random.Random(args.seed)
+    load, redone, done = OtherLoad(), 0, 0
+    while done < args.repeat:
+        order = names[:]
+        order_rng.shuffle(order)
+        load.start()
+        got = {}
+        for k in order:
+            fn = kernels[k][0]
+            t = time.perf_counter()
+            fn()
+            alone = time.perf_counter() - t
+            _, free = worker.beside(lambda: time.sleep(alone))
+            took, rate = worker.beside(fn)
+            got[k] = (alone, took, rate / free, free)
+        other = load.stop()
+        if other is not None and other > args.max_other and redone < args.repeat:
+            redone += 1
+            continue
+        done += 1
+        for k, (alone, took, prog, free) in got.items():
+            r = rounds[k]
+            r["alone"].append(alone)
+            r["beside"].append(took)
+            r["progress"].append(prog)
+            r["free"].append(free)
+
+    med = statistics.median
+    rows = []
+    for k in names:
+        r, ref = rounds[k], kernels[k][1]
+        row = {"kernel": k, "seconds_alone": med(r["alone"]),
+               "gparam_per_s_alone": n / med(r["alone"]) / 1e9,
+               "seconds": med(r["beside"]), "gparam_per_s": n / med(r["beside"]) / 1e9,
+               "progress": med(r["progress"]), "free_spin_rate": med(r["free"]),
+               "free_spin_rate_range": [min(r["free"]), max(r["free"])]}
+        line = (f"{k:34s} alone {row['gparam_per_s_alone']:6.3f} Gparam/s | beside a spinning thread "
+                f"{row['gparam_per_s']:6.3f} Gparam/s, its progress {row['progress']:6.1%}")
+        if ref is not None:
+            q = rounds[ref]
+            row["compared_with"] = ref
+            row["speedup_alone"] = med(a / b for a, b in zip(q["alone"], r["alone"]))
+            row["speedup_beside"] = med(a / b for a, b in zip(q["beside"], r["beside"]))
+            line += (f" | vs {'DeepSpeed' if ref == DS else 'unfused'}: alone "
+                     f"{row['speedup_alone'] - 1:+.1%}, beside {row['speedup_beside'] - 1:+.1%}")
+        print(line, flush=True)
+        rows.append(row)
+    if redone:
+        print(f"{redone} round(s) run again: other processes were busy", flush=True)
     result = {"command": "python bench/cpu_adam.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-              "numel": n, "native_threads": args.threads, "rows": rows}
+              "native_module": nat.__file__, "numel": n, "threads": args.threads, "rounds": args.repeat, "rounds_redone": redone,
+              "max_other_cores": args.max_other, "gil_switch_interval_s": sys.getswitchinterval(),
+              "rows": rows}
     if args.save:
         Path(args.save).write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -1,17 +1,20 @@
 """Builds and loads the native pieces in csrc/ (compiled on first use, cached per machine).
 
 The model is DeepSpeed's op builder, and its CPU flags are reused as they are
-(``CPUAdamBuilder.cxx_args`` of DeepSpeed's CPU op builders: ``-O3 -march=native -fopenmp`` and the SIMD width it detects), so
-DeepSpeed's Adam kernel source compiles here exactly as it does in DeepSpeed's own op. The
-build goes through ``torch.utils.cpp_extension.load``: its cache (``TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``) is keyed on the sources and flags, so a changed source
-rebuilds and an unchanged one loads in milliseconds.
+(``CPUAdamBuilder.cxx_args`` of DeepSpeed's CPU op builders: ``-O3 -march=native -fopenmp`` and
+the SIMD width it detects), so DeepSpeed's Adam kernel source (``csrc/adam/cpu_adam_impl.cpp`` of
+the installed DeepSpeed) compiles here exactly as it does in DeepSpeed's own op. The build goes
+through ``torch.utils.cpp_extension.load``: its cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``) holds one build per content of the sources and flags (its
+directory's name carries their hash, see ``_build_dir``), so a changed source builds anew and
+an unchanged one loads in milliseconds.
 
 Where csrc/ lives: at the repository root in a source checkout (editable install), copied into
 the package as ``protrain/csrc`` by a regular install (setup.py).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -56,12 +59,33 @@ def cpu_adam():
         flags = [f for f in CPUAdamBuilder().cxx_args() if f] + ["-UC10_USE_GLOG"]
         sources = [str(csrc_dir() / "cpu_adam.cpp"), str(ds / "adam" / "cpu_adam_impl.cpp")]
         try:
-            module = load(name=name, sources=sources, extra_include_paths=[str(ds / "includes")],
-                          extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+            module = load(name=name, sources=sources,
+                          build_directory=_build_dir(name, sources, flags),
+                          extra_include_paths=[str(ds / "includes")], extra_cflags=flags,
+                          extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:   # noqa: BLE001 - compiler / ninja / loader errors, re-raised below
             raise NativeBuildError(_explain(e, sources, flags)) from e
         _loaded[name] = module
         return module
+
+
+def _build_dir(name: str, sources: list[str], flags: list[str]) -> str:
+    """This build's directory: ``<name>_<hash>`` under ``TORCH_EXTENSIONS_DIR`` (default
+    ``~/.cache/torch_extensions``), the hash of the sources' text, the flags, Python's and
+    torch's versions. torch's default, one directory per name, is shared by every checkout
+    using this cache: checkouts with different sources rebuild over each other, and a process
+    that finds another one's build under way waits for it and loads that build -- the other
+    checkout's code."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+    h = hashlib.sha1()
+    for src in sources:
+        h.update(Path(src).read_bytes())
+    h.update("\0".join([*flags, sys.version, torch.__version__]).encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    path = Path(root) / f"{name}_{h.hexdigest()[:12]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 def _explain(e: BaseException, sources: list[str], flags: list[str]) -> str:

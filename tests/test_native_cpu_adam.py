@@ -20,27 +20,32 @@ def op():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_updates_equal_deepspeed_cpu_adam_bit_for_bit(op, dtype):
     """Sizes around the SIMD spans and the 64K tile, a scaled step, 16-bit gradients widened in
-    the kernel; the backup holds the states from just before, the gradients stay untouched."""
+    the kernel, 1 to 3 threads (shares that end inside a tile, a last share with the scalar
+    tail), a step with nothing to fuse; the backup holds the states from just before, the
+    upload copy the updated master in its dtype, the gradients stay untouched."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     ds = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], adamw_mode=True)
     op.create(901, True)
     torch.manual_seed(0)
-    for n in (1, 127, 129, 65536 * 2 + 77):
+    for n in (1, 127, 129, 65536 * 2 + 77, 65536 * 3 + 4096 + 13):
         p, g = torch.randn(n), torch.randn(n).to(dtype)
         m, v = torch.randn(n).abs() * 0.01, torch.randn(n).abs() * 0.001
         ref = [p.clone(), m.clone(), v.clone()]
         got = [p.clone(), m.clone(), v.clone()]
         g_before = g.clone()
-        for step, scale in ((1, 1.0), (2, 0.37), (3, 1.0)):
+        for step, scale, threads in ((1, 1.0, 2), (2, 0.37, 3), (3, 1.0, 1), (4, 1.0, 3)):
             gg = g.float() * torch.tensor([scale]) if (dtype != torch.float32 or scale != 1.0) else g
             ds.ds_opt_adam.adam_update(ds.opt_id, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, *ref[:1], gg,
                                        *ref[1:])
             before = [t.clone() for t in got]
-            backup = [torch.empty(n) for _ in range(3)]
+            backup = [torch.empty(n) for _ in range(3)] if step != 4 else []   # 4: nothing fused
+            copy = torch.empty(n, dtype=torch.bfloat16 if dtype == torch.float32 else dtype)
             op.update(901, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, got[0], g, got[1], got[2], scale,
-                      backup, None, 2)
+                      backup, copy if step in (2, 3) else None, threads)
             assert all(torch.equal(a, b) for a, b in zip(ref, got)), (n, step)
             assert all(torch.equal(a, b) for a, b in zip(backup, before)), (n, step)
+            if step in (2, 3):
+                assert torch.equal(copy, ref[0].to(copy.dtype)), (n, step)
             assert torch.equal(g, g_before)
     op.destroy(901)
 
