@@ -3,9 +3,13 @@
     python bench/plan_time.py
 
 Each model is planned for an H100 80 GB without an SSD tier, and with a 12 GB/s NVMe drive
-under GPUDirect Storage and in compatibility mode (the SSD mode multiplies the candidates).
-Writes bench/results/plan_time.json: for each model and drive, the blocks, the feasible
-candidates, how many the search simulated, and the best of 3 wall times of ``search``.
+under GPUDirect Storage and in compatibility mode (the SSD mode multiplies the candidates);
+with gradient clipping off (CPU Adam overlaps backward) and on (DeepSpeed's default and
+``protrain plan``'s: CPU Adam waits for the verdict, the search also picks how many chunks
+speculate), and for llama2-13b also with 256 GiB of host memory (tens of thousands of plans
+within a few per cent, bound by CPU Adam). Writes bench/results/plan_time.json: for each case
+the blocks, the feasible candidates, how many the search simulated, and the best of 3 wall
+times of ``search``.
 """
 from __future__ import annotations
 
@@ -16,18 +20,20 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from protrain.config import PlannerConfig
 from protrain.profile.analytic import PRESETS, analytic_profile
 from protrain.profile.machines import machine
 from protrain.search import search
 from protrain.units import GiB
 
-CASES = [("gpt2-1.5b", 8, 128), ("llama2-7b", 4, 128), ("llama2-13b", 4, 128),
+CASES = [("gpt2-1.5b", 8, 128), ("llama2-7b", 4, 128), ("llama2-13b", 4, 128), ("llama2-13b", 4, 256),
          ("gpt2-10b", 4, 512), ("llama2-70b", 1, 1024)]
+CLIP = {"off": PlannerConfig(), "on": PlannerConfig(cpu_optim_overlap=False, cpu_optim_speculative=True)}
 
 
 def main() -> None:
     rows = []
-    for (name, mb, host_gib), ssd in itertools.product(CASES, ("none", "gds", "compat")):
+    for (name, mb, host_gib), ssd, clip in itertools.product(CASES, ("none", "gds", "compat"), CLIP):
         hw = machine("h100-80gb").profile(host_memory=host_gib * GiB)
         if ssd != "none":
             hw = replace(hw, nvme_write_bandwidth=12e9, nvme_read_bandwidth=12e9,
@@ -36,12 +42,12 @@ def main() -> None:
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            plan = search(prof, hw)
+            plan = search(prof, hw, CLIP[clip])
             best = min(best, time.perf_counter() - t0)
-        rows.append(dict(model=name, ssd=ssd, blocks=prof.n_blocks, micro_batch=mb, host_gib=host_gib,
+        rows.append(dict(model=name, ssd=ssd, clip=clip, blocks=prof.n_blocks, micro_batch=mb, host_gib=host_gib,
                          candidates=plan.candidates_total, simulated=plan.candidates_evaluated,
-                         seconds=best, knobs=plan.knobs.as_tuple()))
-        print(f"{name:<11} ssd {ssd:<6} {prof.n_blocks:>3} blocks  {plan.candidates_total:>7} feasible  "
+                         seconds=best, knobs=plan.knobs.as_tuple(), n_speculate=plan.n_speculate))
+        print(f"{name:<11} host {host_gib:>4} GiB ssd {ssd:<6} clip {clip:<3} {prof.n_blocks:>3} blocks  {plan.candidates_total:>7} feasible  "
               f"{plan.candidates_evaluated:>6} simulated  {best * 1e3:7.1f} ms")
     out = Path(__file__).parent / "results" / "plan_time.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,13 +26,15 @@ from .config import ALL, KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
 from .cost.predicted_timeline import predicted_timeline
 from .cost.memory import activation_walk, buffer_numel, offload_bytes, predict_memory, state_bytes
-from .cost.runtime import check_times, chunk_transfer_times, persistent_allreduce_time, simulate
+from .cost.runtime import backup_times, check_times, chunk_transfer_times, persistent_allreduce_time, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
 from .profile.hardware import HardwareProfile
 from .profile.model_profile import ModelProfile
 from .units import fmt_bytes, fmt_seconds
 
 _BATCH = 2048
+_SWEEP = 128
+"""Buffer counts per point tried in one round of the tie refinement (``search``)."""
 EXACT_SIMULATIONS = 8192
 """Simulations after which the search accepts a plan within ``TIE_TOLERANCE`` of the best
 unsimulated bound instead of simulating every near-tie. Models whose step is bound by one
@@ -330,10 +332,15 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
         # Updates left for after backward run on into the next forward (cost.runtime's
         # carry_over): the step is at least the device's work and at least CPU Adam's, with
         # the verdict checks when there are (clipping / fp16).
-        checks = 0.0
-        if not config.cpu_optim_overlap and _checks_on_host(config):
-            checks = np.concatenate([np.cumsum(check_times(layout, hw, world)[::-1])[::-1], [0.0]])[np_idx]
+        checks = _host_checks(layout, hw, config, np_idx)
         cpu_lb = adam + checks - fwd_lb
+        if not config.cpu_optim_overlap:
+            vb = _VerdictBound(profile, layout, hw, config, np_idx,
+                               np.maximum(bwd_lb, _first_gradient(profile, layout) + down_suffix[np_idx]),
+                               checks)
+            s_max = _speculation_max(layout, hw, config, np_idx, host)
+            cpu_lb = np.maximum(cpu_lb, (vb.at(s_max) if config.speculate_chunks is not None
+                                         else vb.least(s_max)) - fwd_lb)
     elif config.cpu_optim_overlap:
         # CPU Adam starts at the earliest once the last chunk's gradient is complete (after
         # the backward of the parts from its first user on) and has left the device.
@@ -358,6 +365,126 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
         2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx]))
     return _Grid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, bwd_lb + gpu, tail,
                  moved)
+
+
+class _VerdictBound:
+    """A lower bound on the iteration of a plan whose CPU Adam waits for the step's verdict
+    (clipping / fp16) and runs on into the next forward, for each count s of speculating
+    chunks (the top s offloaded ones: cost.runtime backs each up, then updates it, during
+    backward). Counted from one forward's end to the next, with c the chunk whose update the
+    CPU does last (n - s - 1, the last left for after backward in chunk order; with every
+    offloaded chunk speculating, the lowest), and the next forward's upload of c starting
+    at least the uploads of chunks c..n-1 before that forward ends, the iteration is at least
+      - ``chain(s)``: the first gradient (backward of the parts from the last chunk's first
+        user, its copy to the host), then every piece of CPU work of the step - every update,
+        the host checks, the s backups; then those uploads;
+      - ``after(s)`` (s below the offloaded count): backward, until it is over and the
+        lowest offloaded chunk's gradients - the last to land - are on the host; then the
+        updates left for after it; then those uploads.
+    ``chain`` grows with s; ``after`` falls while an update outlasts an upload (always, but for
+    the tail of a very fast CPU Adam). ``least(s_max)`` is the least over s in [0, s_max],
+    where the two cross (one search over prefix sums of the layout's chunks from the top, the
+    same for every plan of the layout; the falling side taken as its running minimum, which
+    only lowers it). For a model bound by its CPU Adam this lies within a few hundredths of a
+    per cent of the simulated time, where the CPU's busy time alone leaves out the backups,
+    the updates after backward and the copies around them."""
+
+    def __init__(self, profile: ModelProfile, layout, hw: HardwareProfile, config: PlannerConfig,
+                 n_persist, backward, checks):
+        world = config.data_parallel_size
+        nch = layout.n_chunks
+        t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
+        top = lambda t: np.concatenate([[0.0], np.cumsum(t[::-1])])    # noqa: E731  (last s chunks)
+        self.adam_top = top(t_adam)
+        self.backup_top = top(backup_times(layout, hw, t_adam, world))
+        self.up_next = np.concatenate([top(t_up)[1:], [0.0]])           # uploads of the last s + 1
+        self.n_off = nch - np.asarray(n_persist)
+        self.adam = self.adam_top[self.n_off]
+        self.backward, self.checks = backward, checks
+        lead = _first_gradient(profile, layout) + (t_down[-1] if nch else 0.0)
+        self.lead = np.where(self.n_off > 0, lead, 0.0)
+
+    def _uploads(self, s):
+        """Uploads from the chunk the CPU updates last to the end (none without offloading)."""
+        return np.where(self.n_off > 0, self.up_next[np.minimum(s, np.maximum(self.n_off - 1, 0))], 0.0)
+
+    def _chain(self, s):
+        return self.lead + self.adam + self.checks + self.backup_top[s] + self._uploads(s)
+
+    def at(self, s):
+        after = np.where(s < self.n_off, self.backward + self.adam - self.adam_top[s] + self.up_next[s],
+                         self.backward)
+        return np.maximum(self._chain(s), after)
+
+    def least(self, s_max):
+        # s < n_off: after(s) >= backward + adam - fall[s], fall nondecreasing; chain(s) >= it
+        # from s_cross on.
+        fall = np.maximum.accumulate(self.adam_top - self.up_next)
+        s_lim = np.minimum(s_max, self.n_off - 1)
+        s_cross = np.searchsorted(self.backup_top + self.up_next + fall,
+                                  self.backward - self.checks - self.lead, side="left")
+        best = np.full(np.shape(s_lim), np.inf)
+        for s in (s_cross - 1, s_cross):
+            s = np.clip(s, 0, np.maximum(s_lim, 0))
+            v = np.maximum(self._chain(s), self.backward + self.adam - fall[s])
+            best = np.where(s_lim >= 0, np.minimum(best, v), best)
+        return np.where(s_max >= self.n_off, np.minimum(best, self.at(self.n_off)), best)
+
+
+_PRUNE_MARGIN = 1e-6
+"""How far a speculating count's lower bound must lie above the time of all that fit before
+it is not simulated (``_boundary_times``): far beyond the rounding between a bound and a
+simulation, so a count that could tie - and win the tie, being smaller - is always simulated."""
+
+
+def _backward_compute(profile: ModelProfile, codes: np.ndarray) -> np.ndarray:
+    """Backward's compute per plan: every part's backward plus the recomputed forwards."""
+    fwd = np.array([b.fwd_time for b in profile.blocks])
+    sel = np.array([b.sel_recompute_time for b in profile.blocks])
+    return sum(p.bwd_time for p in profile.parts) + (codes == CKPT).astype(np.float64) @ fwd + \
+        (codes == SEL).astype(np.float64) @ sel
+
+
+def _backward_bound(profile, layout, hw, world, n_persist, n_buffer, codes) -> np.ndarray:
+    """A lower bound on the time from forward's end until backward is over and every
+    offloaded gradient is on the host (_VerdictBound's ``backward``): backward's compute, the
+    re-uploads (issued in backward), the gradient copies (one queue, from the first gradient)."""
+    t_up, t_down, _ = chunk_transfer_times(layout, profile, hw, world)
+    up = np.concatenate([np.cumsum(t_up[::-1])[::-1], [0.0]])
+    down = np.concatenate([np.cumsum(t_down[::-1])[::-1], [0.0]])
+    reup = up[n_persist] - up[np.maximum(layout.n_chunks - n_buffer, n_persist)]
+    return np.maximum(np.maximum(_backward_compute(profile, codes), reup),
+                      _first_gradient(profile, layout) + down[n_persist])
+
+
+def _first_gradient(profile, layout) -> float:
+    """Backward's compute before the first gradient copy can start: the parts from the last
+    chunk's first user on (recompute left out: a bound for every plan)."""
+    first = layout.chunk_first_part[layout.n_chunks - 1] if layout.n_chunks else len(profile.parts)
+    return sum(p.bwd_time for p in profile.parts[first:])
+
+
+def _host_checks(layout, hw: HardwareProfile, config: PlannerConfig, n_persist):
+    """CPU time of the verdict checks over the offloaded chunks, where they are taken on the
+    host (accumulated gradients under clipping / fp16); 0 elsewhere."""
+    if config.cpu_optim_overlap or not _checks_on_host(config):
+        return 0.0
+    suffix = np.concatenate([np.cumsum(check_times(layout, hw, config.data_parallel_size)[::-1])[::-1], [0.0]])
+    return suffix[np.asarray(n_persist)]
+
+
+def _speculation_max(layout, hw: HardwareProfile, config: PlannerConfig, n_persist, host_bytes):
+    """The most offloaded chunks a plan may speculate with (``_boundary_times`` picks among
+    none, these, and a count in between): the pin, else those whose backups fit the host
+    memory left; none without speculation."""
+    n_off = layout.n_chunks - np.asarray(n_persist)
+    if not _speculates(config):
+        return np.zeros_like(n_off)
+    if config.speculate_chunks is not None:
+        return np.minimum(config.speculate_chunks, n_off)
+    top = _backup_from_top(layout, config.data_parallel_size)
+    room = hw.host_memory - np.asarray(host_bytes, dtype=np.int64)
+    return np.minimum(n_off, np.searchsorted(top, room, side="right") - 1).clip(min=0)
 
 
 def _chunk_bytes_prefix(layout, profile, config) -> np.ndarray:
@@ -471,28 +598,43 @@ def _boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, hos
                         speculate_from=layout.n_chunks - n_spec if n_spec is not None else None)
     if not _speculates(config):
         return run(None).iter_time, np.zeros(k, dtype=np.int64)
-    n_off = layout.n_chunks - npers
     if config.speculate_chunks is not None:
-        n = np.minimum(config.speculate_chunks, n_off)
+        n = np.minimum(config.speculate_chunks, layout.n_chunks - npers)
         return run(n).iter_time, n
-    top = _backup_from_top(layout, world)
-    room = hw.host_memory - np.broadcast_to(np.asarray(host_bytes, dtype=np.int64), (k,))
-    n_fit = np.minimum(n_off, np.searchsorted(top, room, side="right") - 1).clip(min=0)
-    none = run(np.zeros(k, dtype=np.int64)).iter_time
-    best, count = none.copy(), np.zeros(k, dtype=np.int64)
+    n_fit = _speculation_max(layout, hw, config, npers, host_bytes)
+    # Candidates in increasing count - none, the turn, all that fit - a later one winning only
+    # if strictly faster. All that fit is simulated first (the turn is read off it), then the
+    # turn; a smaller count whose lower bound (_VerdictBound) lies clearly above the best of
+    # those cannot win, and is not simulated - for a model bound by its CPU Adam, none (every
+    # update after backward) rarely can.
     some = np.flatnonzero(n_fit > 0)
+    bounded = not config.cpu_optim_overlap and _carries_over(config, hw) and len(some)
+    if bounded:
+        vb = _VerdictBound(profile, layout, hw, config, npers[some],
+                           _backward_bound(profile, layout, hw, world, npers[some], nbuf[some], codes[some]),
+                           _host_checks(layout, hw, config, npers[some]))
+    t_turn = np.full(k, np.inf)
     if len(some):
         every = run(n_fit[some], some)
         turn = np.minimum(every.spec_useful, n_fit[some])
         mid = np.flatnonzero((turn > 0) & (turn < n_fit[some]))
-        # candidates in increasing count: a later one wins only if strictly faster
-        for rows, n, t in ((some[mid], turn[mid], run(turn[mid], some[mid]).iter_time if len(mid) else None),
-                           (some, n_fit[some], every.iter_time)):
-            if t is None:
-                continue
-            faster = t < best[rows] * (1 - 1e-12)
-            best[rows] = np.where(faster, t, best[rows])
-            count[rows] = np.where(faster, n, count[rows])
+        if bounded:
+            mid = mid[vb.at(turn)[mid] <= every.iter_time[mid] * (1 + _PRUNE_MARGIN)]
+        if len(mid):
+            t_turn[some[mid]] = run(turn[mid], some[mid]).iter_time
+    rows = np.arange(k)
+    if bounded:
+        beaten = np.zeros(k, dtype=bool)
+        beaten[some] = vb.at(0) > np.minimum(every.iter_time, t_turn[some]) * (1 + _PRUNE_MARGIN)
+        rows = np.flatnonzero(~beaten)
+    best, count = np.full(k, np.inf), np.zeros(k, dtype=np.int64)
+    if len(rows):
+        best[rows] = run(np.zeros(len(rows), dtype=np.int64), rows).iter_time
+    if len(some):
+        for r, n, t in ((some[mid], turn[mid], t_turn[some[mid]]), (some, n_fit[some], every.iter_time)):
+            faster = t < best[r] * (1 - 1e-12)
+            best[r] = np.where(faster, t, best[r])
+            count[r] = np.where(faster, n, count[r])
     return best, count
 
 
@@ -620,14 +762,19 @@ def search(profile: ModelProfile, hw: HardwareProfile,
             for gi in sorted({int(owner[at_best[k]]) for k in batch}):
                 g = grids[gi]
                 pts = [int(at_best[k]) for k in batch if owner[at_best[k]] == gi]
-                # Bisect each point's fewest buffers that keep the target (time and bytes
-                # never rise with buffers): one batched simulation per halving.
+                # Search each point's fewest buffers that keep the target (time and bytes
+                # never rise with buffers): k evenly spaced counts below the known one per
+                # point in one batched simulation a round, k as large as a batch allows - a
+                # simulation's fixed cost (its loop over parts and chunks) far exceeds a row's.
                 low = {i: int(g.n_buffer_min[local[i]]) for i in pts}
                 high = {i: int(g.n_buffer[local[i]]) for i in pts}
                 while True:
-                    rows = [(i, (low[i] + high[i]) // 2) for i in pts if low[i] < high[i]]
-                    if not rows:
+                    active = [i for i in pts if low[i] < high[i]]
+                    if not active:
                         break
+                    k = max(2, min(_SWEEP, _BATCH // len(active)))
+                    rows = [(i, nb) for i in active
+                            for nb in sorted({low[i] + (high[i] - low[i]) * m // k for m in range(k)})]
                     idx = np.array([local[i] for i, _ in rows])
                     nbs = np.array([nb for _, nb in rows])
                     t = _simulate_points(profile, hw, config, acts, g, idx, n_buffer=nbs)
@@ -635,11 +782,13 @@ def search(profile: ModelProfile, hw: HardwareProfile,
                         _reupload_bytes(g.layout, profile, config, g.n_persist[idx], nbs) -
                         _reupload_bytes(g.layout, profile, config, g.n_persist[idx], g.n_buffer[idx]))
                     evaluated += len(rows)
-                    for (i, nb), ti, mi in zip(rows, t, mv):
-                        if (mi, ti) == target:
-                            high[i] = nb
-                        else:
-                            low[i] = nb + 1
+                    kept = [(i, nb, (mi, ti) == target) for (i, nb), ti, mi in zip(rows, t, mv)]
+                    for i, nb, ok in kept:
+                        if ok:
+                            high[i] = min(high[i], nb)
+                    for i, nb, ok in kept:  # the next round searches above the highest failure
+                        if not ok and nb < high[i]:
+                            low[i] = max(low[i], nb + 1)
                 for i in pts:
                     j = local[i]
                     if high[i] < g.n_buffer[j]:

@@ -5,7 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from protrain.block_mode import layout_block_modes
+from protrain.block_mode import layout_block_modes, layout_codes
 from protrain.config import KnobPins, PlannerConfig
 from protrain.cost.layout import build_layout, chunk_capacities
 from protrain.cost.memory import predict_memory, ssd_bytes, state_bytes, swap_host_bytes
@@ -135,6 +135,81 @@ def test_search_with_speculating_chunks_equals_brute_force(dev, host, n_speculat
                                               rel=1e-12)
 
 
+@pytest.mark.parametrize("gas, world, thread", [(1, 1, False), (3, 1, False), (1, 2, False), (1, 1, True)])
+def test_the_verdict_bound_holds_for_every_speculating_count(gas, world, thread):
+    """Under clipping with updates carried into the next forward, _VerdictBound.at(s) bounds
+    the simulated iteration with the top s offloaded chunks speculating, for every s and
+    every plan tried; least(s_max) is the least of at(s) over s <= s_max (the search skips
+    points, and counts, on it)."""
+    import protrain.search as search_mod
+    over = dict(copy_engines=0, cpu_adam_thread=True) if thread else {}
+    hw = small_hw(device_memory=2 * GiB // 10, grad_check_rate=3e9, cpu_adam_rate=2e8, **over)
+    prof = analytic_profile(replace(SMALL, micro_batch=8), hw)
+    config = PlannerConfig(cpu_optim_overlap=False, cpu_optim_speculative=True,
+                           grad_accumulation_steps=gas, data_parallel_size=world)
+    layout = build_layout(prof, 1 * MiB // prof.param_bytes)
+    nch, n = layout.n_chunks, prof.n_blocks
+    rng = np.random.default_rng(0)
+    checked = 0
+    for np_ in range(layout.min_persist, nch):
+        codes = layout_codes(n, [int(rng.integers(0, 2))], [int(rng.integers(0, n - 1))], [0])
+        nb = layout.min_buffers(np_)
+        vb = search_mod._VerdictBound(prof, layout, hw, config, np.array([np_]),
+                                      search_mod._backward_bound(prof, layout, hw, world, np.array([np_]),
+                                                                 np.array([nb]), codes),
+                                      search_mod._host_checks(layout, hw, config, np.array([np_])))
+        at = []
+        for s in range(nch - np_ + 1):
+            t = simulate(prof, layout, hw, np_, nb, codes, cpu_overlap=False, world=world,
+                         carry_over=True, checks_on_host=gas > 1, speculate_from=nch - s).iter_time
+            at.append(float(vb.at(s)[0]))
+            assert at[-1] <= t[0] * (1 + 1e-12), (np_, s)
+            checked += 1
+        for s_max in range(nch - np_ + 1):
+            # the least of at(s) here, where every update outlasts an upload
+            assert float(vb.least(np.array([s_max]))[0]) == pytest.approx(min(at[:s_max + 1]), rel=1e-12)
+    assert checked > 10
+
+
+def test_counts_the_bound_rules_out_are_not_simulated_and_change_nothing(monkeypatch):
+    """_boundary_times skips a speculating count whose bound lies above the time of all that
+    fit: the times and counts equal those with every count simulated, and on a model bound by
+    its CPU Adam (llama2-13b on one H100) fewer plans are simulated."""
+    import protrain.search as search_mod
+    hw = machine("h100-80gb").profile(host_memory=256 * GiB)
+    prof = analytic_profile(replace(PRESETS["llama2-13b"], micro_batch=4, seq_len=2048), hw)
+    config = PlannerConfig(cpu_optim_overlap=False, cpu_optim_speculative=True)
+    layout = build_layout(prof, 626 * MiB // prof.param_bytes)
+    n = prof.n_blocks
+    pts = [(np_, nc) for np_ in range(4, 40, 3) for nc in range(0, n + 1, 4)]
+    npers = np.array([p for p, _ in pts])
+    nbuf = np.array([layout.min_buffers(p) + 2 for p, _ in pts])
+    codes = layout_codes(n, np.zeros(len(pts)), [nc for _, nc in pts], np.zeros(len(pts)))
+    host = np.zeros(len(pts), dtype=np.int64)
+    rows = []
+    real = search_mod.simulate
+    monkeypatch.setattr(search_mod, "simulate", lambda *a, **k: rows.append(len(a[3])) or real(*a, **k))
+    pruned = search_mod._boundary_times(prof, layout, hw, config, npers, nbuf, codes, host)
+    n_pruned, rows[:] = sum(rows), []
+    monkeypatch.setattr(search_mod, "_PRUNE_MARGIN", np.inf)
+    every = search_mod._boundary_times(prof, layout, hw, config, npers, nbuf, codes, host)
+    assert (pruned[1] == every[1]).all() and (pruned[0] == every[0]).all()
+    assert len(set(pruned[1])) > 1
+    assert n_pruned < 0.8 * sum(rows)        # here: none is ruled out wherever a count wins
+
+
+def test_a_cpu_bound_model_with_much_host_memory_simulates_few_plans():
+    """llama2-13b on one H100 with 256 GiB of host memory: tens of thousands of feasible plans
+    within a few per cent of each other, bound by CPU Adam; the verdict bound (backups, the
+    updates after backward) leaves few to simulate (9.6 k of 78.7 k with the CPU's busy time
+    as the only CPU bound)."""
+    hw = machine("h100-80gb").profile(host_memory=256 * GiB)
+    prof = analytic_profile(replace(PRESETS["llama2-13b"], micro_batch=4, seq_len=2048), hw)
+    plan = search(prof, hw, PlannerConfig(cpu_optim_overlap=False, cpu_optim_speculative=True))
+    assert plan.n_speculate > 0
+    assert plan.candidates_evaluated < 0.05 * plan.candidates_total
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_search_on_a_cpu_device_with_a_cpu_adam_thread_equals_brute_force(overlap):
     """No copy engine, CPU Adam on a core of its own (a CPU "device" with "host_thread"):
@@ -151,9 +226,11 @@ def test_search_on_a_cpu_device_with_a_cpu_adam_thread_equals_brute_force(overla
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("gas, overlap, world, ssd", [(1, True, 1, "gds"), (3, False, 1, "none"),
-                                                      (2, True, 4, "compat"), (1, True, 1, "none")])
-def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world, ssd):
+@pytest.mark.parametrize("gas, overlap, world, ssd, spec", [
+    (1, True, 1, "gds", False), (3, False, 1, "none", False), (2, True, 4, "compat", False),
+    (1, True, 1, "none", False), (1, False, 1, "none", True), (2, False, 4, "compat", True),
+    (1, False, 1, "gds", 2)])
+def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world, ssd, spec):
     """The search stops once no lower bound beats the best time: each bound (compute, copy
     queues, activation writes, the CPU optimizer after the first gradient, and after every
     chunk's gradient with the recompute before it) must hold for every feasible point, not
@@ -163,7 +240,8 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
     hw = small_hw(device_memory=dev, host_memory=host, **SSD[ssd])
     prof = analytic_profile(shape, hw)
     config = PlannerConfig(chunk_sizes=sizes, grad_accumulation_steps=gas, cpu_optim_overlap=overlap,
-                           data_parallel_size=world)
+                           data_parallel_size=world, cpu_optim_speculative=bool(spec),
+                           speculate_chunks=spec if type(spec) is int else None)
     budget = hw.device_memory / (1 + config.memory_margin)
     acts = search_mod._activation_configs(prof, config, hw)
     # The prefix-sum byte counts equal the memory model's, layout by layout.
