@@ -550,12 +550,23 @@ class ProTrainEngine(DeepSpeedEngine):
         return profile, probe.calls
 
     def _hardware(self):
+        from protrain.cost.host_update import host_update_passes, runtime_update_rate
         from protrain.profile.probe import probe_hardware
-        hw = probe_hardware(self.device, progress=self.protrain_config.verbosity >= 2)
-        if hw.copy_engines <= 0 and self.protrain_config.host_thread:
+        from protrain.runtime.runtime import uses_native_kernel
+        cfg = self.protrain_config
+        hw = probe_hardware(self.device, progress=cfg.verbosity >= 2)
+        if hw.copy_engines <= 0 and cfg.host_thread:
             # a CPU "device" whose CPU Adam runs on the worker thread: not inline any more
             hw = replace(hw, cpu_adam_thread=True)
-        return hw
+        # CPU Adam priced as the runtime runs it: the kernel and the passes around it
+        setup = replace(self.optimizer.runtime_setup(), cpu_adam=cfg.cpu_adam)
+        dtype = next(p.dtype for p in self.module.parameters() if p.requires_grad)
+        passes = host_update_passes(
+            fused_kernel=uses_native_kernel(self.device, setup),
+            half=dtype in (torch.float16, torch.bfloat16),
+            grad_accumulation=self.gradient_accumulation_steps() > 1,
+            scaled=(self.gradient_clipping() or 0.0) > 0 or self.fp16_enabled())
+        return runtime_update_rate(hw, passes)
 
 
 def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821

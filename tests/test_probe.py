@@ -10,7 +10,7 @@ def test_probe_measures_and_caches(tmp_path):
     hw = probe_hardware("cpu", cache_dir=tmp_path, size_mib=8, adam_params=2**18, progress=False)
     assert hw.source == "measured" and hw.device_type == "cpu"
     for v in (hw.h2d_bandwidth, hw.d2h_bandwidth, hw.gpu_adam_rate, hw.cpu_adam_rate,
-              hw.device_memory, hw.host_memory):
+              hw.device_memory, hw.host_memory, hw.host_pass_rate, hw.host_copy_bandwidth):
         assert v > 0
     assert "torch" in hw.versions
     files = list(tmp_path.glob("hardware-*.json"))
@@ -18,6 +18,7 @@ def test_probe_measures_and_caches(tmp_path):
     cached = HardwareProfile.load(files[0])
     assert cached == replace(hw, device_memory=0, host_memory=0)   # rates only, no budgets
     assert hw.copy_engines == 0                       # a CPU "device" copies synchronously
+    assert hw.cpu_adam_kernel_rate == 0               # the kernel alone; the engine adds its passes
     # Cached: the second call reads the file instead of measuring.
     files[0].write_text(files[0].read_text().replace(str(hw.cpu_adam_rate), "12345.0"))
     again = probe_hardware("cpu", cache_dir=tmp_path, size_mib=8, adam_params=2**18, progress=False)

@@ -34,7 +34,8 @@ class HardwareProfile(JsonValue):
     gpu_adam_rate: float
     """Parameters per second updated by the device's fused Adam (fp32 master, m, v)."""
     cpu_adam_rate: float
-    """Parameters per second updated by DeepSpeedCPUAdam on the host, all cores."""
+    """Parameters per second updated by DeepSpeedCPUAdam on the host, all cores (with the
+    runtime's passes around it where ``cpu_adam_kernel_rate`` is set)."""
     collective_bandwidth: float = 0.0
     """Per-rank bandwidth of all-gather / reduce-scatter between data-parallel ranks, bytes/s
     (time = bytes * (world - 1) / world / bandwidth). 0 when unknown (one rank)."""
@@ -55,6 +56,14 @@ class HardwareProfile(JsonValue):
     """Gradient elements per second the host checks for the step's verdict (a parameter's norm
     for clipping, the overflow test for fp16), measured as an fp32 norm. 0: not measured; the
     planner then assumes cost.runtime.CHECK_PER_ADAM times the CPU Adam rate."""
+    host_pass_rate: float = 0.0
+    """fp32 elements per second of one in-place pass over host memory (gradients scaled by a
+    clipping coefficient, or zeroed): what the runtime's update of an offloaded chunk adds
+    around the Adam kernel (``cost.host_update``). 0: not measured; not priced then."""
+    cpu_adam_kernel_rate: float = 0.0
+    """When ``cpu_adam_rate`` is the runtime's whole update (the kernel and the passes around
+    it, ``cost.host_update.runtime_update_rate``): the kernel's own rate. 0: it is the
+    kernel's."""
     cpu_adam_thread: bool = False
     """Without copy engines: CPU Adam runs on a thread (and core) of its own next to compute
     anyway - a CPU "device" whose runtime uses its worker thread (``"host_thread": true``);
@@ -85,5 +94,7 @@ class HardwareProfile(JsonValue):
         return (f"{self.name} ({self.source}): device {fmt_bytes(self.device_memory)}, host "
                 f"{fmt_bytes(self.host_memory)}, H2D {self.h2d_bandwidth / 1e9:.1f} GB/s, D2H "
                 f"{self.d2h_bandwidth / 1e9:.1f} GB/s, device Adam {self.gpu_adam_rate / 1e9:.2f} "
-                f"Gparam/s, CPU Adam {self.cpu_adam_rate / 1e9:.2f} Gparam/s")
+                f"Gparam/s, CPU Adam {self.cpu_adam_rate / 1e9:.2f} Gparam/s"
+                + (f" (kernel {self.cpu_adam_kernel_rate / 1e9:.2f}, with the runtime's passes "
+                   f"around it)" if self.cpu_adam_kernel_rate else ""))
 

@@ -22,7 +22,7 @@ import torch
 
 from .hardware import HardwareProfile
 
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 """Bump when the probe measures differently, so old cache entries are not reused."""
 
 
@@ -126,6 +126,7 @@ def _measure_rates(device: torch.device, size_mib: int, adam_params: int,
     cpu_adam = _cpu_adam_rate(adam_params)
     host_copy = _host_copy_bandwidth(adam_params)
     grad_check = _grad_check_rate(adam_params)
+    host_pass = _host_pass_rate(adam_params)
     if device.type == "cuda":
         say(f"device Adam ({adam_params / 1e6:.0f} M params)")
         gpu_adam = _device_adam_rate(device, adam_params)
@@ -134,7 +135,7 @@ def _measure_rates(device: torch.device, size_mib: int, adam_params: int,
     return HardwareProfile(
         name=name, source="measured", device_type=device.type, device_memory=0, host_memory=0,
         h2d_bandwidth=h2d, d2h_bandwidth=d2h, gpu_adam_rate=gpu_adam, cpu_adam_rate=cpu_adam,
-        host_copy_bandwidth=host_copy, grad_check_rate=grad_check, copy_engines=min(engines, 2),
+        host_copy_bandwidth=host_copy, grad_check_rate=grad_check, host_pass_rate=host_pass, copy_engines=min(engines, 2),
         cpu_cores=os.cpu_count() or 1, versions=_versions())
 
 
@@ -193,6 +194,14 @@ def _host_copy_bandwidth(n: int) -> float:
     src, dst = torch.ones(n), torch.empty(n)
     t = _best_time(lambda: dst.copy_(src), 3, lambda: None)
     return 4 * n / t
+
+
+def _host_pass_rate(n: int) -> float:
+    """fp32 elements/s of an in-place pass (a gradient region scaled by the clipping
+    coefficient; zeroing runs at about the same rate on the 2-core CPU measured)."""
+    g, coef = torch.full((n,), 1e-3), torch.tensor([0.5])
+    t = _best_time(lambda: g.mul_(coef), 3, lambda: None)
+    return n / t
 
 
 def _grad_check_rate(n: int) -> float:

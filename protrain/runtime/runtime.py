@@ -322,11 +322,17 @@ def adam_kernels(device: torch.device, setup: OptimizerSetup, offloaded: bool):
     return host, host
 
 
+def uses_native_kernel(device: torch.device, setup: OptimizerSetup) -> bool:
+    """Whether offloaded chunks are updated by csrc/cpu_adam.cpp (else DeepSpeed's or torch's)."""
+    if setup.torch_adam:
+        return False
+    return setup.cpu_adam == "native" or (setup.cpu_adam == "auto" and device.type != "cpu")
+
+
 def host_kernel(device: torch.device, setup: OptimizerSetup):
     if setup.torch_adam:
         return TorchAdamKernel(fused=False)
-    native = setup.cpu_adam == "native" or (setup.cpu_adam == "auto" and device.type != "cpu")
-    return NativeCPUAdamKernel(setup.adamw) if native else CPUAdamKernel(setup.adamw)
+    return NativeCPUAdamKernel(setup.adamw) if uses_native_kernel(device, setup) else CPUAdamKernel(setup.adamw)
 
 
 class DeviceAccounting:
