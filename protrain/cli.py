@@ -232,6 +232,11 @@ def _measured(args):
     hw = probe_hardware(device)
     if args.cpu_adam_rate:
         hw = replace(hw, cpu_adam_rate=args.cpu_adam_rate)
+    else:       # CPU Adam as the engine's runtime would run it ("cpu_adam": "auto", one micro-step)
+        from .cost.host_update import host_update_passes, runtime_update_rate
+        hw = runtime_update_rate(hw, host_update_passes(
+            fused_kernel=device.type != "cpu", half=dtype != torch.float32, grad_accumulation=False,
+            scaled=getattr(args, "clip", 0.0) > 0 or dtype == torch.float16))
     print(f"protrain: {hw.describe()}", flush=True)
     return profile, hw
 

@@ -122,3 +122,5 @@ def test_measure_profiles_the_built_in_gpt_on_this_machine(tmp_path):
     assert r.returncode == 0, r.stderr + r.stdout
     assert "ProTrain plan for gpt-tiny" in r.stdout and "measured profile" in r.stdout
     assert list(tmp_path.glob("hardware-*.json"))   # the probe cached its measurement
+    # clipping on by default: CPU Adam priced with the runtime's passes (cost/host_update.py)
+    assert "with the runtime's passes around it" in r.stdout
