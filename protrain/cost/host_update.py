@@ -53,10 +53,9 @@ def runtime_update_rate(hw: HardwareProfile, passes: HostUpdatePasses) -> Hardwa
     the pass rates were not measured (published machines)."""
     if hw.cpu_adam_kernel_rate > 0:
         raise ValueError("runtime_update_rate: the passes are already in cpu_adam_rate")
-    if hw.host_pass_rate <= 0 or hw.host_copy_bandwidth <= 0 or hw.cpu_adam_rate <= 0:
+    if passes == HostUpdatePasses(0, 0) or min(hw.host_pass_rate, hw.host_copy_bandwidth,
+                                               hw.cpu_adam_rate) <= 0:
         return hw
     per_param = (1.0 / hw.cpu_adam_rate + passes.in_place / hw.host_pass_rate
                  + passes.copies * 4.0 / hw.host_copy_bandwidth)
-    if per_param * hw.cpu_adam_rate == 1.0:
-        return hw
     return replace(hw, cpu_adam_rate=1.0 / per_param, cpu_adam_kernel_rate=hw.cpu_adam_rate)
