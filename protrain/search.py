@@ -336,8 +336,7 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
         cpu_lb = adam + checks - fwd_lb
         if not config.cpu_optim_overlap:
             vb = _VerdictBound(profile, layout, hw, config, np_idx,
-                               np.maximum(bwd_lb, _first_gradient(profile, layout) + down_suffix[np_idx]),
-                               checks)
+                               _backward_bound(profile, layout, hw, world, np_idx, nb, bwd_lb), checks)
             s_max = _speculation_max(layout, hw, config, np_idx, host)
             cpu_lb = np.maximum(cpu_lb, (vb.at(s_max) if config.speculate_chunks is not None
                                          else vb.least(s_max)) - fwd_lb)
@@ -445,16 +444,16 @@ def _backward_compute(profile: ModelProfile, codes: np.ndarray) -> np.ndarray:
         (codes == SEL).astype(np.float64) @ sel
 
 
-def _backward_bound(profile, layout, hw, world, n_persist, n_buffer, codes) -> np.ndarray:
+def _backward_bound(profile, layout, hw, world, n_persist, n_buffer, bwd) -> np.ndarray:
     """A lower bound on the time from forward's end until backward is over and every
-    offloaded gradient is on the host (_VerdictBound's ``backward``): backward's compute, the
-    re-uploads (issued in backward), the gradient copies (one queue, from the first gradient)."""
+    offloaded gradient is on the host (_VerdictBound's ``backward``): ``bwd`` (a bound on
+    backward alone: its compute, or more), the re-uploads (issued in backward), the gradient
+    copies (one queue, from the first gradient)."""
     t_up, t_down, _ = chunk_transfer_times(layout, profile, hw, world)
     up = np.concatenate([np.cumsum(t_up[::-1])[::-1], [0.0]])
     down = np.concatenate([np.cumsum(t_down[::-1])[::-1], [0.0]])
     reup = up[n_persist] - up[np.maximum(layout.n_chunks - n_buffer, n_persist)]
-    return np.maximum(np.maximum(_backward_compute(profile, codes), reup),
-                      _first_gradient(profile, layout) + down[n_persist])
+    return np.maximum(np.maximum(bwd, reup), _first_gradient(profile, layout) + down[n_persist])
 
 
 def _first_gradient(profile, layout) -> float:
@@ -611,7 +610,8 @@ def _boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, hos
     bounded = not config.cpu_optim_overlap and _carries_over(config, hw) and len(some)
     if bounded:
         vb = _VerdictBound(profile, layout, hw, config, npers[some],
-                           _backward_bound(profile, layout, hw, world, npers[some], nbuf[some], codes[some]),
+                           _backward_bound(profile, layout, hw, world, npers[some], nbuf[some],
+                                           _backward_compute(profile, codes[some])),
                            _host_checks(layout, hw, config, npers[some]))
     t_turn = np.full(k, np.inf)
     if len(some):
@@ -772,9 +772,9 @@ def search(profile: ModelProfile, hw: HardwareProfile,
                     active = [i for i in pts if low[i] < high[i]]
                     if not active:
                         break
-                    k = max(2, min(_SWEEP, _BATCH // len(active)))
-                    rows = [(i, nb) for i in active
-                            for nb in sorted({low[i] + (high[i] - low[i]) * m // k for m in range(k)})]
+                    tries = max(2, min(_SWEEP, _BATCH // len(active)))
+                    rows = [(i, nb) for i in active for nb in
+                            sorted({low[i] + (high[i] - low[i]) * m // tries for m in range(tries)})]
                     idx = np.array([local[i] for i, _ in rows])
                     nbs = np.array([nb for _, nb in rows])
                     t = _simulate_points(profile, hw, config, acts, g, idx, n_buffer=nbs)

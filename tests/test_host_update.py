@@ -40,9 +40,9 @@ def test_the_rate_adds_each_pass_at_its_measured_speed():
 
 
 def test_the_runtime_makes_the_passes_the_table_says(monkeypatch):
-    """fp32 with clipping on DeepSpeed's kernel (the CPU engine's case): one update of an
-    offloaded chunk scales its gradients in place and zeroes them after - counted on the
-    real runtime by the tensor methods it calls."""
+    """fp32 with clipping on DeepSpeed's kernel (the CPU engine's case): each update of an
+    offloaded chunk scales its gradients in place and zeroes them after - counted exactly on
+    the real runtime, by the tensor methods it calls, over two steps."""
     import json
 
     from dstrain import base_config, train, with_protrain
@@ -58,11 +58,15 @@ def test_the_runtime_makes_the_passes_the_table_says(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counting)
     model_cfg, pins = SHAPES["a mix"]
     _, _, engine = train(with_protrain(base_config(**json.loads('{"gradient_clipping": 1.0}')), **pins),
-                         model_cfg, 1)
+                         model_cfg, 2)
     plan = engine.protrain_plan
     n_off = plan.chunks.n_chunks - plan.knobs.n_persist
     engine.destroy()
     assert n_off > 0
     assert "with the runtime's passes" in plan.machine
     passes = host_update_passes(fused_kernel=False, half=False, grad_accumulation=False, scaled=True)
-    assert calls["mul_"] >= n_off and calls["zero_"] >= n_off and passes.in_place == 2
+    assert passes == HostUpdatePasses(in_place=2, copies=0)
+    # per step, every chunk's gradients scaled once and zeroed once (persistent ones alike);
+    # the offloaded chunks' fp32 gradient regions zeroed once more when they are made
+    steps, n = 2, plan.chunks.n_chunks
+    assert calls == {"mul_": steps * n, "zero_": n_off + steps * n}, (calls, n_off, n)

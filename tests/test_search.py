@@ -179,7 +179,8 @@ def test_the_verdict_bound_holds_for_every_speculating_count(gas, world, thread)
         nb = layout.min_buffers(np_)
         vb = search_mod._VerdictBound(prof, layout, hw, config, np.array([np_]),
                                       search_mod._backward_bound(prof, layout, hw, world, np.array([np_]),
-                                                                 np.array([nb]), codes),
+                                                                 np.array([nb]),
+                                                                 search_mod._backward_compute(prof, codes)),
                                       search_mod._host_checks(layout, hw, config, np.array([np_])))
         at = []
         for s in range(nch - np_ + 1):
