@@ -67,7 +67,9 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         rt = getattr(engine, "protrain_runtime", None)
         if rt is not None and boundary:
             norms.append(rt.optimizer.global_grad_norm)
-    if spec.get("save"):
+        if spec.get("save") and spec.get("save_at") == i + 1:     # mid-run, then go on
+            engine.save_checkpoint(spec["save"], client_state={"note": "resume me"})
+    if spec.get("save") and spec.get("save_at") is None:
         engine.save_checkpoint(spec["save"], client_state={"note": "resume me"})
     if spec.get("save_16bit"):                      # every rank calls it (ZeRO-3's contract)
         engine.save_16bit_model(os.path.join(out_dir, "16bit"), "model.bin")

@@ -25,11 +25,12 @@ def _spec(**kw):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_resume_in_a_fresh_process_continues_exactly(world, tmp_path):
-    for d in ("full", "first", "second"):
+    for d in ("full", "second"):
         (tmp_path / d).mkdir()
-    full = launch(world, _spec(steps=20), str(tmp_path / "full"))
+    # One uninterrupted 20-step run that saves after step 10 and goes on (saving is a sync
+    # point: it must not change the run), then 10 steps from that checkpoint in new processes.
     ckpt = str(tmp_path / "ckpt")
-    launch(world, _spec(steps=10, save=ckpt), str(tmp_path / "first"))
+    full = launch(world, _spec(steps=20, save=ckpt, save_at=10), str(tmp_path / "full"))
     assert open(os.path.join(ckpt, "latest")).read() == "global_step10"
     second = launch(world, _spec(steps=10, start=10, load=ckpt), str(tmp_path / "second"))
     for r in range(world):
