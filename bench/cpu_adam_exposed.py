@@ -3,8 +3,13 @@ plan's prediction, with gradient clipping on and every chunk but one offloaded.
 
 On a CPU "device" CPU Adam runs inline, so what is exposed is the updates left for after
 backward: all of them when nothing speculates (the planner's choice here: no copy engine),
-the ones whose speculation was undone otherwise. The prediction uses the probed CPU Adam rate;
+the ones whose speculation was undone otherwise. The prediction uses the probed CPU Adam rates;
 each step's measurement is ``step()``'s wall time less the device Adam's.
+
+Rates on a shared VM drift by 10-20% within minutes, so the bench runs ``--rounds`` rounds:
+each measures the machine afresh (the probe the engine plans with, not its cache), predicts
+the plan's exposed CPU Adam with it, then times ``--steps`` steps; the error reported is the
+median over rounds.
 
     python bench/cpu_adam_exposed.py                    # 8 layers x 512, 12 steps
     python bench/cpu_adam_exposed.py --layers 12 --hidden 768 --steps 16 --save bench/results/cpu_adam_exposed-cpu.json
@@ -32,6 +37,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of (fresh probe, prediction, --steps measured steps)")
     ap.add_argument("--chunk", default="4MiB")
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--speculate", default="auto", help='"auto" (the planner) or a number of chunks')
@@ -69,34 +76,51 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    exposed, steps = [], []
-    for i in range(args.warmup + args.steps):
-        x, y = synthetic_batch(cfg, args.micro_batch, seed=i)
-        t = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        if args.no_carry:
-            engine.protrain_runtime.optimizer.carry_over = False
-        if i >= args.warmup:
-            steps.append(time.perf_counter() - t)
-            exposed.append(engine.protrain_stats()["cpu_adam_exposed_s"])
+    from protrain.search import evaluate
+    from protrain_ds.engine import _planner_config
+
+    def run_steps(first: int, n: int) -> tuple[list, list]:
+        exposed, steps = [], []
+        for i in range(first, first + n):
+            x, y = synthetic_batch(cfg, args.micro_batch, seed=i)
+            t = time.perf_counter()
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            if args.no_carry:
+                engine.protrain_runtime.optimizer.carry_over = False
+            if i >= args.warmup:
+                steps.append(time.perf_counter() - t)
+                exposed.append(engine.protrain_stats()["cpu_adam_exposed_s"])
+        return exposed, steps
+
+    run_steps(0, args.warmup)                      # plans, then warms up
     plan = engine.protrain_plan
-    p = plan.prediction
+    rounds = []
+    for r in range(args.rounds):
+        hw = engine._hardware(refresh=True)          # the machine as it runs now
+        p = evaluate(engine.protrain_profile, hw, plan.knobs, _planner_config(engine, engine.protrain_runtime.chunks.dp)).prediction
+        exposed, steps = run_steps(args.warmup + r * args.steps, args.steps)
+        rounds.append({"machine": hw.describe(),
+                       "predicted_exposed_s": p.cpu_optim_exposed,
+                       "measured_exposed_s": statistics.median(exposed),
+                       "predicted_iter_s": p.iter_time, "measured_iter_s": statistics.median(steps)})
+        rounds[-1]["exposed_error"] = rounds[-1]["predicted_exposed_s"] / rounds[-1]["measured_exposed_s"] - 1
+        rounds[-1]["iter_error"] = rounds[-1]["predicted_iter_s"] / rounds[-1]["measured_iter_s"] - 1
+        print(f"round {r}: exposed predicted {p.cpu_optim_exposed * 1e3:.1f} ms, measured "
+              f"{rounds[-1]['measured_exposed_s'] * 1e3:.1f} ms ({rounds[-1]['exposed_error']:+.1%}); "
+              f"iteration {rounds[-1]['iter_error']:+.1%}", flush=True)
     out = {
         "command": "python bench/cpu_adam_exposed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": platform.node(), "cpu_count": __import__("os").cpu_count(),
         "params_m": sum(t.numel() for t in model.parameters()) / 1e6,
         "offloaded_chunks": len(engine.protrain_runtime.chunks.offloaded()),
         "n_speculate": plan.n_speculate,
-        "hardware_cpu_adam_rate": engine.protrain_runtime and None,
-        "predicted_exposed_s": p.cpu_optim_exposed, "measured_exposed_s": statistics.median(exposed),
-        "predicted_iter_s": p.iter_time, "measured_iter_s": statistics.median(steps),
+        "rounds": rounds,
+        "exposed_error": statistics.median(r["exposed_error"] for r in rounds),
+        "iter_error": statistics.median(r["iter_error"] for r in rounds),
         "stats": engine.protrain_stats(),
     }
-    out["exposed_error"] = out["predicted_exposed_s"] / out["measured_exposed_s"] - 1
-    out["iter_error"] = out["predicted_iter_s"] / out["measured_iter_s"] - 1
-    del out["hardware_cpu_adam_rate"]
     engine.destroy()
     print(json.dumps(out, indent=1))
     if args.save:

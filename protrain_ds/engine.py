@@ -549,12 +549,13 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_cache.save(cache, profile)
         return profile, probe.calls
 
-    def _hardware(self):
+    def _hardware(self, refresh: bool = False):
+        """This machine as the planner prices it (``refresh``: measured now, not cached)."""
         from protrain.cost.host_update import host_update_passes, runtime_update_rate
         from protrain.profile.probe import probe_hardware
         from protrain.runtime.runtime import uses_native_kernel
         cfg = self.protrain_config
-        hw = probe_hardware(self.device, progress=cfg.verbosity >= 2)
+        hw = probe_hardware(self.device, progress=cfg.verbosity >= 2, refresh=refresh)
         if hw.copy_engines <= 0 and cfg.host_thread:
             # a CPU "device" whose CPU Adam runs on the worker thread: not inline any more
             hw = replace(hw, cpu_adam_thread=True)

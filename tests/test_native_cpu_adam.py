@@ -83,3 +83,33 @@ def test_a_failed_build_names_the_compiler_problem_and_the_way_around(monkeypatc
     msg = str(e.value)
     assert "C++17 compiler" in msg and "fatal error: torch/extension.h" in msg
     assert '"cpu_adam": "deepspeed"' in msg and "cpu_adam.cpp" in msg
+
+
+@pytest.mark.parametrize("kind", ["deepspeed", "native", "torch", "torch fused"])
+def test_every_kernel_takes_the_runtimes_call(kind):
+    """One interface for the runtime's ``_update``: scale (a one-element tensor), whether the
+    gradients may be scaled in place, a backup. Each kernel gives what it gives on gradients
+    scaled beforehand, fills the backup with the states from before, and leaves read-only
+    gradients untouched. (The device kernel on a GPU, torch's fused Adam, once got the native
+    kernel's call and would have failed at its first step.)"""
+    from protrain.runtime.adam import AdamHyper, CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
+    make = {"deepspeed": lambda: CPUAdamKernel(adamw=True), "native": lambda: NativeCPUAdamKernel(True),
+            "torch": lambda: TorchAdamKernel(fused=False), "torch fused": lambda: TorchAdamKernel(fused=True)}
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, bias_correction=True,
+                  adamw=True)
+    torch.manual_seed(0)
+    n = 4099
+    p, g = torch.randn(n), torch.randn(n)
+    m, v = torch.randn(n).abs() * 0.01, torch.randn(n).abs() * 0.001
+    scale = torch.tensor([0.37])
+    ref = [t.clone() for t in (p, m, v)]
+    make[kind]().update(ref[0], g * scale, ref[1], ref[2], 1, h)
+    for writable in (False, True):
+        got, grads = [t.clone() for t in (p, m, v)], g.clone()
+        backup = [torch.empty(n) for _ in range(3)]
+        make[kind]().update(got[0], grads, got[1], got[2], 1, h, scale=scale, grad_writable=writable,
+                            backup=backup)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), (kind, writable)
+        assert all(torch.equal(a, b) for a, b in zip(backup, (p, m, v)))
+        if not writable:
+            assert torch.equal(grads, g)

@@ -10,7 +10,8 @@ def test_probe_measures_and_caches(tmp_path):
     hw = probe_hardware("cpu", cache_dir=tmp_path, size_mib=8, adam_params=2**18, progress=False)
     assert hw.source == "measured" and hw.device_type == "cpu"
     for v in (hw.h2d_bandwidth, hw.d2h_bandwidth, hw.gpu_adam_rate, hw.cpu_adam_rate,
-              hw.device_memory, hw.host_memory, hw.host_pass_rate, hw.host_copy_bandwidth):
+              hw.device_memory, hw.host_memory, hw.host_pass_rate, hw.host_copy_bandwidth,
+              hw.host_update_overhead):
         assert v > 0
     assert "torch" in hw.versions
     files = list(tmp_path.glob("hardware-*.json"))

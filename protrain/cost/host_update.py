@@ -11,13 +11,16 @@ kernel, depending on the kernel and the training setup:
   tile inside its own pass.
 - With 16-bit parameters the updated fp32 master is copied into the pinned 16-bit region the
   next upload reads (a copy).
-- An fp32 gradient region (fp32 training, or accumulation) is zeroed for the next step (a
-  pass); 16-bit gradients land in the upload region, which the copy above overwrites.
+- With gradient accumulation the fp32 accumulator is zeroed for the next step (a pass).
+  Without it nothing is: the next backward's copy overwrites the gradient region whole (fp32
+  training), or the gradients land in the 16-bit upload region, which the copy above
+  overwrites.
 
 On this project's 2-core CPU, fp32 with clipping: the kernel alone 36.7 ms for 26.3 M
-parameters, the scale pass 8.6 ms, the zeroing 8.5 ms - together the 53 ms the engine
-measured after backward, where the kernel alone predicted 32 ms. ``runtime_update_rate``
-folds them into the rate the cost model prices CPU Adam at.
+parameters, the scale pass 8.6 ms, a zeroing pass (made then, dropped since) 8.5 ms - together
+the 53 ms the engine measured after backward, where the kernel alone predicted 32 ms.
+``runtime_update_rate`` folds the passes into the rate the cost model prices CPU Adam at; the
+runtime's own time per chunk is priced apart (``HardwareProfile.host_update_overhead``).
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ class HostUpdatePasses:
     """Passes over host memory per offloaded parameter and update, beyond the kernel."""
 
     in_place: int
-    """fp32 passes in place (gradients scaled, gradients zeroed)."""
+    """fp32 passes in place (gradients scaled, an accumulator zeroed)."""
     copies: int
     """Copies from one region into another (16-bit gradients widened, the updated
     parameters written into the 16-bit upload region)."""
@@ -42,7 +45,7 @@ def host_update_passes(*, fused_kernel: bool, half: bool, grad_accumulation: boo
     """The runtime's passes around the kernel. ``fused_kernel``: the native kernel (widens and
     scales in its own pass); ``half``: 16-bit parameters; ``scaled``: clipping or fp16 loss
     scaling (a coefficient applied to every gradient)."""
-    in_place = int(scaled and not fused_kernel) + int(grad_accumulation or not half)
+    in_place = int(scaled and not fused_kernel) + int(grad_accumulation)
     copies = int(half and not fused_kernel) + int(half)
     return HostUpdatePasses(in_place=in_place, copies=copies)
 

@@ -76,7 +76,8 @@ class TimePrediction:
 
 def chunk_transfer_times(layout: ChunkLayout, profile: ModelProfile, hw: HardwareProfile,
                          world: int = 1):
-    """Per-chunk upload time, gradient offload time and CPU Adam time (seconds).
+    """Per-chunk upload time, gradient offload time and CPU Adam time (seconds; the runtime's
+    own time per update, ``hw.host_update_overhead``, included).
 
     With ``world`` data-parallel ranks an offloaded chunk is sharded: an upload is the H2D
     copy of this rank's 1/world shard followed by an all-gather of the rest; a gradient
@@ -85,7 +86,7 @@ def chunk_transfer_times(layout: ChunkLayout, profile: ModelProfile, hw: Hardwar
     used = np.asarray(layout.used, dtype=np.float64)
     nbytes = used * profile.param_bytes
     up, down, adam = nbytes / world / hw.h2d_bandwidth, nbytes / world / hw.d2h_bandwidth, \
-        used / world / hw.cpu_adam_rate
+        used / world / hw.cpu_adam_rate + np.where(used > 0, hw.host_update_overhead, 0.0)
     if world > 1:
         coll = nbytes * (world - 1) / world / _collective_bandwidth(hw)
         up, down = up + coll, down + coll

@@ -60,6 +60,10 @@ class HardwareProfile(JsonValue):
     """fp32 elements per second of one in-place pass over host memory (gradients scaled by a
     clipping coefficient, or zeroed): what the runtime's update of an offloaded chunk adds
     around the Adam kernel (``cost.host_update``). 0: not measured; not priced then."""
+    host_update_overhead: float = 0.0
+    """Seconds of the runtime's own work per offloaded chunk update beyond the work per
+    parameter (its bookkeeping in Python, the kernel call, the reset; ``profile.update_overhead``):
+    added to every offloaded chunk's CPU Adam time. 0: not measured (published machines)."""
     cpu_adam_kernel_rate: float = 0.0
     """When ``cpu_adam_rate`` is the runtime's whole update (the kernel and the passes around
     it, ``cost.host_update.runtime_update_rate``): the kernel's own rate. 0: it is the
@@ -96,5 +100,7 @@ class HardwareProfile(JsonValue):
                 f"{self.d2h_bandwidth / 1e9:.1f} GB/s, device Adam {self.gpu_adam_rate / 1e9:.2f} "
                 f"Gparam/s, CPU Adam {self.cpu_adam_rate / 1e9:.2f} Gparam/s"
                 + (f" (kernel {self.cpu_adam_kernel_rate / 1e9:.2f}, with the runtime's passes "
-                   f"around it)" if self.cpu_adam_kernel_rate else ""))
+                   f"around it)" if self.cpu_adam_kernel_rate else "")
+                + (f" + {self.host_update_overhead * 1e6:.0f} us per chunk update"
+                   if self.host_update_overhead else ""))
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from .hardware import HardwareProfile
+from .update_overhead import measure_update_overhead
 
-PROBE_VERSION = 5
+PROBE_VERSION = 6
 """Bump when the probe measures differently, so old cache entries are not reused."""
 
 
@@ -127,6 +128,8 @@ def _measure_rates(device: torch.device, size_mib: int, adam_params: int,
     host_copy = _host_copy_bandwidth(adam_params)
     grad_check = _grad_check_rate(adam_params)
     host_pass = _host_pass_rate(adam_params)
+    say("the runtime's time per chunk update")
+    update_overhead = measure_update_overhead()
     if device.type == "cuda":
         say(f"device Adam ({adam_params / 1e6:.0f} M params)")
         gpu_adam = _device_adam_rate(device, adam_params)
@@ -135,7 +138,8 @@ def _measure_rates(device: torch.device, size_mib: int, adam_params: int,
     return HardwareProfile(
         name=name, source="measured", device_type=device.type, device_memory=0, host_memory=0,
         h2d_bandwidth=h2d, d2h_bandwidth=d2h, gpu_adam_rate=gpu_adam, cpu_adam_rate=cpu_adam,
-        host_copy_bandwidth=host_copy, grad_check_rate=grad_check, host_pass_rate=host_pass, copy_engines=min(engines, 2),
+        host_copy_bandwidth=host_copy, grad_check_rate=grad_check, host_pass_rate=host_pass,
+        host_update_overhead=update_overhead, copy_engines=min(engines, 2),
         cpu_cores=os.cpu_count() or 1, versions=_versions())
 
 

@@ -36,9 +36,16 @@ class CPUAdamKernel:
         self._op = self._owner.ds_opt_adam
         self._id = self._owner.opt_id
 
-    def update(self, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper) -> None:
+    def update(self, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper, *,
+               scale=None, grad_writable: bool = True, backup=()) -> None:
+        """One step over a flat segment (the interface every kernel here has). ``scale``
+        (None, or a one-element tensor on the gradients' device) multiplies the gradients
+        first - in place where ``grad_writable``, else into a temporary; 16-bit gradients are
+        widened into a temporary first. ``backup``: three tensors that receive master,
+        exp_avg and exp_avg_sq as they were before."""
+        g = _prepared_grad(master, grad, exp_avg, exp_avg_sq, scale, grad_writable, backup)
         self._op.adam_update(self._id, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                             h.bias_correction, master, grad, exp_avg, exp_avg_sq)
+                             h.bias_correction, master, g, exp_avg, exp_avg_sq)
 
     def prime(self, steps_done: int, h: AdamHyper) -> None:
         """Put a fresh kernel in the state a long-running one has after ``steps_done`` steps.
@@ -58,7 +65,6 @@ class NativeCPUAdamKernel:
     run meanwhile; it widens and scales the gradients tile by tile without writing them, and
     backs up master / exp_avg / exp_avg_sq in the same pass (a speculative update)."""
 
-    fused = True
     _next_id = 1
 
     def __init__(self, adamw: bool, threads: int = 0):
@@ -70,10 +76,12 @@ class NativeCPUAdamKernel:
         self.threads = threads or self._op.max_threads()
 
     def update(self, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper, *,
-               scale: float = 1.0, backup=()) -> None:
+               scale=None, grad_writable: bool = True, backup=()) -> None:
+        """As CPUAdamKernel.update, in one pass: the gradients are only ever read (widened and
+        scaled tile by tile), whatever ``grad_writable`` allows."""
         self._op.update(self._id, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                        h.bias_correction, master, grad, exp_avg, exp_avg_sq, scale, list(backup),
-                        None, self.threads)
+                        h.bias_correction, master, grad, exp_avg, exp_avg_sq,
+                        1.0 if scale is None else float(scale), list(backup), None, self.threads)
 
     def prime(self, steps_done: int, h: AdamHyper) -> None:
         """As CPUAdamKernel.prime: the same beta^t product as an uninterrupted run."""
@@ -95,7 +103,10 @@ class TorchAdamKernel:
     def __init__(self, fused: bool):
         self.fused = fused
 
-    def update(self, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper) -> None:
+    def update(self, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper, *,
+               scale=None, grad_writable: bool = True, backup=()) -> None:
+        """As CPUAdamKernel.update."""
+        grad = _prepared_grad(master, grad, exp_avg, exp_avg_sq, scale, grad_writable, backup)
         if not h.bias_correction:
             raise ValueError("torch's Adam always applies bias correction; set "
                              "\"bias_correction\": true or drop \"torch_adam\"")
@@ -108,3 +119,16 @@ class TorchAdamKernel:
 
     def prime(self, steps_done: int, h: AdamHyper) -> None:
         """Stateless between calls: nothing to restore."""
+
+
+def _prepared_grad(master, grad, exp_avg, exp_avg_sq, scale, grad_writable: bool, backup):
+    """What a kernel without fused passes does first: back up the states, then give fp32
+    gradients scaled by ``scale`` (see CPUAdamKernel.update)."""
+    for dst, src in zip(backup, (master, exp_avg, exp_avg_sq)):
+        dst.copy_(src)
+    widened = grad.dtype != torch.float32
+    g = grad.float() if widened else grad
+    if scale is None:
+        return g
+    scale = scale.to(g.device)
+    return g.mul_(scale) if widened or grad_writable else g * scale

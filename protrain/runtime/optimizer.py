@@ -217,6 +217,13 @@ class ChunkOptimizer:
         """This step's verdict inputs of offloaded chunks, taken by the worker as their gradients
         landed (``_check``); a chunk without one is checked in step()."""
         self._param_index = {p: i for i, p in enumerate(params_in_order)}
+        self._stale: set[int] = set()
+        """Offloaded chunks whose fp32 gradient region still holds an earlier step's gradients.
+        Without accumulation the next backward's copy overwrites the region whole, so the
+        reset after an update leaves it (a pass over 4 bytes per parameter saved); a chunk that
+        gets no gradient before the next step is zeroed there (``_settle``). Added by the
+        worker after the update, removed on the main thread once the chunk's upload waited for
+        that update (``wait_host_ready``) or after a drain."""
 
     # ---- backward ------------------------------------------------------------------------
     def on_grad(self, p: nn.Parameter) -> None:
@@ -226,6 +233,10 @@ class ChunkOptimizer:
             return
         c, s = self.m.slot_of[p]
         with torch.no_grad():
+            if c.index in self._stale and not c.persistent and c.state.value == "host":
+                self.worker.drain()
+                self._landing(c).zero_()          # no copy will overwrite it this step
+                self._stale.discard(c.index)
             if c.persistent:
                 c.grad[s.offset:s.stop].add_(g.reshape(-1))
             elif c.buffer is not None and c.state.value == "resident":
@@ -271,6 +282,7 @@ class ChunkOptimizer:
         verdict = (boundary and not self.probation and c.index not in self._late
                    and (self.clip > 0 or self.loss_scaler is not None))
         if self.gas == 1:
+            self._stale.discard(c.index)          # the copy below overwrites the region whole
             # The chunk's part of the step's verdict (norms, overflow) taken on the device,
             # where the gradients are, as DeepSpeed does for offloaded gradients.
             self.m.offload_grads(c, self._landing(c), check=self._take_check if verdict else None)
@@ -329,6 +341,7 @@ class ChunkOptimizer:
         self.worker.drain()
         for c in self.m.offloaded():
             self.streams.host_wait(c.grads_on_host)
+        self._settle()
         self.overflow = False
         self.global_grad_norm = None
         inv_scale = self._inv_scale()
@@ -437,9 +450,20 @@ class ChunkOptimizer:
         if c.persistent:
             c.grad.zero_()
         elif c.grad_acc is not None:
-            c.grad_acc.zero_()
+            if self.gas == 1:
+                self._stale.add(c.index)          # overwritten by the next copy (see _stale)
+            else:
+                c.grad_acc.zero_()
         for s in c.slots:
             s.has_grad = False
+
+    def _settle(self) -> None:
+        """Zero the gradient regions no copy overwrote since their last update (chunks that got
+        no gradient in this step): everything after reads zeros there, as before."""
+        for c in self.m.offloaded():
+            if c.index in self._stale:
+                self._landing(c).zero_()
+        self._stale.clear()
 
     def _reset(self) -> None:
         self._queued.clear()
@@ -448,6 +472,7 @@ class ChunkOptimizer:
         if not self._dirty:
             return
         self._dirty = False
+        self._stale.clear()                       # zeroed below
         for c in self.m.chunks:
             if c.persistent:
                 c.grad.zero_()
@@ -494,25 +519,11 @@ class ChunkOptimizer:
         chunk's master): receives each segment's master, exp_avg and exp_avg_sq first.
         ``segments``: (lo, hi, step, hyperparameters) taken earlier (``_hypers``), else now."""
         for lo, hi, step, h in (segments if segments is not None else self._hypers(c)):
-            if getattr(kernel, "fused", False):
-                # The native kernel reads the gradients as they are (16-bit widened, scaled by
-                # ``coef`` tile by tile, never written) and backs up in the same pass.
-                kernel.update(c.master[lo:hi], grads[lo:hi], c.exp_avg[lo:hi], c.exp_avg_sq[lo:hi],
-                              step + 1, h, scale=1.0 if coef is None else float(coef),
-                              backup=() if backup is None else [b[lo:hi] for b in backup])
-                continue
-            if backup is not None:
-                for dst, src in zip(backup, (c.master, c.exp_avg, c.exp_avg_sq)):
-                    dst[lo:hi].copy_(src[lo:hi])
-            # fp32 gradient regions are ours to scale in place (they are zeroed after the step)
-            # unless a speculative update may have to be redone from them; 16-bit ones are
-            # converted into a temporary first.
-            g = grads[lo:hi]
-            widened = g.dtype != torch.float32
-            g = g.float() if widened else g
-            if coef is not None:
-                g = g.mul_(coef.to(g.device)) if widened or not keep_grads else g * coef.to(g.device)
-            kernel.update(c.master[lo:hi], g, c.exp_avg[lo:hi], c.exp_avg_sq[lo:hi], step + 1, h)
+            # fp32 gradient regions are ours to scale in place (they are overwritten or zeroed
+            # before the next step) unless a speculative update may have to be redone from them.
+            kernel.update(c.master[lo:hi], grads[lo:hi], c.exp_avg[lo:hi], c.exp_avg_sq[lo:hi],
+                          step + 1, h, scale=coef, grad_writable=not keep_grads,
+                          backup=() if backup is None else [b[lo:hi] for b in backup])
         for s in c.slots:
             if s.has_grad or self.m.dp.world > 1:
                 s.step += 1
