@@ -132,7 +132,7 @@ def test_a_chunk_without_gradients_in_a_step_reads_zeros_there():
     from torch import nn
 
     from protrain.runtime.adam import AdamHyper, CPUAdamKernel
-    from protrain.runtime.chunks import ChunkManager
+    from protrain.runtime.chunks import ChunkManager, ChunkState
     from protrain.runtime.optimizer import ChunkOptimizer
     from protrain.runtime.streams import Streams
     dev = torch.device("cpu")
@@ -168,5 +168,33 @@ def test_a_chunk_without_gradients_in_a_step_reads_zeros_there():
     assert torch.all(opt._landing(b) == 0)
     assert torch.equal(b.master, b_master)
     assert opt.global_grad_norm == pytest.approx(0.5 * 64 ** 0.5, rel=1e-6)   # chunk a's only
+    # a gradient arriving after its chunk left the device (the host path), onto a region that
+    # still holds an earlier step's gradients: added onto zeros, not onto those
+    backward([a])
+    opt.step()
+    assert 1 in opt._stale and torch.all(opt._landing(b) == 0)
+    opt._landing(b).fill_(7.0)                   # what an earlier step could have left there
+    b.state = ChunkState.CACHED                  # its parameters still in a device buffer
+    params[1].grad = torch.full((64,), 0.25)
+    opt.on_grad(params[1])
+    b.state = ChunkState.HOST
+    assert torch.all(opt._landing(b) == 0.25) and 1 not in opt._stale
     opt.worker.close()
     m.close()
+
+
+def test_the_probe_of_the_time_per_chunk_calls_no_collective(monkeypatch):
+    """Only rank 0 probes while its peers wait for the plan: with a process group of several
+    ranks running, the probe's step is a world of one (a collective would hang)."""
+    import torch.distributed as dist
+
+    from protrain.profile.update_overhead import measure_update_overhead
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+
+    def collective(*a, **k):
+        raise AssertionError("the probe called a collective")
+    for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
+        monkeypatch.setattr(dist, name, collective)
+    assert measure_update_overhead(reps=2) > 0

@@ -40,9 +40,9 @@ def measure_update_overhead(reps: int = 9) -> float:
     try:
         from ..runtime.adam import CPUAdamKernel
         kernel = _Timed(CPUAdamKernel(adamw=True))
-    except Exception:  # noqa: BLE001 - no compiler / no deepspeed: not measured
+        steps = _Steps(CHUNKS, kernel)
+    except Exception:  # noqa: BLE001 - no compiler / no deepspeed / no memory: not measured
         return 0.0
-    steps = _Steps(CHUNKS, kernel)
     try:
         per_chunk = []
         for i in range(reps + 1):
@@ -75,17 +75,20 @@ class _Steps:
     def __init__(self, n_chunks: int, kernel):
         from ..runtime.adam import AdamHyper
         from ..runtime.chunks import ChunkManager
+        from ..runtime.collectives import DataParallel
         from ..runtime.optimizer import ChunkOptimizer
         from ..runtime.streams import Streams
 
         device = torch.device("cpu")
         streams = Streams(device)
         params = [nn.Parameter(torch.zeros(CHUNK_NUMEL)) for _ in range(n_chunks)]
+        # One rank whatever process group runs: only rank 0 probes while the others wait for
+        # its plan, so this step must not call a collective.
         self.m = ChunkManager(named_params=[(f"p{i}", p) for i, p in enumerate(params)],
                               param_chunk=list(range(n_chunks)), chunk_parts=[(1, 1)] * n_chunks,
                               n_persist=0, n_buffer=1, chunk_capacity=CHUNK_NUMEL,
                               group_of={p: 0 for p in params}, device=device, streams=streams,
-                              grad_accumulation=False)
+                              grad_accumulation=False, dp=DataParallel.one_rank())
         self.opt = ChunkOptimizer(
             self.m, streams, param_groups=[{"params": params, "lr": 1e-3}],
             hyper=lambda g: AdamHyper(lr=g["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
@@ -112,3 +115,4 @@ class _Steps:
     def close(self) -> None:
         self.opt.worker.close()
         self.m.close()
+

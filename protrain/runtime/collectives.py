@@ -28,6 +28,14 @@ class DataParallel:
         else:
             self.world, self.rank = 1, 0
 
+    @classmethod
+    def one_rank(cls) -> "DataParallel":
+        """A world of one whatever process group runs (work one rank does alone, e.g. a probe
+        the other ranks wait for)."""
+        dp = cls.__new__(cls)
+        dp.group, dp.world, dp.rank = None, 1, 0
+        return dp
+
     def shard(self, numel: int) -> tuple[int, int, int]:
         """(start, stop, shard size) of this rank's part of ``numel`` elements; the part may be
         shorter than the shard size (or empty) at the end of the chunk."""

@@ -221,9 +221,10 @@ class ChunkOptimizer:
         """Offloaded chunks whose fp32 gradient region still holds an earlier step's gradients.
         Without accumulation the next backward's copy overwrites the region whole, so the
         reset after an update leaves it (a pass over 4 bytes per parameter saved); a chunk that
-        gets no gradient before the next step is zeroed there (``_settle``). Added by the
-        worker after the update, removed on the main thread once the chunk's upload waited for
-        that update (``wait_host_ready``) or after a drain."""
+        gets no gradient before the next step is zeroed there (``_settle``), one whose late
+        gradient comes first before it is added. Added by the worker after the update; removed
+        on the main thread when the chunk's gradients are copied (``chunk_backward_done``: its
+        upload waited for that update first) or after a drain."""
 
     # ---- backward ------------------------------------------------------------------------
     def on_grad(self, p: nn.Parameter) -> None:
@@ -233,10 +234,6 @@ class ChunkOptimizer:
             return
         c, s = self.m.slot_of[p]
         with torch.no_grad():
-            if c.index in self._stale and not c.persistent and c.state.value == "host":
-                self.worker.drain()
-                self._landing(c).zero_()          # no copy will overwrite it this step
-                self._stale.discard(c.index)
             if c.persistent:
                 c.grad[s.offset:s.stop].add_(g.reshape(-1))
             elif c.buffer is not None and c.state.value == "resident":
@@ -266,6 +263,11 @@ class ChunkOptimizer:
                 self.worker.drain()
                 self.streams.host_wait(c.grads_on_host)
                 target = self._landing(c)
+                if c.index in self._stale:
+                    # An earlier step's gradients (no copy this step yet): zeroed first, and
+                    # from now on this region is this step's (a later copy overwrites it).
+                    target.zero_()
+                    self._stale.discard(c.index)
                 target[s.offset:s.stop].add_(g.reshape(-1).to(target.device, target.dtype))
                 self._checks.pop(c.index, None)       # taken before this gradient: redone in step
         s.has_grad = True
