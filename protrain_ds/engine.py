@@ -576,7 +576,7 @@ def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821
     return replace(cfg, grad_accumulation_steps=engine.gradient_accumulation_steps(),
                    cpu_optim_overlap=not (clip > 0 or engine.fp16_enabled()),
                    cpu_optim_speculative=clip > 0 or engine.fp16_enabled(),
-                   data_parallel_size=dp.world)
+                   gradient_clipping=clip > 0, data_parallel_size=dp.world)
 
 
 _LINKS: dict = {}
