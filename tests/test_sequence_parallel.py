@@ -50,6 +50,7 @@ def two(tmp_path_factory, ckpt_dir):
         dict(_run("eager", 2, 2, 1, protrain=dict(sequence_parallel=2), expect_error=True),
              model=dict(kind="llama", kv_heads=2, layers=2, attn="eager")),
         _run("outside", 2, 2, 1, loss_outside=True, protrain=dict(sequence_parallel=2), expect_error=True),
+        dict(name="exchange", exchange=True),
     ]
     return launch(2, runs, str(tmp_path_factory.mktemp("sp_two")))
 
@@ -101,6 +102,25 @@ def test_two_ranks_train_like_one_rank_on_the_same_samples(two, ref, case):
     if case == "gqa":        # evaluation forwards (no_grad, eval mode) give each rank its loss
         got = [r["eval"] for r in runs]
         assert [x for g in got for x in g] == pytest.approx(ref[case][0]["eval"], rel=1e-5)
+
+
+def test_the_hot_path_waits_for_the_device_once_per_step(two):
+    """Per engine call the group compares digests of its batches' layouts (gathered as objects
+    only at the first call); the host reads device data once per optimizer step for the
+    runtime's verdict (clipping at DeepSpeed's default 1.0) and once for sequence
+    parallelism's checks (the factor each micro-step's loss got, learnt with one read at the
+    plan's first micro-step) - not once per micro-step's backward."""
+    for case, steps, gas in (("gqa", 2, 1), ("mha", 2, 2)):
+        for r in two[case]:
+            waits = r["host_waits"]
+            assert waits["all_gather_object"] == 1, (case, waits)
+            assert waits["to_host"] == 2 * steps + (gas > 1), (case, waits)
+
+
+def test_batches_are_exchanged_as_bytes_and_their_layouts_only_when_one_changed(two):
+    for r in two["exchange"]:
+        assert r["right"] == [True] * 4
+        assert r["exchanges"] == [1, 1, 2, 3]      # the first call, rank 1's change, back
 
 
 def test_auto_picks_the_degree_that_fits_and_says_why(two, ref):
