@@ -175,3 +175,49 @@ def test_hugging_face_trainer_with_sequence_parallelism(two, ref):
     for a, b in zip(g_run, g_ref):
         for name in b:
             assert float((a[name] - b[name]).abs().max() / b[name].abs().max()) <= 1e-5, name
+
+
+def test_checks_taken_on_the_device_are_read_together_at_the_step():
+    """After the plan's first micro-step, the factor each returned loss got and the verdict
+    on each attention mask stay on the device until the optimizer step reads them, all in one
+    host read; a padding mask or a changed factor is refused there, before the step applies
+    anything. Without a step to wait for (evaluation), a mask is read at once."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from protrain.runtime.streams import Streams
+    from protrain.sp.batch import shard
+    from protrain.sp.ulysses import SequenceParallelError
+    from protrain_ds.sequence_parallel import SequenceParallelForward
+    reads = []
+
+    class Counting(Streams):
+        def to_host(self, t):
+            reads.append(t.numel())
+            return super().to_host(t)
+    runtime = SimpleNamespace(streams=Counting(torch.device("cpu")),
+                              optimizer=SimpleNamespace(probation=False, _queued=set()))
+    sp = SequenceParallelForward.__new__(SequenceParallelForward)
+    sp.engine, sp._pending, sp.factor = SimpleNamespace(protrain_runtime=runtime), [], None
+    sp._received(torch.tensor(0.5), 0.5, 1.0)        # the plan's first micro-step: learnt now
+    assert reads == [1] and sp.factor == 0.5
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    for _ in range(3):
+        sp._received(torch.tensor(0.5), 0.5, 1.0)
+        shard((), {"input_ids": ids, "attention_mask": torch.ones(2, 4)}, rank=0, degree=2,
+              shift_labels=False, position_ids=False, check_mask=sp._mask_later)
+    assert reads == [1]
+    sp.verify()
+    assert reads == [1, 6]                           # three factors and three masks, one read
+    padded = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    shard((), {"input_ids": ids, "attention_mask": padded}, rank=0, degree=2, shift_labels=False,
+          position_ids=False, check_mask=sp._mask_later)
+    with pytest.raises(SequenceParallelError, match="padding attention_mask"):
+        sp.verify()
+    sp._received(torch.tensor(0.25), 0.5, 1.0)
+    with pytest.raises(SequenceParallelError, match="scaled by 0.25"):
+        sp.verify()
+    with pytest.raises(SequenceParallelError, match="padding attention_mask"):
+        shard((), {"input_ids": ids, "attention_mask": padded}, rank=0, degree=2, shift_labels=False,
+              position_ids=False)
