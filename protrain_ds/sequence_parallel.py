@@ -160,6 +160,7 @@ class SequenceParallelForward:
             self._pending.append((g.detach(), lambda got: self._check_factor(got, used, scale)))
 
     def _mask_later(self, ones: torch.Tensor) -> None:
+        """``shard``'s check of a training batch's attention mask, read in ``verify``."""
         def check(all_ones: float) -> None:
             if all_ones != 1.0:
                 raise SequenceParallelError(PADDING_MASK)
