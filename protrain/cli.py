@@ -127,6 +127,7 @@ def _config(args) -> PlannerConfig:
     global_first = getattr(args, "clip", 0.0) > 0 or getattr(args, "dtype", "bf16") == "fp16"
     d["cpu_optim_overlap"] = not global_first        # the norm / overflow check needs all gradients
     d["cpu_optim_speculative"] = global_first
+    d["gradient_clipping"] = getattr(args, "clip", 0.0) > 0
     if args.device_memory:
         d["device_memory"] = args.device_memory
     if args.host_memory:

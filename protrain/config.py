@@ -101,6 +101,10 @@ class PlannerConfig:
     speculate_chunks: int | None = None
     """Pin for the number of offloaded chunks that update speculatively (the last ones in
     execution order; more than there are means all). None: the planner chooses."""
+    gradient_clipping: bool = False
+    """Gradients are clipped by their global norm (set by the adapter). In 16-bit training
+    each offloaded parameter's norm is then taken on the device in fp32 as its chunk's
+    gradients leave: a copy of one parameter's gradient the memory model adds to the peak."""
     cpu_optim_overlap: bool = True
     """Whether CPU Adam may update a chunk as soon as its gradient is on the host, overlapping
     the rest of backward (set by the adapter). Gradient clipping and fp16 loss scaling need
@@ -150,7 +154,7 @@ class PlannerConfig:
                 if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_COUNT:
                     raise ConfigError(f"{where}.{key} = {v!r}: must be a whole number from 1 to {MAX_COUNT}")
                 kwargs[key] = v
-        for key in ("cpu_optim_overlap", "cpu_optim_speculative"):
+        for key in ("cpu_optim_overlap", "cpu_optim_speculative", "gradient_clipping"):
             if key in data:
                 if not isinstance(data[key], bool):
                     raise ConfigError(f"{where}.{key} = {data[key]!r}: must be true or false")

@@ -85,6 +85,9 @@ class Prediction:
     iter_time_rolled_back: float = 0.0
     """With speculating chunks: the iteration whose speculation was wrong (the step clips):
     the speculated chunks restored from their backups and updated again after backward."""
+    norm_scratch_bytes: int = 0
+    """Of the peak: the fp32 copy of one 16-bit gradient a clipping norm takes on the device
+    (protrain.cost.memory.norm_scratch_bytes)."""
 
     def expected_iter_time(self, clip_fraction: float) -> float:
         """The mean iteration when a fraction of the steps clip (or overflow), independently,
@@ -261,8 +264,9 @@ class Plan(JsonValue):
             f"CPU Adam {fmt_seconds(p.cpu_optim_time)} with {fmt_seconds(p.cpu_optim_exposed)} exposed)")
         out.append(
             f"  predicted peak device memory {fmt_bytes(p.peak_device_bytes)} (model states "
-            f"{fmt_bytes(p.model_state_bytes)} + activations {fmt_bytes(p.activation_peak_bytes)}, at "
-            f"{p.peak_at}); with {self.memory_margin:.0%} margin "
+            f"{fmt_bytes(p.model_state_bytes)} + activations {fmt_bytes(p.activation_peak_bytes)}"
+            + (f" + clipping norm scratch {fmt_bytes(p.norm_scratch_bytes)}" if p.norm_scratch_bytes else "")
+            + f", at {p.peak_at}); with {self.memory_margin:.0%} margin "
             f"{fmt_bytes(p.peak_device_bytes * (1 + self.memory_margin))} of {fmt_bytes(budget)}")
         out.append(f"  host memory {fmt_bytes(p.host_bytes)} of {fmt_bytes(self.host_memory)} "
                    f"(swapped activations {fmt_bytes(p.swap_host_bytes)}); per iteration H2D "

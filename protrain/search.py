@@ -25,7 +25,8 @@ from .block_mode import CKPT, SEL, BlockMode, layout_block_modes, layout_codes, 
 from .config import ALL, KNOB_NAMES, PlannerConfig
 from .cost.layout import ChunkLayout, build_layout, chunk_capacities
 from .cost.predicted_timeline import predicted_timeline
-from .cost.memory import activation_walk, buffer_numel, offload_bytes, predict_memory, state_bytes
+from .cost.memory import (activation_walk, buffer_numel, norm_scratch_bytes, offload_bytes, predict_memory,
+                          state_bytes)
 from .cost.runtime import backup_times, check_times, chunk_transfer_times, persistent_allreduce_time, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
 from .profile.hardware import HardwareProfile
@@ -264,6 +265,7 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
         host_state = np.zeros(nch + 1, dtype=np.int64)
     buf = buffer_numel(layout, world) * sb.buffer
     nbmin_table = layout.min_buffers_table()
+    scratch = _norm_scratch(profile, config, layout)
 
     lo = layout.min_persist
     if config.model_states_fixed is not None:
@@ -289,13 +291,13 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     fits = np.flatnonzero((acts.act_peak + persist[nps[0]] <= budget)
                           & (acts.ssd <= hw.nvme_free_bytes / (1.0 + config.memory_margin)))
     a_idx, np_idx = (x.ravel() for x in np.meshgrid(fits, nps, indexing="ij"))
-    rem = budget - acts.act_peak[a_idx] - persist[np_idx]
+    rem = budget - acts.act_peak[a_idx] - persist[np_idx] - scratch[np_idx]
     nbmin = nbmin_table[np_idx]
     if pins.n_buffer is not None:
         nb = np.full_like(np_idx, pins.n_buffer)
     else:
         nb = np.clip(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0, nch - np_idx)
-    peak = acts.act_peak[a_idx] + persist[np_idx] + nb * buf
+    peak = acts.act_peak[a_idx] + persist[np_idx] + nb * buf + scratch[np_idx]
     host = host_state[np_idx] + acts.swap_host[a_idx]
     disk_ok = acts.ssd[a_idx] <= hw.nvme_free_bytes / (1.0 + config.memory_margin)
     # Buffers beyond the offloaded chunks would hold nothing (a pinned n_buffer then caps
@@ -548,6 +550,13 @@ def _in_bound_order(lbs: np.ndarray):
 
 def _state_bytes(profile: ModelProfile, config: PlannerConfig):
     return state_bytes(profile.param_bytes, config.grad_accumulation_steps > 1)
+
+
+def _norm_scratch(profile: ModelProfile, config: PlannerConfig, layout) -> np.ndarray:
+    """Per n_persist: the clipping norm's fp32 scratch (none with the framework's own states)."""
+    if config.model_states_fixed is not None:
+        return np.zeros(layout.n_chunks + 1, dtype=np.int64)
+    return norm_scratch_bytes(profile, layout, config.gradient_clipping, config.grad_accumulation_steps > 1)
 
 
 def _carries_over(config: PlannerConfig, hw: HardwareProfile) -> bool:
@@ -901,7 +910,8 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
                               f"spans with n_persist={knobs.n_persist}; use at least {nb_min}")
     world = config.data_parallel_size
     mem = predict_memory(profile, layout, knobs.n_persist, knobs.n_buffer, modes,
-                         _state_bytes(profile, config), world)
+                         _state_bytes(profile, config), world,
+                         norm_scratch=int(_norm_scratch(profile, config, layout)[knobs.n_persist]))
     if config.model_states_fixed is not None:
         mem = replace(mem, model_state_bytes=config.model_states_fixed, host_bytes=mem.swap_host_bytes,
                       peak_device_bytes=config.model_states_fixed + mem.activation_peak_bytes)
@@ -951,7 +961,8 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         model_state_bytes=mem.model_state_bytes, activation_peak_bytes=mem.activation_peak_bytes,
         peak_at=mem.peak_at, host_bytes=mem.host_bytes, swap_host_bytes=mem.swap_host_bytes,
         h2d_bytes=int(t.h2d_bytes[0]), d2h_bytes=int(t.d2h_bytes[0]), ssd_bytes=mem.ssd_bytes,
-        iter_time_unspeculated=unspeculated, iter_time_rolled_back=rolled_back)
+        iter_time_unspeculated=unspeculated, iter_time_rolled_back=rolled_back,
+        norm_scratch_bytes=mem.norm_scratch_bytes)
     return Plan(
         knobs=knobs, block_modes=modes,
         chunks=ChunkSummary(n_chunks=layout.n_chunks, chunk_numel=layout.chunk_numel,
@@ -985,7 +996,7 @@ def _leanest(profile, config, acts, caps, host_memory) -> tuple[float, float]:
         if config.model_states_fixed is not None:
             states = np.full(len(nps), config.model_states_fixed, dtype=np.int64)
             host = np.zeros(len(nps), dtype=np.int64)
-        peak = states[None, :] + acts.act_peak[:, None]
+        peak = (states + _norm_scratch(profile, config, layout)[nps])[None, :] + acts.act_peak[:, None]
         ok = host[None, :] + acts.swap_host[:, None] <= host_memory
         if ok.any():
             a, j = np.unravel_index(np.where(ok, peak, np.inf).argmin(), peak.shape)

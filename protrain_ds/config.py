@@ -38,7 +38,8 @@ _OWN_KEYS = {
 _PLANNER_KEYS = {f.name for f in dataclasses.fields(PlannerConfig)} | set(KNOB_NAMES)
 _DERIVED = {"grad_accumulation_steps": "gradient_accumulation_steps",
             "cpu_optim_overlap": "gradient_clipping / fp16",
-            "cpu_optim_speculative": "gradient_clipping / fp16"}
+            "cpu_optim_speculative": "gradient_clipping / fp16",
+            "gradient_clipping": "gradient_clipping"}
 
 # Memory knobs of DeepSpeed that the plan replaces.
 REPLACED_ZERO_KEYS = ("stage", "offload_param", "offload_optimizer", "sub_group_size",

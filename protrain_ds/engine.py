@@ -412,7 +412,7 @@ class ProTrainEngine(DeepSpeedEngine):
         # Counts are cumulative over re-plans: the new runtime goes on counting in the same record.
         self._protrain_overlap = self._protrain_overlap or self.protrain_runtime.optimizer.stats
         self.protrain_runtime.optimizer.stats = self._protrain_overlap
-        backend = self.protrain_runtime.activations.storage_backend
+        backend = self.protrain_runtime.activations.storage_choice
         if backend and self.global_rank == 0 and self.protrain_config.verbosity >= 1:
             print(f"ProTrain: {plan.knobs.n_ssd} block(s) on NVMe via {backend} in "
                   f"{self.protrain_runtime.activations.rundir.path}", flush=True)
@@ -576,7 +576,7 @@ def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821
     return replace(cfg, grad_accumulation_steps=engine.gradient_accumulation_steps(),
                    cpu_optim_overlap=not (clip > 0 or engine.fp16_enabled()),
                    cpu_optim_speculative=clip > 0 or engine.fp16_enabled(),
-                   data_parallel_size=dp.world)
+                   gradient_clipping=clip > 0, data_parallel_size=dp.world)
 
 
 _LINKS: dict = {}

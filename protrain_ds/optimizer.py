@@ -118,6 +118,9 @@ class ProTrainOptimizer(ZeROOptimizer):
         if self.runtime is None:
             raise RuntimeError("engine.step() before any forward: ProTrain plans at the first "
                                "forward pass, so run engine(batch) and engine.backward(loss) first")
+        sp = getattr(self.engine, "_protrain_sp", None)
+        if sp is not None:
+            sp.verify()             # sequence parallelism's checks, before anything is applied
         self.runtime.step()
         # The holder of the param groups is never stepped itself; tell torch's LR schedulers
         # that an optimizer step did happen (they warn otherwise).

@@ -16,6 +16,9 @@ Trainer multiplies it by the world size when it averages tokens across devices. 
 applies DeepSpeed's factor, checks at the script's backward which factor the loss really
 received, and if it differs at the first micro-step rescales that micro-step's gradients and
 uses the factor from then on (it must stay constant: the loss may be scaled, not transformed).
+Reading that gradient waits for the device, so after the first micro-step it stays there:
+every micro-step's, and the device's verdict on each attention mask (all ones, or refused),
+are read together once per optimizer step (``verify``), before the step applies anything.
 
 Gradients: each rank's backward of its shards, summed over the group, is the gradient of the
 micro-batches' losses; the chunks' reduce-scatter sums over all ranks and divides by the world
@@ -30,7 +33,7 @@ import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import register_output_backward_hooks
 
-from protrain.sp.batch import ShardedLoss, gather, shard
+from protrain.sp.batch import PADDING_MASK, BatchExchange, ShardedLoss, shard
 from protrain.sp.ulysses import SequenceParallelError, new_groups, ulysses_blocks
 
 
@@ -65,6 +68,12 @@ class SequenceParallelForward:
         self.engine = engine
         self.degree = degree
         self.group, self.rank = new_groups(dist.get_world_size(), degree)
+        # The batches' layouts are compared on the host, over gloo, without touching the device.
+        nccl = dist.get_backend(self.group) == "nccl"
+        host_group = new_groups(dist.get_world_size(), degree, backend="gloo")[0] if nccl else self.group
+        self.exchange = BatchExchange(self.group, host_group, degree,
+                                      engine.device if nccl else torch.device("cpu"),
+                                      to_device=lambda t: engine.protrain_runtime.streams.to_device(t))
         self._blocks = ulysses_blocks(blocks, self.group, degree)
         self.modes = self._blocks.__enter__()
         module = engine.module
@@ -76,6 +85,8 @@ class SequenceParallelForward:
         """Gradient the script gives the returned loss, over DeepSpeed's loss scale (learnt at
         the first micro-step; DeepSpeed's 1 / gradient_accumulation_steps until then)."""
         self._expected = None
+        self._pending: list[tuple[torch.Tensor, object]] = []
+        """Device values to check on the host once per step: (0-d tensor, check(value))."""
 
     def close(self) -> None:
         if self._blocks is not None:
@@ -93,10 +104,10 @@ class SequenceParallelForward:
         train = torch.is_grad_enabled() and eng.module.training
         factor = self.factor if self.factor is not None else 1.0 / eng.gradient_accumulation_steps()
         values, out = [], None
-        for j, (a, k) in enumerate(gather(inputs, kwargs, self.group, self.degree)):
+        for j, (a, k) in enumerate(self.exchange(inputs, kwargs)):
             self.substep = j
             a, k = shard(a, k, rank=self.rank, degree=self.degree, shift_labels=self.shift_labels,
-                         position_ids=self.position_ids)
+                         position_ids=self.position_ids, check_mask=self._mask_later if train else None)
             if train and self.use_cache and "use_cache" not in k:
                 k["use_cache"] = False      # a KV cache grows again when a block recomputes
             loss_mode = ShardedLoss(self.group)
@@ -133,11 +144,37 @@ class SequenceParallelForward:
         eng = self.engine
         anchor = torch.zeros((), dtype=value.dtype, device=value.device, requires_grad=True)
         scale = eng.optimizer.cur_scale
-        anchor.register_hook(lambda g: self._check_factor(float(g), factor, scale))
+        anchor.register_hook(lambda g: self._received(g, factor, scale))
         ret = anchor + value
         register_output_backward_hooks(ret, preprocess_once_fn=eng._backward_prologue,
                                        preprocess_per_tensor_fn=eng._backward_prologue_per_tensor)
         return ret
+
+    def _received(self, g: torch.Tensor, used: float, scale: float) -> None:
+        """Backward hook: the gradient the returned loss got. The first micro-step after a plan
+        learns the factor from it now (one host read per plan); the others' are checked in
+        ``verify``."""
+        if self.factor is None:
+            self._check_factor(float(self.engine.protrain_runtime.streams.to_host(g)), used, scale)
+        else:
+            self._pending.append((g.detach(), lambda got: self._check_factor(got, used, scale)))
+
+    def _mask_later(self, ones: torch.Tensor) -> None:
+        """``shard``'s check of a training batch's attention mask, read in ``verify``."""
+        def check(all_ones: float) -> None:
+            if all_ones != 1.0:
+                raise SequenceParallelError(PADDING_MASK)
+        self._pending.append((ones, check))
+
+    def verify(self) -> None:
+        """Before the optimizer step: the checks taken on the device since the last one, with
+        one host read (each would have waited for the device where it was taken)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        values = torch.stack([v.reshape(()).to(torch.float64) for v, _ in pending])
+        for got, (_, check) in zip(self.engine.protrain_runtime.streams.to_host(values).tolist(), pending):
+            check(got)
 
     def _check_factor(self, got: float, used: float, scale: float) -> None:
         actual = got / scale

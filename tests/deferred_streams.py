@@ -25,6 +25,8 @@ DeferredStreams plays the schedules CUDA may play, so that such a bug changes tr
   unregistering a region a queued copy still uses is reported.
 - a helper thread that uses the device without selecting it first (``bind_thread``) is
   reported: on a multi-GPU node it would create a context on, and queue work for, GPU 0.
+- host reads of device data (``to_host``, the runtime's one way to read it) are counted per
+  thread (``host_reads``): each one is a host-device synchronisation on CUDA.
 
 Host work runs on the optimizer's worker thread as it does with a GPU, so the CPU Adam
 overlapping backward is exercised too (copies forced from either thread, under one lock).
@@ -194,6 +196,9 @@ class DeferredStreams(Streams):
         """Queued copies whose device source was freed before they ran (they copied poison)."""
         self.registrations = 0
         """cudaHostRegister calls (``pinned``)."""
+        self.host_reads: list[str] = []
+        """The thread of each host read of device data (``to_host``): on CUDA each one waits
+        for the work queued on the reading thread's stream (a host-device synchronisation)."""
         self._compute_seq = 0
         self._watch: dict[int, _Watch] = {}
         self._host_ranges: dict[int, tuple[int, int]] = {}
@@ -338,6 +343,12 @@ class DeferredStreams(Streams):
 
     def pending(self) -> int:
         return sum(q.pending() for q in self.queues.values())
+
+    def to_host(self, t):
+        self._check_thread("read device data")
+        with self.lock:
+            self.host_reads.append(threading.current_thread().name)
+        return t.clone()
 
     def copy_in_thread(self, dst, src) -> None:
         self._check_thread("copied from a helper thread")

@@ -62,11 +62,15 @@ def run_rank(rank: int, world: int, port: int, runs: list[dict], out_dir: str) -
                                   g[a - lo:b - lo].float().tolist()))
         return update(self, c, g, kernel, coef, *args, **kwargs)
     ChunkOptimizer._update = recording
+    _count_host_waits()
 
     results = {}
     for spec in runs:
         grads.clear()
         try:
+            if spec.get("exchange"):
+                results[spec["name"]] = _exchange(rank, world)
+                continue
             if spec.get("trainer"):
                 import sptrainer
                 ChunkOptimizer._update = update
@@ -84,6 +88,68 @@ def run_rank(rank: int, world: int, port: int, runs: list[dict], out_dir: str) -
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+HOST_WAITS = {"to_host": 0, "all_gather_object": 0}
+"""Host reads of device data (Streams.to_host) and layouts gathered as objects, counted from
+the first training forward of a run to the end of its loop."""
+
+
+def _count_host_waits() -> None:
+    import torch.distributed as dist
+    from protrain.runtime.streams import Streams
+    to_host, gather_object = Streams.to_host, dist.all_gather_object
+
+    def reading(self, t):
+        HOST_WAITS["to_host"] += 1
+        return to_host(self, t)
+
+    def gathering(*a, **k):
+        HOST_WAITS["all_gather_object"] += 1
+        return gather_object(*a, **k)
+    Streams.to_host = reading
+    dist.all_gather_object = gathering
+
+
+def _exchange_batch(step: int, rank: int):
+    """What rank ``rank`` passes to forward at call ``step`` of ``_exchange``: the same layout
+    on every rank for calls 0 and 1, then rank 1 alone changes it (a longer sequence, more
+    keywords: a bool mask, a bf16 0-d tensor, a nested list), then back."""
+    import torch
+    ids = torch.arange(6).view(2, 3) + 10 * step + 100 * rank
+    kwargs = {"labels": torch.full((2, 3), rank), "use_cache": False}
+    if step == 2 and rank == 1:
+        ids = torch.arange(10).view(2, 5) + 7
+        kwargs.update(mask=torch.ones(2, 5, dtype=torch.bool), w=torch.tensor(1.5, dtype=torch.bfloat16),
+                      extra=[torch.tensor([3.0, 4.0]), "text"])
+    return (ids,), kwargs
+
+
+def _exchange(rank: int, world: int) -> dict:
+    """protrain.sp.batch.BatchExchange over the whole world: every rank gets every rank's
+    batch, equal to what that rank passed, across layout changes; layouts travel as objects
+    only when one changed."""
+    import torch
+    import torch.distributed as dist
+    from protrain.sp.batch import BatchExchange
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    ex = BatchExchange(dist.group.WORLD, dist.group.WORLD, world, torch.device("cpu"))
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        if type(a) in (tuple, list):
+            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if type(a) is dict:
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return a == b
+    exchanges, right = [], []
+    for step in range(4):
+        got = ex(*_exchange_batch(step if step < 3 else 0, rank))
+        exchanges.append(ex.layout_exchanges)
+        right.append(all(same(got[q], _exchange_batch(step if step < 3 else 0, q)) for q in range(world)))
+    return {"exchanges": exchanges, "right": right}
 
 
 def budget_between(spec, world: int, degrees=(1, 2)) -> int:
@@ -149,6 +215,7 @@ def _train(rank, world, spec, grads, out_dir) -> dict:
         assert path is not None, path
     losses = []
     start = spec.get("start", 0)
+    HOST_WAITS.update(to_host=0, all_gather_object=0)
     for step in range(start, start + spec["steps"]):
         ids, labels = samples(spec, step)
         grads.append([])
@@ -171,9 +238,10 @@ def _train(rank, world, spec, grads, out_dir) -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+    waits = dict(HOST_WAITS)
     if spec.get("save"):
         engine.save_checkpoint(spec["save"])
-    result = {"losses": losses, "grads": [list(g) for g in grads]}
+    result = {"losses": losses, "grads": [list(g) for g in grads], "host_waits": waits}
     if spec.get("eval"):        # evaluation forwards (no gradient) on step 0's micro-batches
         engine.eval()
         ids, labels = samples(spec, 0)

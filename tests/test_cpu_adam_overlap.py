@@ -300,13 +300,13 @@ def test_host_updates_run_into_the_next_forward_whose_uploads_wait_for_them(monk
     ref_losses, ref_weights = deepspeed_run(model_cfg, clip, 4)
     log, gate, pending_at_return = [], [threading.Event()], []
     finish, step, upload = ChunkOptimizer._finish_chunk, ChunkOptimizer.step, ChunkManager.upload
-    reset, check = ChunkOptimizer._reset_chunk, ChunkOptimizer._take_check
+    reset, check = ChunkOptimizer._reset_chunk, ChunkOptimizer._device_check
     checked = []                      # verdict inputs taken during backward (on the "device")
 
     def checking(self, c, grads):
         checked.append(c.index)
         return check(self, c, grads)
-    monkeypatch.setattr(ChunkOptimizer, "_take_check", checking)
+    monkeypatch.setattr(ChunkOptimizer, "_device_check", checking)
 
     def gated(self, c, *a):
         gate[0].wait(timeout=30)

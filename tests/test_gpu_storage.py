@@ -24,11 +24,16 @@ def test_kvikio_round_trip_on_the_device(dtype, tmp_path):
     run.close()
 
 
-def test_store_choice_on_cuda_is_kvikio_when_it_works(tmp_path):
-    pytest.importorskip("kvikio")
-    from protrain.runtime.storage import choose_store
+def test_store_choice_on_cuda_is_kvikio_exactly_when_it_does_gpudirect_storage(tmp_path):
+    """Without GDS kvikio bounces on streams that synchronise with the compute stream: the
+    POSIX backend then, and the reason says why."""
+    kvikio = pytest.importorskip("kvikio")
+    from protrain.runtime.storage import choose_store, kvikio_gds
+    gds, why = kvikio_gds(kvikio, tmp_path)
     store = choose_store(torch.device("cuda"), tmp_path)
-    assert store.name.startswith("kvikio")
+    print(store.name, store.reason)
+    assert store.name == ("kvikio (GPUDirect Storage)" if gds else "posix"), why
+    assert store.reason == why
     store.close()
 
 

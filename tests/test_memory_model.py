@@ -6,8 +6,8 @@ import numpy as np
 from protrain.block_mode import CKPT, NONE, SWAP, BlockMode
 from protrain.cost.layout import build_layout
 from protrain.cost.memory import (activation_walk, buffer_numel, model_state_device_bytes,
-                                  model_state_host_bytes, predict_memory, state_bytes,
-                                  swap_host_bytes)
+                                  model_state_host_bytes, norm_scratch_bytes, predict_memory,
+                                  state_bytes, swap_host_bytes)
 from protrain.profile.model_profile import ModelProfile, ParamRecord
 
 from conftest import chain_profile, part
@@ -94,6 +94,24 @@ def test_predict_memory_adds_states_and_walk_and_names_the_peak():
     assert m.peak_device_bytes == 10 * 18 + 40 + 55
     assert m.peak_at == "backward of <post>"
     assert m.host_bytes == 20 * 14
+
+
+def test_the_clipping_norm_copies_the_largest_offloaded_16_bit_gradient_to_fp32():
+    """DeepSpeed's per-parameter norm, g.float().norm(2), on the device as each offloaded
+    chunk's gradients leave: 4 bytes per element of the largest parameter offloaded."""
+    prof = chain_profile(block_params=(100, 60), pre_params=30, param_bytes=2)
+    layout = build_layout(prof, 100)           # chunks: [30], [100], [60]
+    got = norm_scratch_bytes(prof, layout, clipping=True, grad_accumulation=False)
+    assert got.tolist() == [400, 400, 240, 0]   # per n_persist 0..3
+    m = predict_memory(prof, layout, 2, 1, (BlockMode.NONE, BlockMode.NONE), norm_scratch=int(got[2]))
+    assert m.norm_scratch_bytes == 240
+    assert m.peak_device_bytes == m.model_state_bytes + m.activation_peak_bytes + 240
+    # none without clipping, with accumulation (the norms are taken on the host), or in fp32
+    # (float() returns the gradient itself)
+    assert not norm_scratch_bytes(prof, layout, clipping=False, grad_accumulation=False).any()
+    assert not norm_scratch_bytes(prof, layout, clipping=True, grad_accumulation=True).any()
+    fp32 = chain_profile(block_params=(100, 60), pre_params=30, param_bytes=4)
+    assert not norm_scratch_bytes(fp32, build_layout(fp32, 100), True, False).any()
 
 
 def test_sharded_host_bytes_and_padded_buffers():

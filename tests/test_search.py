@@ -8,7 +8,7 @@ import pytest
 from protrain.block_mode import layout_block_modes, layout_codes
 from protrain.config import KnobPins, PlannerConfig
 from protrain.cost.layout import build_layout, chunk_capacities
-from protrain.cost.memory import predict_memory, ssd_bytes, state_bytes, swap_host_bytes
+from protrain.cost.memory import norm_scratch_bytes, predict_memory, ssd_bytes, state_bytes, swap_host_bytes
 from protrain.cost.runtime import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
 from protrain.profile.machines import machine
@@ -67,6 +67,7 @@ def _brute_force(profile, hw, config):
     for cap in caps:
         layout = build_layout(profile, cap)
         nch = layout.n_chunks
+        scratch = norm_scratch_bytes(profile, layout, config.gradient_clipping, gas > 1)
         rows = []
         for np_ in range(layout.min_persist, nch + 1):
             nbs = [0] if np_ == nch else range(layout.min_buffers(np_), nch - np_ + 1)
@@ -81,7 +82,7 @@ def _brute_force(profile, hw, config):
                             and pins.n_checkpoint is None:
                         continue
                     modes = layout_block_modes(n, ns, nc, nd, nl)
-                    mem = predict_memory(profile, layout, np_, nb, modes, sb, world)
+                    mem = predict_memory(profile, layout, np_, nb, modes, sb, world, int(scratch[np_]))
                     if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory and \
                             mem.ssd_bytes <= hw.nvme_free_bytes / (1 + config.memory_margin):
                         rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes, nd, nl,
@@ -141,16 +142,19 @@ def test_search_equals_brute_force(case, gas, overlap, world, ssd):
                                                     (15 * GiB // 100, 47 * MiB, 1)])
 def test_search_with_speculating_chunks_equals_brute_force(dev, host, n_speculate):
     """Clipping on: each point's time is the one with its best speculating count, given the
-    host memory its backups find left (47 MiB: room for one) - the ranking is the prediction."""
+    host memory its backups find left (47 MiB: room for one) - the ranking is the prediction;
+    each point's peak has the clipping norm's fp32 scratch in it."""
     hw = small_hw(device_memory=dev, host_memory=host, grad_check_rate=3e9)
     prof = analytic_profile(replace(SMALL, micro_batch=16), hw)
-    config = PlannerConfig(chunk_sizes=(1 * MiB, 2 * MiB), cpu_optim_overlap=False, cpu_optim_speculative=True)
+    config = PlannerConfig(chunk_sizes=(1 * MiB, 2 * MiB), cpu_optim_overlap=False, cpu_optim_speculative=True,
+                           gradient_clipping=True)
     plan = search(prof, hw, config)
     ref = brute_force(prof, hw, config)
     got = (plan.prediction.step_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())
     assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
     assert plan.n_speculate == n_speculate and plan.chunks.n_chunks > plan.knobs.n_persist
     assert plan.prediction.host_bytes <= host
+    assert plan.prediction.norm_scratch_bytes > 0 and prof.param_bytes == 2
     # runner-ups carry the time they were ranked with: each is its own plan's prediction
     assert plan.alternatives or host < GiB          # the tight host leaves one plan
     for alt in plan.alternatives:

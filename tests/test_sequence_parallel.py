@@ -50,6 +50,7 @@ def two(tmp_path_factory, ckpt_dir):
         dict(_run("eager", 2, 2, 1, protrain=dict(sequence_parallel=2), expect_error=True),
              model=dict(kind="llama", kv_heads=2, layers=2, attn="eager")),
         _run("outside", 2, 2, 1, loss_outside=True, protrain=dict(sequence_parallel=2), expect_error=True),
+        dict(name="exchange", exchange=True),
     ]
     return launch(2, runs, str(tmp_path_factory.mktemp("sp_two")))
 
@@ -101,6 +102,25 @@ def test_two_ranks_train_like_one_rank_on_the_same_samples(two, ref, case):
     if case == "gqa":        # evaluation forwards (no_grad, eval mode) give each rank its loss
         got = [r["eval"] for r in runs]
         assert [x for g in got for x in g] == pytest.approx(ref[case][0]["eval"], rel=1e-5)
+
+
+def test_the_hot_path_waits_for_the_device_once_per_step(two):
+    """Per engine call the group compares digests of its batches' layouts (gathered as objects
+    only at the first call); the host reads device data once per optimizer step for the
+    runtime's verdict (clipping at DeepSpeed's default 1.0) and once for sequence
+    parallelism's checks (the factor each micro-step's loss got, learnt with one read at the
+    plan's first micro-step) - not once per micro-step's backward."""
+    for case, steps, gas in (("gqa", 2, 1), ("mha", 2, 2)):
+        for r in two[case]:
+            waits = r["host_waits"]
+            assert waits["all_gather_object"] == 1, (case, waits)
+            assert waits["to_host"] == 2 * steps + (gas > 1), (case, waits)
+
+
+def test_batches_are_exchanged_as_bytes_and_their_layouts_only_when_one_changed(two):
+    for r in two["exchange"]:
+        assert r["right"] == [True] * 4
+        assert r["exchanges"] == [1, 1, 2, 3]      # the first call, rank 1's change, back
 
 
 def test_auto_picks_the_degree_that_fits_and_says_why(two, ref):
@@ -155,3 +175,49 @@ def test_hugging_face_trainer_with_sequence_parallelism(two, ref):
     for a, b in zip(g_run, g_ref):
         for name in b:
             assert float((a[name] - b[name]).abs().max() / b[name].abs().max()) <= 1e-5, name
+
+
+def test_checks_taken_on_the_device_are_read_together_at_the_step():
+    """After the plan's first micro-step, the factor each returned loss got and the verdict
+    on each attention mask stay on the device until the optimizer step reads them, all in one
+    host read; a padding mask or a changed factor is refused there, before the step applies
+    anything. Without a step to wait for (evaluation), a mask is read at once."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from protrain.runtime.streams import Streams
+    from protrain.sp.batch import shard
+    from protrain.sp.ulysses import SequenceParallelError
+    from protrain_ds.sequence_parallel import SequenceParallelForward
+    reads = []
+
+    class Counting(Streams):
+        def to_host(self, t):
+            reads.append(t.numel())
+            return super().to_host(t)
+    runtime = SimpleNamespace(streams=Counting(torch.device("cpu")),
+                              optimizer=SimpleNamespace(probation=False, _queued=set()))
+    sp = SequenceParallelForward.__new__(SequenceParallelForward)
+    sp.engine, sp._pending, sp.factor = SimpleNamespace(protrain_runtime=runtime), [], None
+    sp._received(torch.tensor(0.5), 0.5, 1.0)        # the plan's first micro-step: learnt now
+    assert reads == [1] and sp.factor == 0.5
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    for _ in range(3):
+        sp._received(torch.tensor(0.5), 0.5, 1.0)
+        shard((), {"input_ids": ids, "attention_mask": torch.ones(2, 4)}, rank=0, degree=2,
+              shift_labels=False, position_ids=False, check_mask=sp._mask_later)
+    assert reads == [1]
+    sp.verify()
+    assert reads == [1, 6]                           # three factors and three masks, one read
+    padded = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    shard((), {"input_ids": ids, "attention_mask": padded}, rank=0, degree=2, shift_labels=False,
+          position_ids=False, check_mask=sp._mask_later)
+    with pytest.raises(SequenceParallelError, match="padding attention_mask"):
+        sp.verify()
+    sp._received(torch.tensor(0.25), 0.5, 1.0)
+    with pytest.raises(SequenceParallelError, match="scaled by 0.25"):
+        sp.verify()
+    with pytest.raises(SequenceParallelError, match="padding attention_mask"):
+        shard((), {"input_ids": ids, "attention_mask": padded}, rank=0, degree=2, shift_labels=False,
+              position_ids=False)

@@ -180,6 +180,54 @@ def test_io_errors_stop_training_naming_file_and_offset(tmp_path, monkeypatch):
         train(cfg, UNTIED, 1)
 
 
+def test_closing_with_writes_and_reads_in_flight_waits_for_them_before_the_files(tmp_path, monkeypatch):
+    """An out-of-memory re-plan closes the activation runtime while the SSD pools may still be
+    writing and reading (slow writes injected). Each one running completes - without an error,
+    its bytes in its file before that file is closed - and those not started are dropped
+    (nothing reads them any more)."""
+    from protrain.runtime import storage
+    from protrain.runtime.activations import ActivationRuntime, _Stored
+    from protrain.runtime.streams import Streams
+    started = threading.Semaphore(0)
+    pwrite = storage._pwrite_all
+
+    def slow(f, data, offset, addr):
+        started.release()
+        time.sleep(0.3)
+        pwrite(f, data, offset, addr)
+    monkeypatch.setattr(storage, "_pwrite_all", slow)
+    on_close = {}
+    close = BlockFile.close
+
+    def closing(f):                       # what each file holds when it is closed
+        on_close[f.path.name] = os.pread(f.fd, f.used, 0) if f.fd is not None else None
+        close(f)
+    monkeypatch.setattr(BlockFile, "close", closing)
+    acts = ActivationRuntime([torch.nn.Linear(4, 4)] * 2, [BlockMode.SSD] * 2, Streams(torch.device("cpu")),
+                             torch.device("cpu"), [2**16] * 2, lambda t: None, ssd_root=tmp_path)
+    writes = []
+    for i in range(6):                    # 4 I/O threads: 4 writes run, 2 wait
+        stash = acts.stashes[i % 2]
+        src = torch.full((8192,), i + 1, dtype=torch.uint8)
+        e = _Stored(storage=None, nbytes=src.numel())
+        stash.begin_write(e, src)
+        writes.append((stash.file.path.name, e, src))
+    stash = acts.stashes[0]
+    back = torch.zeros(8192, dtype=torch.uint8)
+    stash.begin_read(writes[0][1], back, None)     # a read waiting for the first write
+    for _ in range(4):
+        assert started.acquire(timeout=10)
+    acts.close()
+    done = [e.out_done for _, e, _ in writes]
+    assert all(f.done() for f in done)
+    for name, e, src in writes:
+        if not e.out_done.cancelled():
+            assert e.out_done.exception() is None
+            assert on_close[name][e.offset:e.offset + src.numel()] == bytes(src.numpy())
+    assert writes[0][1].in_done.exception() is None and torch.equal(back, writes[0][2])
+    assert sum(f.cancelled() for f in done) == 2
+
+
 def test_verify_mode_catches_data_changed_on_the_drive(tmp_path):
     cfg = with_protrain(base_config(), ssd_path=str(tmp_path), ssd_min_bytes=0, ssd_verify=True,
                         **SSD_PLAN)
@@ -299,27 +347,82 @@ def test_posix_backend_stages_device_tensors_through_its_pinned_bounce_buffer(tm
     run.close()
 
 
-def test_kvikio_counts_as_gpudirect_only_on_a_file_system_cufile_serves(tmp_path, monkeypatch):
-    """kvikio's global setting says what it prefers; whether a file's I/O bypasses the host
-    depends on the file system it is on (kvikio falls back per file)."""
+def _fake_kvikio(monkeypatch, *, compat: bool, gds: bool, new_api: bool = True):
+    """A kvikio module in the given state, importable: kvikio 26.x's API (defaults.
+    is_compat_mode_preferred, cufile_driver.get) or an older one (defaults.compat_mode
+    returning a CompatMode, cufile_driver.DriverProperties)."""
     import sys
     import types
-
-    from protrain.runtime import storage
     kvikio = types.ModuleType("kvikio")
-    kvikio.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: False)
     driver = types.ModuleType("kvikio.cufile_driver")
-    driver.DriverProperties = lambda: types.SimpleNamespace(is_gds_available=True)
+    if new_api:
+        kvikio.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: compat)
+        driver.get = lambda key: {"is_gds_available": gds}[key]
+    else:
+        mode = types.SimpleNamespace(name="ON" if compat else "OFF")
+        kvikio.defaults = types.SimpleNamespace(compat_mode=lambda: mode)
+        driver.DriverProperties = lambda: types.SimpleNamespace(is_gds_available=gds)
     kvikio.cufile_driver = driver
     monkeypatch.setitem(sys.modules, "kvikio", kvikio)
     monkeypatch.setitem(sys.modules, "kvikio.cufile_driver", driver)
+    return kvikio
+
+
+@pytest.mark.parametrize("new_api", [True, False])
+def test_kvikio_counts_as_gpudirect_only_with_the_driver_and_a_file_system_cufile_serves(
+        new_api, tmp_path, monkeypatch):
+    """kvikio's global setting says what it prefers, the cuFile driver whether GDS is there;
+    whether a file's I/O bypasses the host depends on its file system (kvikio falls back per
+    file)."""
+    from protrain.runtime import storage
     kind = {"fs": "tmpfs"}
     monkeypatch.setattr(storage, "file_system_type", lambda path: kind["fs"])
-    assert not storage._kvikio_gds(kvikio, tmp_path)
+    kvikio = _fake_kvikio(monkeypatch, compat=False, gds=True, new_api=new_api)
+    gds, why = storage.kvikio_gds(kvikio, tmp_path)
+    assert not gds and "tmpfs" in why
     kind["fs"] = "xfs"
-    assert storage._kvikio_gds(kvikio, tmp_path)
-    kvikio.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: True)
-    assert not storage._kvikio_gds(kvikio, tmp_path)
+    assert storage.kvikio_gds(kvikio, tmp_path) == (True, "GPUDirect Storage on xfs")
+    gds, why = storage.kvikio_gds(_fake_kvikio(monkeypatch, compat=False, gds=False, new_api=new_api), tmp_path)
+    assert not gds and "nvidia-fs" in why
+    gds, why = storage.kvikio_gds(_fake_kvikio(monkeypatch, compat=True, gds=True, new_api=new_api), tmp_path)
+    assert not gds and "compatibility mode" in why
+
+
+@pytest.mark.parametrize("state", ["compat", "no driver", "tmpfs", "gds"])
+def test_store_choice_on_cuda_takes_kvikio_only_with_gpudirect_storage(state, tmp_path, monkeypatch):
+    """On a GPU without GPUDirect Storage kvikio would bounce through host memory on streams
+    that synchronise with the compute stream (a barrier per I/O task): the POSIX backend is
+    chosen instead, and the start-up report says why. With GDS kvikio is tried (here its
+    round trip fails, there being no device: the POSIX backend again, saying so)."""
+    from protrain.runtime import storage
+    from protrain.runtime.streams import Streams
+    _fake_kvikio(monkeypatch, compat=state == "compat", gds=state != "no driver")
+    monkeypatch.setattr(storage, "file_system_type", lambda path: "tmpfs" if state == "tmpfs" else "xfs")
+    tried = []
+
+    class Kvikio:
+        def __init__(self, *a, **k):
+            tried.append(k["root"])
+            raise RuntimeError("no device here")
+    monkeypatch.setattr(storage, "KvikioStore", Kvikio)
+    store = storage.choose_store(torch.device("cuda"), tmp_path, streams=Streams(torch.device("cpu")))
+    try:
+        assert isinstance(store, PosixStore)
+        assert tried == ([tmp_path] if state == "gds" else [])
+        assert {"compat": "compatibility mode", "no driver": "no GPUDirect Storage", "tmpfs": "tmpfs",
+                "gds": "failed a GPUDirect Storage round trip"}[state] in store.reason
+    finally:
+        store.close()
+
+
+def test_the_start_up_report_names_the_backend_and_why(tmp_path):
+    from protrain.runtime.activations import ActivationRuntime
+    from protrain.runtime.streams import Streams
+    blocks = [torch.nn.Linear(4, 4)]
+    acts = ActivationRuntime(blocks, [BlockMode.SSD], Streams(torch.device("cpu")), torch.device("cpu"),
+                             [2**12], lambda t: None, ssd_root=tmp_path)
+    assert acts.storage_backend == "posix" and acts.storage_choice == "posix (no CUDA device)"
+    acts.close()
 
 
 def test_file_system_type_reads_the_mount_table(tmp_path):

@@ -29,6 +29,8 @@ the keep-all profile and subtracts what the block modes free:
 
 The profile's peaks come from the device allocator on CUDA, so intra-op transients (workspaces)
 and inter-op deltas (allocations outside hooked ops) are already inside fwd_peak / bwd_peak.
+One transient of the runtime's own is not in the profile and is added to the peak: the fp32
+copy a clipping norm takes of a 16-bit gradient on the device (``norm_scratch_bytes``).
 A fragmentation margin is applied by the caller when checking feasibility.
 """
 from __future__ import annotations
@@ -94,6 +96,27 @@ def model_state_host_bytes(layout: ChunkLayout, n_persist, sb: StateBytes, world
     ``world`` data-parallel ranks each keeps a 1/world shard of every offloaded chunk."""
     shard = np.concatenate([[0], np.cumsum([-(-u // world) for u in layout.used], dtype=np.int64)])
     return (shard[-1] - shard[np.asarray(n_persist)]) * sb.host
+
+
+def norm_scratch_bytes(profile: ModelProfile, layout: ChunkLayout, clipping: bool,
+                       grad_accumulation: bool) -> np.ndarray:
+    """Per n_persist (0 .. n_chunks): device bytes of the fp32 copy a clipping norm makes of a
+    16-bit gradient. Each offloaded chunk's parameter norms are taken on the device as its
+    gradients leave, in DeepSpeed's arithmetic, ``g.float().norm(2)`` - kept because
+    ``vector_norm(g, dtype=float32)`` reads 16-bit input with another reduction layout on
+    CUDA (not the same bits) - one parameter at a time: 4 bytes x the largest parameter in
+    chunks n_persist and after. 0 in fp32 (``float()`` is the tensor itself), without
+    clipping, and with accumulation (the norms are then taken on the host). Added to the
+    peak wherever in backward it happens (a bound)."""
+    n = layout.n_chunks
+    out = np.zeros(n + 1, dtype=np.int64)
+    if not clipping or grad_accumulation or profile.param_bytes >= 4 or n == 0:
+        return out
+    largest = np.zeros(n, dtype=np.int64)
+    for rec, c in zip(profile.params, layout.param_chunk):
+        largest[c] = max(largest[c], rec.numel)
+    out[:n] = 4 * np.maximum.accumulate(largest[::-1])[::-1]
+    return out
 
 
 # ---- activations ----------------------------------------------------------------------
@@ -183,7 +206,8 @@ def swap_host_bytes(profile: ModelProfile, block_modes) -> np.ndarray:
 @dataclass(frozen=True, slots=True)
 class MemoryPrediction:
     peak_device_bytes: int
-    """Predicted peak of allocated device bytes (model states + activation peak)."""
+    """Predicted peak of allocated device bytes (model states + activation peak + the clipping
+    norm's fp32 scratch)."""
     model_state_bytes: int
     """Persistent chunks and chunk buffers."""
     activation_peak_bytes: int
@@ -196,11 +220,14 @@ class MemoryPrediction:
     """Of which swapped activations."""
     ssd_bytes: int = 0
     """Activations written to NVMe per iteration (disk space needed)."""
+    norm_scratch_bytes: int = 0
+    """The clipping norm's fp32 copy of one 16-bit gradient (``norm_scratch_bytes``)."""
 
 
 def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n_buffer: int,
                    modes: tuple[BlockMode, ...], sb: StateBytes | None = None,
-                   world: int = 1) -> MemoryPrediction:
+                   world: int = 1, norm_scratch: int = 0) -> MemoryPrediction:
+    """``norm_scratch``: ``norm_scratch_bytes(...)[n_persist]``."""
     sb = sb or state_bytes(profile.param_bytes)
     codes = np.array([[m.code for m in modes]], dtype=np.int8)
     act, where = activation_walk(profile, codes)
@@ -210,11 +237,11 @@ def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n
     w = int(where[0])
     peak_at = f"{'forward' if w % 2 == 0 else 'backward'} of {profile.parts[w // 2].name}"
     return MemoryPrediction(
-        peak_device_bytes=states + int(act[0]), model_state_bytes=states,
+        peak_device_bytes=states + int(act[0]) + norm_scratch, model_state_bytes=states,
         activation_peak_bytes=int(act[0]), peak_at=peak_at, host_bytes=host, swap_host_bytes=swap,
-        ssd_bytes=int(ssd_bytes(profile, codes)[0]))
+        ssd_bytes=int(ssd_bytes(profile, codes)[0]), norm_scratch_bytes=norm_scratch)
 
 
-__all__ = ["StateBytes", "state_bytes", "model_state_device_bytes",
+__all__ = ["StateBytes", "state_bytes", "model_state_device_bytes", "norm_scratch_bytes",
            "model_state_host_bytes", "activation_walk", "offload_bytes", "swap_host_bytes", "ssd_bytes", "MemoryPrediction",
            "predict_memory", "NONE", "CKPT", "SWAP"]

@@ -106,7 +106,7 @@ class _Steps:
             opt._stale.discard(c.index)
             for s in c.slots:
                 s.has_grad = True
-            opt._take_check(c, grads)
+            opt._host_check(c, grads)
         opt._dirty = True
         t = time.perf_counter()
         opt.step()

@@ -237,19 +237,28 @@ class ActivationRuntime:
     def storage_backend(self) -> str | None:
         return self.store.name if self.store is not None else None
 
+    @property
+    def storage_choice(self) -> str | None:
+        """The NVMe backend and why it was chosen (``choose_store``), for the start-up report."""
+        reason = getattr(self.store, "reason", None)
+        return f"{self.store.name} ({reason})" if reason else self.storage_backend
+
     def close(self) -> None:
         if self._ckpt is not None:
             self._ckpt.__exit__(None, None, None)
             self._ckpt = None
         self.streams.synchronize()       # no queued copy may still use what is given back
+        if self.store is not None:
+            # Drained before the files close: a write or read still running uses their file
+            # descriptors (closed, one would fail; reused by the next open, it would write into
+            # another file - the new plan's, after an out-of-memory re-plan).
+            self.store.close()
+            self.store = None
         for stash in self.stashes.values():
             if isinstance(stash, SSDStash):
                 stash.file.close()
             else:
                 stash.close()
-        if self.store is not None:
-            self.store.close()
-            self.store = None
         if self.rundir is not None:
             self.rundir.close()
             self.rundir = None

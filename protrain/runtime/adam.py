@@ -111,7 +111,9 @@ class TorchAdamKernel:
             raise ValueError("torch's Adam always applies bias correction; set "
                              "\"bias_correction\": true or drop \"torch_adam\"")
         dev = master.device if self.fused else torch.device("cpu")
-        step_t = torch.tensor(float(step - 1), dtype=torch.float32, device=dev)  # incremented inside
+        # Incremented inside. A fill, not torch.tensor(): a host value copied to the device
+        # with a blocking copy would synchronise with the compute stream on every update.
+        step_t = torch.full((), float(step - 1), dtype=torch.float32, device=dev)
         fn = _torch_adamw.adamw if h.adamw else _torch_adam.adam
         fn([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], foreach=False,
            fused=self.fused, amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr,

@@ -304,8 +304,10 @@ class ChunkManager:
         gradient are zeroed first); with several ranks they are summed and averaged into this
         rank's shard (reduce-scatter); the shard is copied to ``target`` on the offload queue
         and the buffer is free once the copy is done. ``check(c, shard)``: called with this
-        rank's gradients on the device, on the queue that made them, before the copy (which
-        waits for what it enqueues: results are valid once ``c.grads_on_host`` is)."""
+        rank's gradients on the device, on the queue that made them; it returns (host, device),
+        a small result copied to the host on the offload queue just before the gradients: on
+        the host once ``c.grads_on_host`` has happened, read with no synchronisation of its
+        own (the caller keeps ``device`` alive until then)."""
         buf = self.pool.tensors[c.buffer]
         for s in c.slots:
             if not s.has_grad:
@@ -318,17 +320,17 @@ class ChunkManager:
             with self.streams.side("offload", after=after):
                 mine = self.dp.reduce_scatter_(buf, c.shard_size)
                 mine.div_(self.dp.world)          # DeepSpeed averages gradients over ranks
-                if check is not None:
-                    check(c, mine)
+                verdict = check(c, mine) if check is not None else None
                 after = self.streams.record_on("offload")
         else:
             mine = buf[:c.numel]
-            if check is not None:
-                check(c, mine)
+            verdict = check(c, mine) if check is not None else None
             # after every write above and the check's reads: the buffer is reused once the
             # copy (which waits for this) is done
             after = self.streams.compute_event()
         t = self.tracer.now() if self.tracer is not None else 0.0
+        if verdict is not None:
+            self.streams.copy(*verdict, "offload", after=after)   # FIFO: before the gradients
         done = self.streams.copy(target, mine, "offload", after=after)
         if self.tracer is not None:
             self.tracer.add("d2h", "offload", f"chunk {c.index}", t, self.tracer.now())

@@ -26,6 +26,13 @@
 Gradient clipping reproduces DeepSpeed's ``clip_grad_norm_`` exactly (per-parameter norms in
 module order, stacked, combined, ``max_norm / (norm + 1e-6)`` capped at 1), so fp32 runs match
 DeepSpeed bit for bit. fp16 uses DeepSpeed's own dynamic loss scaler.
+
+Host reads of device data wait for everything queued before them (on a GPU the device then
+idles until the host queues more), so there is one per step: the overflow flag and the global
+norm together (``_verdict``, through ``Streams.to_host``). An offloaded chunk's part of them is
+taken on the device as its gradients leave and copied to pinned host memory on the offload
+queue just before them (``_device_check``): the worker reads it once the gradients are on the
+host, without a synchronisation of its own.
 """
 from __future__ import annotations
 
@@ -214,8 +221,11 @@ class ChunkOptimizer:
         self.overflow = False
         self.global_grad_norm: float | None = None
         self._checks: dict[int, _ChunkCheck] = {}
-        """This step's verdict inputs of offloaded chunks, taken by the worker as their gradients
-        landed (``_check``); a chunk without one is checked in step()."""
+        """This step's verdict inputs of offloaded chunks, taken on the device as their
+        gradients left (``_device_check``) or on the host as they landed (``_host_check``); a
+        chunk without one is checked in step()."""
+        self._verdict_room = self._verdict_regions(offloaded)
+        """Per offloaded chunk, pinned host memory its device check is copied into."""
         self._param_index = {p: i for i, p in enumerate(params_in_order)}
         self._stale: set[int] = set()
         """Offloaded chunks whose fp32 gradient region still holds an earlier step's gradients.
@@ -287,7 +297,7 @@ class ChunkOptimizer:
             self._stale.discard(c.index)          # the copy below overwrites the region whole
             # The chunk's part of the step's verdict (norms, overflow) taken on the device,
             # where the gradients are, as DeepSpeed does for offloaded gradients.
-            self.m.offload_grads(c, self._landing(c), check=self._take_check if verdict else None)
+            self.m.offload_grads(c, self._landing(c), check=self._device_check if verdict else None)
         else:
             slot = self._take_staging()
             self.m.offload_grads(c, self._staging[slot][:c.shard_size])
@@ -355,8 +365,9 @@ class ChunkOptimizer:
                 for c in self.m.chunks:
                     if c.persistent:    # replicated: average the gradients over ranks
                         dp.all_reduce_(c.grad).div_(dp.world)
+            overflow, norm = self._verdict(inv_scale)
             if self.loss_scaler is not None:
-                self.overflow = self._has_overflow()
+                self.overflow = overflow
                 self.loss_scaler.update_scale(self.overflow)
                 if self.overflow:
                     log.info("protrain: fp16 overflow, step skipped; loss scale now %s",
@@ -369,10 +380,11 @@ class ChunkOptimizer:
                     self.stats.exposed_s = time.perf_counter() - t0
                     return
             if self.clip > 0:
-                norm = self._global_norm(inv_scale)
+                # DeepSpeed's coefficient, on the host (fp32 add, divide and min: the same bits
+                # as on the device); the device Adam gets its own copy below.
                 self.global_grad_norm = float(norm)
-                max_norm = torch.tensor([float(self.clip)], device=norm.device)
-                clip_coef = torch.min(torch.tensor([1.0], device=norm.device), max_norm / (norm + 1e-6))
+                max_norm = torch.tensor([float(self.clip)])
+                clip_coef = torch.min(torch.tensor([1.0]), max_norm / (norm + 1e-6))
                 coef = clip_coef if inv_scale == 1.0 else clip_coef * inv_scale
             elif inv_scale != 1.0:
                 coef = torch.tensor([inv_scale])
@@ -401,9 +413,10 @@ class ChunkOptimizer:
                 self.worker.submit(lambda c=c, a=action, sp=sp, coef=coef, seg=segments:
                                    self._finish_chunk(c, a, sp, coef, seg))
             t_dev = time.perf_counter()
+            coef_dev = self.streams.to_device(coef) if coef is not None else None
             for c in self.m.chunks:
                 if c.persistent:
-                    self._device_update(c, coef)
+                    self._device_update(c, coef_dev)
                     self._reset_chunk(c)
             t0 += time.perf_counter() - t_dev        # device Adam is not CPU Adam's exposure
             self._trace("compute", "device_adam", "persistent chunks", t_dev)
@@ -553,7 +566,7 @@ class ChunkOptimizer:
         self.streams.host_wait(c.grads_on_host)
         with self._pause():
             grads = self._landing(c)
-            check = self._checks.get(c.index) or self._take_check(c, grads)
+            check = self._checks.get(c.index) or self._host_check(c, grads)
             sp = _Speculation(steps=[s.step for s in c.slots], hypers=self._hypers(c))
             self._spec[c.index] = sp
             if not check.finite:
@@ -569,23 +582,54 @@ class ChunkOptimizer:
         self.streams.host_wait(c.grads_on_host)
         t = time.perf_counter()
         with self._pause():
-            self._take_check(c, self._landing(c))
+            self._host_check(c, self._landing(c))
         self._trace("cpu_adam", "check", f"chunk {c.index}", t)
 
-    def _take_check(self, c: Chunk, grads: torch.Tensor) -> "_ChunkCheck":
-        """The gradient norm of each parameter of ``c`` held whole in this rank's shard (the
-        clipping norm's terms, DeepSpeed's arithmetic) and whether any gradient is not finite
-        (fp16 loss scaling), from ``grads`` (the shard's gradients, on the device or the host);
-        kept for step(), as tensors on ``grads``' device (no synchronisation here)."""
-        norms = {}
+    def _verdict_regions(self, offloaded: list[Chunk]) -> dict[int, torch.Tensor]:
+        """Pinned host room for each offloaded chunk's device check (a flag, and with clipping
+        the norm of each parameter held whole in this rank's shard), in one registration."""
+        if not offloaded or not (self.clip > 0 or self.loss_scaler is not None):
+            return {}
+        sizes = {c.index: 1 + (sum(c.shard_lo <= s.offset and s.stop <= c.shard_hi for s in c.slots)
+                               if self.clip > 0 else 0) for c in offloaded}
+        room = self.streams.pinned(sum(sizes.values()), torch.float32)
+        regions, at = {}, 0
+        for i, n in sizes.items():
+            regions[i], at = room[at:at + n], at + n
+        return regions
+
+    def _take_check(self, c: Chunk, grads: torch.Tensor) -> tuple[dict[int, int], torch.Tensor]:
+        """``c``'s part of the step's verdict from ``grads`` (its shard's gradients, on the
+        device or the host), with no synchronisation: one fp32 vector on ``grads``' device -
+        1.0 if a gradient is not finite (fp16 loss scaling; else 0.0), then with clipping the
+        norm of each parameter held whole in the shard (DeepSpeed's arithmetic) - and where
+        each parameter's norm is in it (module index -> position)."""
+        at, terms = {}, []
         if self.clip > 0:
             whole = self.m.dp.world > 1
             for s in c.slots:
                 if (s.has_grad or whole) and c.shard_lo <= s.offset and s.stop <= c.shard_hi:
-                    norms[self._param_index[s.param]] = \
-                        grads[s.offset - c.shard_lo:s.stop - c.shard_lo].float().norm(2)
-        bad = _has_inf_or_nan(grads[:c.shard_hi - c.shard_lo]) if self.loss_scaler is not None else None
-        check = self._checks[c.index] = _ChunkCheck(norms, bad)
+                    at[self._param_index[s.param]] = 1 + len(terms)
+                    terms.append(grads[s.offset - c.shard_lo:s.stop - c.shard_lo].float().norm(2))
+        if self.loss_scaler is not None:
+            bad = _has_inf_or_nan(grads[:c.shard_hi - c.shard_lo]).float()
+        else:
+            bad = torch.zeros((), dtype=torch.float32, device=grads.device)
+        return at, torch.stack([bad] + terms)
+
+    def _device_check(self, c: Chunk, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the device, as ``c``'s gradients leave (``ChunkManager.offload_grads``): its check,
+        and (host, device) for the offload queue to copy it just before the gradients - so the
+        worker and step() read it on the host once ``grads_on_host`` has happened, with no
+        host read of device data (which would wait for all of backward queued so far)."""
+        at, values = self._take_check(c, shard)
+        host = self._verdict_room[c.index][:values.numel()]
+        self._checks[c.index] = _ChunkCheck(at, host, device=values)
+        return host, values
+
+    def _host_check(self, c: Chunk, grads: torch.Tensor) -> "_ChunkCheck":
+        """Worker or step(): ``c``'s check from its gradients on the host."""
+        check = self._checks[c.index] = _ChunkCheck(*self._take_check(c, grads))
         return check
 
     def _applied(self) -> list[int]:
@@ -637,36 +681,65 @@ class ChunkOptimizer:
         src = c.grad if c.persistent else self._landing(c)
         return src[s.offset:s.stop].view(s.shape)
 
+    def _verdict(self, inv_scale: float) -> tuple[bool, torch.Tensor | None]:
+        """Whether any gradient is not finite on any rank (fp16 loss scaling) and the global
+        gradient norm (clipping; a 0-d host tensor), with one host read of device data for
+        the whole step. The norm is taken even when the step overflows (it is not used then):
+        reading both at once saves a synchronisation, and every rank runs the same
+        collectives either way."""
+        parts = []
+        if self.loss_scaler is not None:
+            parts.append(self._overflow_flag())
+        if self.clip > 0:
+            parts.append(self._global_norm(inv_scale).reshape(1))
+        if not parts:
+            return False, None
+        host = self.streams.to_host(torch.cat(parts))
+        overflow = self.loss_scaler is not None and bool(host[0] > 0)
+        return overflow, (host[-1] if self.clip > 0 else None)
+
     def _global_norm(self, inv_scale: float) -> torch.Tensor:
         """DeepSpeed's clip_grad_norm_ arithmetic (deepspeed/runtime/utils.py): each
-        parameter's norm, in module order, stacked, squared, summed, square-rooted. With
-        several ranks the same, over gradients no rank holds whole (``_sharded_norms``), so the
-        clipping coefficient is DeepSpeed ZeRO-0's to the bit."""
+        parameter's norm, in module order, stacked, squared, summed, square-rooted, on the
+        device. With several ranks the same, over gradients no rank holds whole
+        (``_sharded_norms``), so the clipping coefficient is DeepSpeed ZeRO-0's to the bit."""
         if self.m.dp.world > 1:
             norms = self._sharded_norms()
         else:
-            norms = []
+            found = {}
             for i, p in enumerate(self.params_in_order):
                 c, _ = self.m.slot_of[p]
                 taken = self._checks.get(c.index)
-                if taken is not None and i in taken.norms:
-                    n = taken.norms[i]
-                    norms.append(n.cpu() if n.device.type != "cpu" else n)
+                if taken is not None and i in taken.at:
+                    found[i] = taken.norm(i)
                     continue
                 g = self._grad_view(p)
                 if g is not None:
-                    n = g.detach().float().norm(2)
-                    norms.append(n.cpu() if n.device.type != "cpu" else n)
-            if not norms:
-                return torch.tensor([0.0])
-            norms = torch.stack(norms)
+                    found[i] = g.detach().float().norm(2)
+            if not found:
+                return torch.zeros(1, device=self.m.device)
+            norms = self._stacked(found)
         total = norms.pow(2.0).sum().float().pow(1.0 / 2.0)
         total = total * 1.0 / 1.0
         return total * inv_scale if inv_scale != 1.0 else total
 
+    def _stacked(self, norms: dict[int, torch.Tensor], length: int | None = None) -> torch.Tensor:
+        """Per-parameter norms (module index -> 0-d fp32 tensor, on the host or the device)
+        as one vector on the device in module order: those given, or every index below
+        ``length`` with 0 for those missing. No host read: the host ones go up in one copy."""
+        dev = self.m.device
+        order = range(length) if length is not None else sorted(norms)
+        up = [i for i in order if i in norms and norms[i].device.type == "cpu"] if dev.type != "cpu" else []
+        if up:
+            moved = self.streams.to_device(torch.stack([norms[i] for i in up]))
+            norms = {**norms, **dict(zip(up, moved.unbind()))}
+        zero = torch.zeros((), device=dev) if length is not None else None
+        return torch.stack([norms.get(i, zero) for i in order])
+
     def _sharded_norms(self) -> torch.Tensor:
         """Every parameter's gradient norm, in module order, on every rank, as DeepSpeed
-        ZeRO-0 computes it from the all-reduced gradient (every parameter has one then).
+        ZeRO-0 computes it from the all-reduced gradient (every parameter has one then); on
+        the device, with no host read.
 
         An offloaded chunk's gradient is reduce-scattered: a parameter wholly inside one
         rank's shard has its norm taken there; the few that straddle a shard boundary are
@@ -682,7 +755,6 @@ class ChunkOptimizer:
             if not c.persistent and s.offset // c.shard_size != (s.stop - 1) // c.shard_size:
                 straddling.append((i, c, s, size))
                 size += s.stop - s.offset
-        norms = torch.zeros(len(params), dtype=torch.float32)
         whole = torch.zeros(size, dtype=torch.float32)
         for i, c, s, at in straddling:
             a, b = max(s.offset, c.shard_lo), min(s.stop, c.shard_hi)
@@ -690,39 +762,39 @@ class ChunkOptimizer:
                 whole[at + a - s.offset:at + b - s.offset].copy_(
                     self._landing(c)[a - c.shard_lo:b - c.shard_lo])
         if size:
-            whole = dp.all_reduce_(whole.to(self.m.device)).cpu()
+            whole = dp.all_reduce_(self.streams.to_device(whole))
+        norms = {}
         for i, p in enumerate(params):
             c, s = self.m.slot_of[p]
             if c.persistent:
                 if dp.rank == 0:
-                    norms[i] = c.grad[s.offset:s.stop].float().norm(2).cpu()
-            elif c.index in self._checks and i in self._checks[c.index].norms:
-                norms[i] = self._checks[c.index].norms[i]
+                    norms[i] = c.grad[s.offset:s.stop].float().norm(2)
+            elif c.index in self._checks and i in self._checks[c.index].at:
+                norms[i] = self._checks[c.index].norm(i)
             elif c.shard_lo <= s.offset and s.stop <= c.shard_hi:
                 norms[i] = self._landing(c)[s.offset - c.shard_lo:s.stop - c.shard_lo].float().norm(2)
         if dp.rank == 0:
             for i, c, s, at in straddling:
                 norms[i] = whole[at:at + s.stop - s.offset].norm(2)
-        return dp.all_reduce_(norms.to(self.m.device)).cpu()
+        return dp.all_reduce_(self._stacked(norms, len(params)))
 
-    def _has_overflow(self) -> bool:
-        """Any gradient not finite, on any rank (the offloaded chunks' flags mostly taken during
-        backward by ``_check``)."""
-        bad = False
+    def _overflow_flag(self) -> torch.Tensor:
+        """1.0 if any gradient is not finite on any rank, else 0.0: a one-element fp32 tensor
+        on the device (the offloaded chunks' flags mostly taken during backward, on the host
+        by now)."""
+        dev = self.m.device
+        on_device, bad = [], False
         for c in self.m.chunks:
             if c.persistent:
-                bad = bool(_has_inf_or_nan(c.grad))
+                on_device.append(_has_inf_or_nan(c.grad))
             elif c.index in self._checks:
-                bad = not self._checks[c.index].finite
-            else:
+                bad = bad or not self._checks[c.index].finite
+            elif not bad:             # on the host: a host read, no synchronisation
                 bad = bool(_has_inf_or_nan(self._landing(c)[:c.shard_hi - c.shard_lo]))
-            if bad:
-                break
-        dp = self.m.dp
-        if dp.world > 1:
-            flag = dp.all_reduce_(torch.tensor([float(bad)], device=self.m.device), dist_max())
-            return bool(flag.item() > 0)
-        return bad
+        flag = torch.full((1,), float(bad), device=dev)
+        if on_device:
+            flag = torch.maximum(flag, torch.stack(on_device).any().float().reshape(1))
+        return self.m.dp.all_reduce_(flag, dist_max())
 
     def _restore_params_after_skip(self) -> None:
         """Gradients may have landed over the host copy of the parameters; put it back."""
@@ -743,18 +815,24 @@ def _has_inf_or_nan(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _ChunkCheck:
-    """An offloaded chunk's part of the step's verdict. Read only once the chunk's gradients
-    are on the host (``grads_on_host`` waited for): taken on the device, on the queue before
-    their copy, the values are final then."""
-    norms: dict
-    """Parameter index (module order) -> its gradient's norm (a 0-d tensor), for the chunk's
-    parameters held whole in this rank's shard (with clipping; else empty)."""
-    bad: torch.Tensor | None
-    """Any gradient of the shard not finite (a 0-d bool tensor; None without loss scaling)."""
+    """An offloaded chunk's part of the step's verdict (``ChunkOptimizer._take_check``), on the
+    host. Taken on the device, it is copied there on the offload queue just before the
+    gradients: read it only once ``grads_on_host`` has been waited for."""
+    at: dict[int, int]
+    """Parameter index (module order) -> position of its gradient's norm in ``values``, for
+    the chunk's parameters held whole in this rank's shard (with clipping; else empty)."""
+    values: torch.Tensor
+    """Host fp32: [1.0 if any gradient of the shard is not finite else 0.0, norms...]."""
+    device: torch.Tensor | None = None
+    """The device vector the copy reads, kept alive until the step is over (the copy is done
+    by then; on CUDA the allocator would hand a dropped one to the next tensor at once)."""
 
     @property
     def finite(self) -> bool:
-        return self.bad is None or not bool(self.bad)
+        return float(self.values[0]) == 0.0
+
+    def norm(self, i: int) -> torch.Tensor:
+        return self.values[self.at[i]]
 
 
 @dataclass

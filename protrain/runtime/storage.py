@@ -1,12 +1,12 @@
-"""Activation storage on NVMe: one interface, three backends, chosen automatically.
+"""Activation storage on NVMe: one interface, two backends, chosen automatically.
 
 - ``kvikio`` with GPUDirect Storage: device memory <-> NVMe, no bounce through the host;
-- ``kvikio`` in compatibility mode: the same calls, kvikio bounces through pinned host memory
-  (GDS driver missing) - the copies then share PCIe with chunk traffic;
 - ``posix``: a thread pool doing pread/pwrite (O_DIRECT when buffer, size and offset are
-  aligned), for machines where kvikio cannot run (no libcuda: CPU machines, CI). Device
-  tensors are staged through a pinned bounce buffer per thread, copied on that thread's own
-  stream (``Streams.copy_in_thread``), never on the compute stream.
+  aligned), everywhere else: CPU machines and CI, and GPUs without GDS. Device tensors are
+  staged through a pinned bounce buffer per thread, copied on that thread's own stream
+  (``Streams.copy_in_thread``), never on the compute stream. kvikio's compatibility mode
+  would bounce the same way, but on streams that synchronise with the compute stream
+  (``choose_store``), so it is not used.
 
 Writes and reads are asynchronous (futures) on separate store and load pools; a write starts
 only after the event of the stream that produced the data. Every error names the file and the
@@ -336,8 +336,10 @@ class PosixStore:
         return None
 
     def close(self) -> None:
-        self.store_pool.shutdown(wait=True)
-        self.load_pool.shutdown(wait=True)
+        """Wait for the writes and reads running, drop those not started (nothing reads them
+        any more), give the bounce buffers back."""
+        self.store_pool.shutdown(wait=True, cancel_futures=True)
+        self.load_pool.shutdown(wait=True, cancel_futures=True)
         for t in self._bounce_buffers:
             self.streams.unpin(t)
         self._bounce_buffers = []
@@ -381,8 +383,9 @@ def _pread_all(f: BlockFile, buf: memoryview, offset: int, addr: int) -> None:
 
 
 class KvikioStore:
-    """kvikio CuFile reads/writes straight from/to device memory (GDS, or its compatibility
-    mode with a pinned bounce buffer when the GDS driver is absent)."""
+    """kvikio CuFile reads/writes straight from/to device memory with GPUDirect Storage
+    (``choose_store`` takes it only then; in kvikio's compatibility mode its bounce copies
+    would serialise with the compute stream)."""
 
     name = "kvikio"
 
@@ -393,11 +396,14 @@ class KvikioStore:
         import kvikio
         import kvikio.defaults
         self.kvikio = kvikio
+        self.gds, self.reason = kvikio_gds(kvikio, root)
+        # Below gds_threshold kvikio takes its POSIX path even with GDS: a bounce through a
+        # CU_STREAM_DEFAULT stream, which serialises with the compute stream.
+        settings = {"num_threads": threads, "gds_threshold": 0} if self.gds else {"num_threads": threads}
         try:
-            kvikio.defaults.set({"num_threads": threads})
-        except Exception:  # noqa: BLE001 - older kvikio: keep its default
+            kvikio.defaults.set(settings)
+        except Exception:  # noqa: BLE001 - older kvikio: keep its defaults
             pass
-        self.gds = _kvikio_gds(kvikio, root)
         self.name = "kvikio (GPUDirect Storage)" if self.gds else "kvikio (compatibility mode)"
         self.shares_pcie = not self.gds
         bind = streams.bind_thread if streams is not None else None
@@ -446,8 +452,9 @@ class KvikioStore:
         return None
 
     def close(self) -> None:
-        self.store_pool.shutdown(wait=True)
-        self.load_pool.shutdown(wait=True)
+        """As PosixStore.close, then the cuFile handles."""
+        self.store_pool.shutdown(wait=True, cancel_futures=True)
+        self.load_pool.shutdown(wait=True, cancel_futures=True)
         for cu in self._files.values():
             try:
                 cu.close()
@@ -456,17 +463,27 @@ class KvikioStore:
 
 
 def _kvikio_compat(kvikio) -> bool:
-    """Whether kvikio will bounce through host memory (no GDS)."""
+    """Whether kvikio prefers its compatibility mode (POSIX I/O through its own bounce
+    buffers, no cuFile): ``KVIKIO_COMPAT_MODE=ON``, or AUTO without a usable libcufile."""
     defaults = kvikio.defaults
-    for probe in ("is_compat_mode_preferred", "compat_mode"):
-        fn = getattr(defaults, probe, None)
-        if fn is not None:
-            try:
-                v = fn()
-                return bool(v) if not hasattr(v, "name") else v.name == "ON"
-            except Exception:  # noqa: BLE001
-                continue
+    fn = getattr(defaults, "is_compat_mode_preferred", None)          # kvikio >= 24.12
+    if fn is not None:
+        return bool(fn())
+    fn = getattr(defaults, "compat_mode", None)                       # older: a bool or an enum
+    if fn is not None:
+        v = fn()
+        return v.name != "OFF" if hasattr(v, "name") else bool(v)
     return True
+
+
+def _gds_available(kvikio) -> bool:
+    """Whether the cuFile driver says GPUDirect Storage is available (nvidia-fs, or P2P DMA)."""
+    import kvikio.cufile_driver as driver
+    get = getattr(driver, "get", None)                                 # kvikio >= 25.02
+    if get is not None:
+        return bool(get("is_gds_available"))
+    props = getattr(driver, "properties", None) or driver.DriverProperties()
+    return bool(props.is_gds_available)
 
 
 GDS_FILE_SYSTEMS = frozenset({"ext4", "xfs", "lustre", "gpfs", "wekafs", "beegfs"})
@@ -492,37 +509,57 @@ def file_system_type(path) -> str | None:
     return kind
 
 
-def _kvikio_gds(kvikio, root) -> bool:
-    """Whether kvikio's I/O on files under ``root`` goes through GPUDirect Storage: kvikio does
-    not prefer its compatibility mode, the cuFile driver says GDS is available, and ``root``
-    is on a file system cuFile serves (kvikio's AUTO mode falls back per file otherwise)."""
+def kvikio_gds(kvikio, root) -> tuple[bool, str]:
+    """Whether kvikio's I/O on files under ``root`` goes through GPUDirect Storage, and if not
+    why: kvikio does not prefer its compatibility mode, the cuFile driver says GDS is
+    available, and ``root`` is on a file system cuFile serves (kvikio's AUTO mode falls back
+    per file otherwise)."""
     if _kvikio_compat(kvikio):
-        return False
+        return False, "kvikio is in compatibility mode: no libcufile, or KVIKIO_COMPAT_MODE=ON"
     try:
-        import kvikio.cufile_driver
-        if not kvikio.cufile_driver.DriverProperties().is_gds_available:
-            return False
-    except Exception:  # noqa: BLE001 - an older kvikio, no driver: assume the bounce
-        return False
-    return root is not None and file_system_type(root) in GDS_FILE_SYSTEMS
+        if not _gds_available(kvikio):
+            return False, "the cuFile driver reports no GPUDirect Storage: nvidia-fs not loaded"
+    except Exception as e:  # noqa: BLE001 - an older kvikio, no driver: assume the bounce
+        return False, f"the cuFile driver cannot be queried: {type(e).__name__}: {e}"
+    fs = file_system_type(root) if root is not None else None
+    if fs not in GDS_FILE_SYSTEMS:
+        return False, f"{root} is on {fs or 'an unknown file system'}, which cuFile does not serve"
+    return True, f"GPUDirect Storage on {fs}"
 
 
 def choose_store(device: torch.device, root: Path, *, verify: bool = False, threads: int = 4,
                  streams: Streams | None = None):
-    """kvikio on CUDA when it can actually do I/O on ``root`` (it needs libcuda), else POSIX.
-    The choice is reported at start-up by the caller (``store.name``). ``streams``: the
+    """kvikio on CUDA when its I/O on ``root`` really is GPUDirect Storage (and it works: one
+    round trip is tried), else POSIX. kvikio without GDS bounces through host memory on
+    streams it creates with CU_STREAM_DEFAULT, which synchronise with the legacy default
+    stream - PyTorch's compute stream - so each of its copies would wait for all the compute
+    queued before it and hold back all that comes after: a barrier per I/O task. The POSIX
+    backend bounces through its own pinned buffers on non-blocking streams. The choice and
+    its reason are in ``store.reason`` (the engine prints them at start-up). ``streams``: the
     runtime's (default: new ones for ``device``)."""
     streams = streams or Streams(device)
-    if device.type == "cuda":
+    if device.type != "cuda":
+        reason = "no CUDA device"
+    else:
         try:
-            store = KvikioStore(threads, verify, streams=streams, root=root)
-            probe = root / ".kvikio-probe"
-            f = BlockFile(probe, ALIGN)
-            buf = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
-            store.read(f, 0, buf, store.write(f, 0, buf)).result()
-            f.close()
-            probe.unlink(missing_ok=True)
-            return store
-        except Exception as e:  # noqa: BLE001 - no kvikio, no libcuda, no GDS file system
-            log.warning("protrain: kvikio cannot do I/O here (%s); using the POSIX backend", e)
-    return PosixStore(threads, verify, streams=streams)
+            import kvikio
+            gds, reason = kvikio_gds(kvikio, root)
+        except Exception as e:  # noqa: BLE001 - no kvikio, or one that needs libcuda
+            gds, reason = False, f"kvikio is not usable: {type(e).__name__}: {e}"
+        if gds:
+            try:
+                store = KvikioStore(threads, verify, streams=streams, root=root)
+                probe = root / ".kvikio-probe"
+                f = BlockFile(probe, ALIGN)
+                buf = torch.zeros(ALIGN, dtype=torch.uint8, device=device)
+                store.read(f, 0, buf, store.write(f, 0, buf)).result()
+                f.close()
+                probe.unlink(missing_ok=True)
+                store.reason = reason
+                return store
+            except Exception as e:  # noqa: BLE001 - GDS announced but failing here
+                reason = f"kvikio failed a GPUDirect Storage round trip: {type(e).__name__}: {e}"
+                log.warning("protrain: %s; using the POSIX backend", reason)
+    store = PosixStore(threads, verify, streams=streams)
+    store.reason = reason
+    return store

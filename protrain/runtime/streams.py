@@ -53,14 +53,46 @@ class Streams:
             stream = self._thread.stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-        stream.synchronize()
+        done = self._event()
+        done.record(stream)
+        done.synchronize()           # not stream.synchronize(): that one spins on a core
+
+    # ---- host reads and writes of device data -----------------------------------------------
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s value on the host, for a decision the host makes (the step's verdict): the
+        one way the runtime reads device data, and a host-device synchronisation - the calling
+        thread waits for everything its current stream has queued so far, then the compute
+        stream runs dry until the host queues more. Count the calls, not the bytes. On CPU:
+        ``t`` itself."""
+        if not self.cuda:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = self._event()
+        done.record(torch.cuda.current_stream(self.device))
+        done.synchronize()
+        return host
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device, without waiting for anything: staged in pinned
+        memory and copied on the current stream (a plain ``.to(device)`` of pageable memory
+        synchronises the stream first). On CPU: ``t`` itself."""
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     # ---- queues ---------------------------------------------------------------------------
+    def _event(self):
+        """Every CUDA event of the runtime. Blocking: a host thread that waits for one sleeps
+        until the device signals it instead of spinning on a core (up to nine threads wait on
+        events - CPU Adam's worker, the SSD pools' - on the cores CPU Adam needs)."""
+        return torch.cuda.Event(blocking=True)
+
     def compute_event(self):
         """An event marking everything queued on the compute stream so far."""
         if not self.cuda:
             return None
-        ev = torch.cuda.Event()
+        ev = self._event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
@@ -76,7 +108,7 @@ class Streams:
                 stream.wait_event(ev)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            done = self._event()
             done.record(stream)
         return done
 
@@ -84,7 +116,7 @@ class Streams:
         """An event at the current end of a side queue (None on CPU)."""
         if not self.cuda:
             return None
-        ev = torch.cuda.Event()
+        ev = self._event()
         ev.record(self.upload if queue == "upload" else self.offload)
         return ev
 

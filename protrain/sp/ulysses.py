@@ -133,14 +133,15 @@ def _with_mode(forward, mode, *args, **kwargs):
         return forward(*args, **kwargs)
 
 
-def new_groups(world: int, degree: int):
+def new_groups(world: int, degree: int, backend: str | None = None):
     """The sequence-parallel groups of consecutive ranks [g P, (g + 1) P) (every rank must
-    call this: creating a group is collective). Returns (this rank's group, its rank in it)."""
+    call this: creating a group is collective), on ``backend`` (default: the world's).
+    Returns (this rank's group, its rank in it)."""
     rank = dist.get_rank()
     mine = None
     for g in range(world // degree):
         ranks = list(range(g * degree, (g + 1) * degree))
-        pg = dist.new_group(ranks)
+        pg = dist.new_group(ranks, backend=backend)
         if rank in ranks:
             mine = pg
     return mine, rank % degree
