@@ -11,7 +11,10 @@ the device Adam of the persistent chunk - every offloaded chunk's update as the 
 (kernel, passes, its own time per chunk). Predicted: the plan's CPU Adam busy time
 (``Prediction.cpu_optim_time``) with the node's figures shared by 2 ranks (cost.host_share);
 beside it the figure the model gave before ranks shared a host (the node's rates for each
-rank: ``ranks_per_node`` 1).
+rank: ``ranks_per_node`` 1). Each step's span (wall clock) on each rank and the rank thread's
+CPU time in it (the kernel runs on that thread: one OpenMP thread per rank here) are kept, to
+tell the steps where the ranks updated together from those where other jobs on the VM's cores
+descheduled one of them.
 
 Rates on a shared VM drift within minutes, so the bench runs ``--rounds`` rounds: each probes
 the machine afresh (both ranks call the probe; one measures while the other waits on its lock
@@ -117,11 +120,13 @@ def _rank(args) -> None:
     def norm(self, *a, **k):
         out = real_norm(self, *a, **k)
         marks["updates_from"] = time.perf_counter()     # the offloaded updates start after it
+        marks["cpu_from"] = time.thread_time()
         marks["wall_from"] = time.time()
         return out
 
     def device_update(self, *a, **k):
         marks.setdefault("wall_to", time.time())
+        marks.setdefault("cpu_to", time.thread_time())
         marks.setdefault("updates_to", time.perf_counter())
         return real_dev(self, *a, **k)
     ChunkOptimizer._global_norm, ChunkOptimizer._device_update = norm, device_update
@@ -135,11 +140,13 @@ def _rank(args) -> None:
                        "chunk_size": args.chunk, "n_persist": 1, "n_checkpoint": 0, "n_swap": 0}}
     torch.manual_seed(0)
     model = GPT(cfg)
+    n_params = sum(t.numel() for t in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
 
     def run_steps(first: int, n: int) -> list[float]:
         took = []
         spans.clear()
+        cpu.clear()
         for i in range(first, first + n):
             x, y = synthetic_batch(cfg, args.micro_batch, seed=i * args.ranks + args.rank)
             marks.clear()
@@ -147,9 +154,11 @@ def _rank(args) -> None:
             engine.step()
             took.append(marks["updates_to"] - marks["updates_from"])
             spans.append((marks["wall_from"], marks["wall_to"]))
+            cpu.append(marks["cpu_to"] - marks["cpu_from"])
         return took
 
     spans: list = []                    # (start, end) epoch seconds of each step's updates
+    cpu: list = []                      # this thread's CPU seconds in them (the kernel runs on it)
     run_steps(0, args.warmup)                         # plans, then warms up
     plan = engine.protrain_plan
     dp = engine.protrain_runtime.chunks.dp
@@ -170,7 +179,7 @@ def _rank(args) -> None:
         measured = statistics.median(took)
         rounds.append({"machine": hw.describe(), "cpu_adam_per_rank_gparam_s": rank_rates(hw).cpu_adam / 1e9,
                        "predicted_s": predicted, "measured_s": measured, "steps_s": took,
-                       "spans": list(spans),
+                       "spans": list(spans), "cpu_s": list(cpu),
                        "error": predicted / measured - 1,
                        "predicted_one_rank_per_node_s": alone,
                        "error_one_rank_per_node": alone / measured - 1})
@@ -180,7 +189,7 @@ def _rank(args) -> None:
     rt = engine.protrain_runtime
     result = {"rank": args.rank, "ranks_per_node": engine._protrain_node.ranks_per_node,
               "kernel_threads": rt.optimizer.host_kernel.threads,
-              "params_m": sum(t.numel() for t in model.parameters()) / 1e6,
+              "params_m": n_params / 1e6,
               "offloaded_chunks": len(rt.chunks.offloaded()), "n_speculate": plan.n_speculate,
               "rounds": rounds}
     Path(args.out, f"rank{args.rank}.json").write_text(json.dumps(result))
