@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--world", type=int, default=1, metavar="N",
                    help="ranks of the launch (one GPU each): model states are sharded over them and "
                         "the planner chooses the Ulysses sequence-parallel degree P among them")
+    h.add_argument("--ranks-per-node", type=int, metavar="N",
+                   help="ranks sharing one host (its cores and memory bus): CPU Adam and the host "
+                        "passes of each rank run at 1/N of the host's rates (default: --world, at "
+                        "most 8 - an 8-GPU node)")
     s = p.add_argument_group("search")
     s.add_argument("--pin", type=_pin, action="append", default=[], metavar="KNOB=VALUE",
                    help=f"fix a knob ({', '.join(KNOB_NAMES)}); repeatable")
@@ -141,12 +145,21 @@ def _cmd_plan(args) -> int:
     if args.world < 1:
         print(f"protrain: error: --world {args.world}: must be at least 1", file=sys.stderr)
         return 2
+    from .runtime.node import OFFLINE_RANKS_PER_NODE
+    if args.ranks_per_node is None:
+        args.ranks_per_node = min(args.world, OFFLINE_RANKS_PER_NODE)
+    if not 1 <= args.ranks_per_node <= args.world:
+        print(f"protrain: error: --ranks-per-node {args.ranks_per_node}: must be from 1 to --world "
+              f"({args.world}); give the ranks that share one host (1: a host per rank)",
+              file=sys.stderr)
+        return 2
     config = _config(args)
     try:
         profile, hw = _measured(args) if args.measure else _analytic(args)
     except ValueError as e:
         print(f"protrain: error: {e}", file=sys.stderr)
         return 2
+    hw = replace(hw, ranks_per_node=args.ranks_per_node)
     try:
         if args.world > 1 or config.pins.sequence_parallel is not None:
             from .sp.planner import search_sequence_parallel
@@ -230,7 +243,7 @@ def _measured(args):
           f"params, {dtype}, micro-batch {args.micro_batch}, seq {seq}) on {device}", flush=True)
     profile = profile_model(model, lambda m: m(x, y), name=name, micro_batch=args.micro_batch,
                             seq_len=seq)
-    hw = probe_hardware(device)
+    hw = probe_hardware(device, ranks_per_node=args.ranks_per_node)
     if args.cpu_adam_rate:
         hw = replace(hw, cpu_adam_rate=args.cpu_adam_rate)
     else:       # CPU Adam as the engine's runtime would run it ("cpu_adam": "auto", one micro-step)

@@ -163,6 +163,10 @@ class Plan(JsonValue):
     """Samples per micro-batch the plan was made for (None: unknown, e.g. an older plan file)."""
     seq_len: int | None = None
     """Sequence length the plan was made for (None: unknown)."""
+    ranks_per_node: int = 1
+    """Ranks sharing the host the plan was made for (``HardwareProfile.ranks_per_node``): its
+    CPU Adam and host passes are priced at 1/ranks_per_node of the node's rates. 1 in plan
+    files written before it was recorded."""
 
     def differs_from(self, *, n_blocks: int, param_bytes: int, micro_batch: int | None,
                      seq_len: int | None) -> str | None:
@@ -245,7 +249,9 @@ class Plan(JsonValue):
         w1 = max(len(r[1]) for r in rows)
         w2 = max(len(r[2]) for r in rows)
         out = [f"ProTrain plan for {self.model}",
-               f"  machine: {self.machine}",
+               f"  machine: {self.machine}" + (
+                   "" if self.ranks_per_node <= 1 or "ranks per node" in self.machine
+                   else f"; host shared by {self.ranks_per_node} ranks per node"),
                f"  {'knob':<{w0}}  {'value':<{w1}}  {'meaning':<{w2}}  replaces"]
         out += [f"  {a:<{w0}}  {b:<{w1}}  {m:<{w2}}  {r}" for a, b, m, r in rows]
         out.append(f"  block modes (N keep, C checkpoint, S swap, D NVMe, A selective): "

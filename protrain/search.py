@@ -27,6 +27,7 @@ from .cost.layout import ChunkLayout, build_layout, chunk_capacities
 from .cost.predicted_timeline import predicted_timeline
 from .cost.memory import (activation_walk, buffer_numel, norm_scratch_bytes, offload_bytes, predict_memory,
                           state_bytes)
+from .cost.host_share import rank_rates
 from .cost.runtime import backup_times, check_times, chunk_transfer_times, persistent_allreduce_time, simulate
 from .plan import Alternative, ChunkSummary, Knobs, Plan, Prediction
 from .profile.hardware import HardwareProfile
@@ -217,9 +218,10 @@ def _forward_write_bound(profile: ModelProfile, hw: HardwareProfile, csum: np.nd
     if n < 2:
         return np.zeros(len(n_swap))
     head = lambda k: csum[np.minimum(k, n - 1)]      # noqa: E731 - bytes of blocks < k, last excluded
-    swap = (head(n_ssd + n_swap) - head(n_ssd)) / hw.d2h_bandwidth
+    d2h = rank_rates(hw).d2h
+    swap = (head(n_ssd + n_swap) - head(n_ssd)) / d2h
     if hw.nvme_write_bandwidth > 0:
-        bw = hw.nvme_write_bandwidth if hw.nvme_gds else min(hw.nvme_write_bandwidth, hw.d2h_bandwidth)
+        bw = hw.nvme_write_bandwidth if hw.nvme_gds else min(hw.nvme_write_bandwidth, d2h)
         ssd = head(n_ssd) / bw
     else:
         ssd = np.zeros(len(n_swap))
@@ -315,20 +317,21 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
     # Lower bound on the time of an optimizer step: each resource alone (see cost.runtime
     # for the queues), for the boundary micro-step and for the (gas - 1) others.
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
+    rr = rank_rates(hw)
     up_suffix = np.concatenate([np.cumsum(t_up[::-1])[::-1], [0.0]])      # sum_{c>=n} t_up
     down_suffix = np.concatenate([np.cumsum(t_down[::-1])[::-1], [0.0]])
     adam_suffix = np.concatenate([np.cumsum(t_adam[::-1])[::-1], [0.0]])
     fwd_compute = sum(p.fwd_time for p in profile.parts)
     bwd_compute = sum(p.bwd_time for p in profile.parts) + acts.recompute[a_idx]
     swap_bytes = acts.swap_host[a_idx]
-    gpu = prefix[np_idx] / hw.gpu_adam_rate + persistent_allreduce_time(layout, np_idx, hw, world)
+    gpu = prefix[np_idx] / rr.device_adam + persistent_allreduce_time(layout, np_idx, hw, world)
     fwd_lb = np.maximum(np.maximum(fwd_compute, up_suffix[np_idx]), acts.fwd_write[a_idx])
     reup = up_suffix[np_idx] - up_suffix[np.maximum(nch - nb, np_idx)]
     ssd_in = acts.ssd[a_idx] / hw.nvme_read_bandwidth if hw.nvme_read_bandwidth > 0 else 0.0
     if hw.nvme_gds:
-        bwd_lb = np.maximum(np.maximum(bwd_compute, reup + swap_bytes / hw.h2d_bandwidth), ssd_in)
+        bwd_lb = np.maximum(np.maximum(bwd_compute, reup + swap_bytes / rr.h2d), ssd_in)
     else:   # bounced through the host: on the upload queue with the chunk re-uploads
-        bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / hw.h2d_bandwidth + ssd_in)
+        bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / rr.h2d + ssd_in)
     adam = adam_suffix[np_idx]
     if _weak_cpu_bound(config, hw):
         # Updates left for after backward run on into the next forward (cost.runtime's
@@ -976,7 +979,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         params=profile.params if profile.source == "measured" else (),
         block_saved_bytes=tuple(offload_bytes(b) for b in profile.blocks),
         micro_batch=profile.micro_batch, seq_len=profile.seq_len, n_speculate=n_spec,
-        timeline=timeline)
+        timeline=timeline, ranks_per_node=hw.ranks_per_node)
 
 
 def _leanest(profile, config, acts, caps, host_memory) -> tuple[float, float]:

@@ -30,6 +30,8 @@ _OWN_KEYS = {
     "ssd_verify": "checksum every activation read back from the SSD (slower; for debugging)",
     "ssd_min_bytes": "tensors smaller than this stay on the device instead of going to SSD",
     "cpu_adam": "CPU Adam kernel for offloaded chunks: auto, native (csrc, GIL-free) or deepspeed",
+    "cpu_adam_threads": "OpenMP threads of each rank's CPU Adam: auto (the node's cores split among "
+                        "its ranks) or a number",
     "trace_file": "path: record each iteration's measured timeline there (protrain explain --plot --trace)",
     "host_thread": "run CPU Adam on a worker thread even on a CPU device (benchmarks; default: on a GPU)",
     "profile_seq_len": "profile the first N tokens of each sequence and scale the profile to the "
@@ -84,6 +86,13 @@ class ProTrainDSConfig:
     released and the speculative backup fused; compiled on first use), "deepspeed"
     (DeepSpeedCPUAdam: same bits, holds the GIL), or "auto": native where a GPU computes while
     CPU Adam runs, DeepSpeed's on a CPU "device" (updates run inline there)."""
+    cpu_adam_threads: int | None = None
+    """OpenMP threads of each rank's CPU Adam kernel (DeepSpeed's or the native one). None
+    ("auto"): the node's cores split among its ranks (``protrain.runtime.node``), which the
+    cost model prices (each rank at 1/ranks-per-node of the node's rates). Not taken from
+    OMP_NUM_THREADS: that sets the training loop's threads, and torchrun sets it to 1 whenever
+    a node runs several ranks - a single-threaded CPU Adam. A number replaces the share, e.g.
+    where a launcher binds each rank to cores of its own (``--bind_cores_to_rank``)."""
     trace_file: str | None = None
     """Record the measured timeline of each iteration (compute per part, chunk copies, each CPU
     Adam update) to this JSON file, rewritten as each iteration ends (runtime/trace.py); draw it
@@ -130,6 +139,13 @@ class ProTrainDSConfig:
             raise ConfigError(f"{SECTION}.cpu_adam = {v!r}: must be \"auto\", \"native\" or "
                               f"\"deepspeed\"")
         kwargs["cpu_adam"] = v
+        v = data.pop("cpu_adam_threads", None)
+        if v not in (None, "auto"):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
+                raise ConfigError(f"{SECTION}.cpu_adam_threads = {v!r}: must be a whole number of "
+                                  f"threads from 1 to 4096, or \"auto\" (the node's cores split "
+                                  f"among its ranks)")
+            kwargs["cpu_adam_threads"] = v
         v = data.pop("host_thread", None)
         if v is not None and not isinstance(v, bool):
             raise ConfigError(f"{SECTION}.host_thread = {v!r}: must be true, false or null")

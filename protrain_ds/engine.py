@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -33,6 +32,7 @@ from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
 from protrain.profile.probe import probe_alltoall, probe_collective
 from protrain.runtime.collectives import DataParallel
+from protrain.runtime.node import NodeShare, node_share
 from protrain.runtime.runtime import ProTrainRuntime
 from protrain.search import InfeasibleError, check_budgets, search
 from protrain.units import fmt_bytes
@@ -56,6 +56,8 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_margin = 0.0
         self._protrain_redo = None
         self._protrain_sp: SequenceParallelForward | None = None
+        self._protrain_node = NodeShare(ranks_per_node=1, local_rank=0, cores=1)
+        """This rank's share of its host (set at the first forward, when every rank is there)."""
         super().__init__(*args, dont_change_device=True, **kwargs)
         # Gradients live in chunks, not in .grad: DeepSpeed's own all-reduce has nothing to do.
         self.enable_backward_allreduce = False
@@ -303,8 +305,15 @@ class ProTrainEngine(DeepSpeedEngine):
                     "ProTrain places parameters itself. Set zero_optimization.stage to 0, 1 or 2 "
                     "(Hugging Face partitions at load time when it sees stage 3)")
         dp = DataParallel()
+        # The ranks on this host: the launcher's variables, else one all-gather of host names.
+        self._protrain_node = node_share(dp)
         planner = _planner_config(self, dp)
         coll_bw, a2a_bw = _probe_links(dp, self.device)
+        if dp.world > 1 and not (cfg.plan_file and Path(cfg.plan_file).exists()):
+            # Every rank takes part in the probe rank 0 plans with: one process per node
+            # measures while the node's others sleep on the probe's lock (waiting in the plan's
+            # broadcast below instead, NCCL ranks would spin a core each under the measurement).
+            self._hardware()
         t0 = time.perf_counter()
         profile_seconds = 0.0
         plan, loaded, error, failure = None, False, None, None
@@ -328,7 +337,7 @@ class ProTrainEngine(DeepSpeedEngine):
                         hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
                     if dp.world > 1:
                         hw = replace(hw, collective_bandwidth=coll_bw, alltoall_bandwidth=a2a_bw,
-                                     host_memory=hw.host_memory // _ranks_per_node(dp))
+                                     host_memory=hw.host_memory // hw.ranks_per_node)
                     seq = _batch_shape(inputs, kwargs)[1]
                     if dp.world == 1 and seq == profile.seq_len:
                         plan = search(profile, hw, planner)
@@ -391,7 +400,9 @@ class ProTrainEngine(DeepSpeedEngine):
         self.protrain_plan = plan
         setup = replace(self.optimizer.runtime_setup(), speculate_chunks=plan.n_speculate,
                         cpu_adam=self.protrain_config.cpu_adam,
-                        host_thread=self.protrain_config.host_thread)
+                        host_thread=self.protrain_config.host_thread,
+                        cpu_adam_threads=self.protrain_config.cpu_adam_threads
+                        or self._protrain_node.threads)
         is_boundary = self.is_gradient_accumulation_boundary
         self._protrain_close_sp()
         p = plan.knobs.sequence_parallel
@@ -550,12 +561,14 @@ class ProTrainEngine(DeepSpeedEngine):
         return profile, probe.calls
 
     def _hardware(self, refresh: bool = False):
-        """This machine as the planner prices it (``refresh``: measured now, not cached)."""
+        """This machine as the planner prices it (``refresh``: measured now, not cached): the
+        node's rates, shared by this host's ranks (``HardwareProfile.ranks_per_node``)."""
         from protrain.cost.host_update import host_update_passes, runtime_update_rate
         from protrain.profile.probe import probe_hardware
         from protrain.runtime.runtime import uses_native_kernel
         cfg = self.protrain_config
-        hw = probe_hardware(self.device, progress=cfg.verbosity >= 2, refresh=refresh)
+        hw = probe_hardware(self.device, progress=cfg.verbosity >= 2, refresh=refresh,
+                            ranks_per_node=self._protrain_node.ranks_per_node)
         if hw.copy_engines <= 0 and cfg.host_thread:
             # a CPU "device" whose CPU Adam runs on the worker thread: not inline any more
             hw = replace(hw, cpu_adam_thread=True)
@@ -591,11 +604,6 @@ def _probe_links(dp: DataParallel, device) -> tuple[float, float]:
     if key not in _LINKS:
         _LINKS[key] = (probe_collective(dp, device), probe_alltoall(dp, device))
     return _LINKS[key]
-
-
-def _ranks_per_node(dp: DataParallel) -> int:
-    """Ranks sharing this host's memory (the launcher says; else every rank is local)."""
-    return max(1, min(dp.world, int(os.environ.get("LOCAL_WORLD_SIZE", dp.world))))
 
 
 def _loss_of(out) -> torch.Tensor:

@@ -195,9 +195,10 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
                 hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
             local = _ranks_per_node()
             if local > 1:
-                # Every rank on this host swaps to the same memory and writes to the same drive.
+                # Every rank on this host swaps to the same memory and writes to the same drive,
+                # and shares its cores and memory bus (cost.host_share).
                 hw = replace(hw, host_memory=hw.host_memory // local,
-                             nvme_free_bytes=hw.nvme_free_bytes // local)
+                             nvme_free_bytes=hw.nvme_free_bytes // local, ranks_per_node=local)
                 notes.append(f"host memory and NVMe space shared by {local} ranks on this host")
             config = PlannerConfig(device_memory=device_memory, host_memory=host_memory,
                                    memory_margin=memory_margin, pins=pins,
@@ -359,16 +360,20 @@ def _empty_cache(device) -> None:
 
 
 def _probe(device, verbose):
+    """The node's figures, measured once per node (the cache entry parse_time_hardware's probe
+    wrote, when it ran: the same ranks per node and threads)."""
     from protrain.profile.probe import probe_hardware
-    return probe_hardware(device, progress=verbose)
+    return probe_hardware(device=device, progress=verbose, ranks_per_node=_ranks_per_node())
 
 
 def _ranks_per_node() -> int:
-    """Ranks sharing this host (the launcher's LOCAL_WORLD_SIZE; else all, capped by world)."""
-    import os
+    """Ranks sharing this host: the launcher's variables, else every rank of the launch (at
+    most 8; protrain.runtime.node.before_connect, as at argument parsing, so both probes find
+    the same cache entry)."""
+    from protrain.runtime.node import before_connect
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    return max(1, min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    return before_connect(world).ranks_per_node
 
 
 def _group():

@@ -244,14 +244,19 @@ def with_link_figures(hw: HardwareProfile) -> tuple[HardwareProfile, str | None]
 
 def parse_time_hardware():
     """The hardware figures to plan with before torch.distributed or the model exist: the
-    probe's (cached per machine) on this rank's device. Each rank decides alone, so figures
-    that differ between ranks could split them; the get_model wrapper checks they agreed."""
+    probe's on this rank's device, measured once per node - every rank of the launch gets
+    here at once, and one of a node's ranks measures while the others wait on the probe's lock
+    and then read its figures (protrain.profile.probe), so they are the same on every rank of
+    the node and uncontended. Ranks on other nodes measure their own: figures that differ
+    could still split the choice; the get_model wrapper checks that the ranks agreed."""
     import torch
 
     from protrain.profile.probe import probe_hardware
+    from protrain.runtime.node import before_connect
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))   # as Megatron will
-    return probe_hardware(progress=False)
+    share = before_connect(int(os.environ.get("WORLD_SIZE", "1")))
+    return probe_hardware(progress=False, ranks_per_node=share.ranks_per_node)
 
 
 class _Namespace:

@@ -213,8 +213,10 @@ def analytic_stage_profile(args, n_layers: int, seq_len: int, tp: int, *, hardwa
     from dataclasses import replace
 
     from protrain.profile.analytic import analytic_profile
-    from protrain.profile.probe import probe_hardware
-    hw = hardware or probe_hardware(progress=False)
+    if hardware is None:
+        from .apply import _probe
+        hardware = _probe(None, False)          # the node's entry, shared by its ranks
+    hw = hardware
     if hw.peak_flops <= 0:
         hw = replace(hw, peak_flops=ANALYTIC_PEAK_FLOPS)
     if getattr(args, "sequence_parallel", False):

@@ -83,6 +83,11 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         result["races"] = getattr(rt.streams, "races", None)
         st = rt.optimizer.stats
         result["overlapped_chunks"], result["rollbacks"] = st.overlapped_chunks, st.rollbacks
+        kernel = rt.optimizer.host_kernel
+        result["host"] = {"ranks_per_node": engine._protrain_node.ranks_per_node,
+                          "plan_ranks_per_node": engine.protrain_plan.ranks_per_node,
+                          "kernel_threads": getattr(kernel, "threads", None),
+                          "node_cores": engine._protrain_node.cores}
     engine.destroy()                      # gathers sharded parameters back on every rank
     if rank == 0:
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},

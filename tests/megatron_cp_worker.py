@@ -11,7 +11,11 @@ tests/test_megatron_cp.py.
    (get_batch_on_this_cp_rank: chunks r and 2 CP - 1 - r), the loss the token-weighted sum
    over the CP group, gradients summed over it (what Megatron's DDP does over dp x cp).
 4. The same with each activation plan the test pins (e.g. the selective mode) applied.
-Loss and every gradient are written out for the test to compare with the reference."""
+Loss and every gradient are written out for the test to compare with the reference.
+
+Before all of them, as at Megatron-LM's argument parsing (no process group yet), both ranks
+probe the machine at once (``parse_time_hardware``): one measures, the other waits on the
+probe's lock and reads its figures."""
 from __future__ import annotations
 
 import json
@@ -80,9 +84,43 @@ def _run(model, batch, group=None, result=None, key=None):
     return float(loss), {n: g.tolist() for n, g in grads.items()}
 
 
+def _probe_at_parsing(rank: int, world: int, out_dir: str) -> dict:
+    """``parse_time_hardware`` on both ranks at once (a file rendezvous first; the probe made
+    small, and slow enough that the other rank is waiting before it ends): when this rank's
+    call started and ended, what it got; a line in measured.log per measurement."""
+    import time
+    from pathlib import Path
+
+    from protrain.profile import probe
+    from protrain_megatron.context_parallel import parse_time_hardware
+    out = Path(out_dir)
+    os.environ["PROTRAIN_CACHE"] = str(out / "probe-cache")
+    real = probe._measure_rates
+
+    def measure(device, size_mib, adam_params, progress, threads, rank_threads):
+        start = time.time()
+        hw = real(device, 8, 2**18, progress, threads, rank_threads)
+        time.sleep(0.5)
+        with open(out / "measured.log", "a") as f:
+            f.write(json.dumps({"rank": rank, "start": start, "end": time.time()}) + "\n")
+        return hw
+    probe._measure_rates = measure
+    (out / f"arrived{rank}").touch()
+    deadline = time.time() + 120
+    while not all((out / f"arrived{r}").exists() for r in range(world)):
+        if time.time() > deadline:
+            raise TimeoutError("the other rank did not start")
+        time.sleep(0.01)
+    start = time.time()
+    hw = parse_time_hardware()
+    probe._measure_rates = real
+    return {"start": start, "end": time.time(), "hw": hw.to_dict()}
+
+
 def main(rank: int, world: int, port: str, out_dir: str, config: str) -> None:
     cfg = json.loads(config)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
+    probed = _probe_at_parsing(rank, world, out_dir)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
@@ -99,7 +137,7 @@ def main(rank: int, world: int, port: str, out_dir: str, config: str) -> None:
     hw = HardwareProfile(name="cpu-test", source="measured", device_type="cpu", device_memory=2**30,
                          host_memory=2**30, h2d_bandwidth=1e9, d2h_bandwidth=1e9, gpu_adam_rate=1e9,
                          cpu_adam_rate=1e8, collective_bandwidth=1e9)
-    result = {"rank": rank}
+    result = {"rank": rank, "probe": probed}
 
     # 1. CP=1 reference (dropout off: CP splits attention's heads, so its dropout mask differs).
     ps.initialize_model_parallel(1, 1)

@@ -21,6 +21,11 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(plan, tmp_path):
     one = launch(1, spec, str(tmp_path / "one"))[0]
     two = launch(2, spec, str(tmp_path / "two"))
     assert two[0]["plan"] == two[1]["plan"]              # rank 0 planned, every rank runs it
+    # Both ranks on this host: each prices and runs CPU Adam on half of its cores.
+    for r, ranks in [(one, 1)] + [(t, 2) for t in two]:
+        host = r["host"]
+        assert host["ranks_per_node"] == host["plan_ranks_per_node"] == ranks
+        assert host["kernel_threads"] == max(1, host["node_cores"] // ranks)
     # No process group outlives a rank's teardown (the cause of a rare abort at exit).
     assert all(r["process_groups_left"] == [] for r in [one] + two)
     for step, loss in enumerate(one["losses"]):

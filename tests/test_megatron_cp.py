@@ -8,6 +8,9 @@ megatron-core through ProTrain's all-to-all attention.
   gradient of CP=1 on the same batch; with an activation plan (the selective mode, a mixed
   plan) on top the gradients are those of CP=2 without one, bit for bit, and a selective
   layer's backward issues no all-to-all of its forward again.
+- The same two ranks probe the machine as at argument parsing, at once: once per node (one
+  measures under the probe's lock, the other reads its figures), one cache entry keyed on the
+  threads and the 2 ranks per node.
 - One process: the argument-parsing hook with Megatron-LM's flags: chosen, pinned, refused,
   ``--cp-comm-type a2a`` with Transformer Engine.
 """
@@ -75,6 +78,23 @@ def test_the_planner_picks_cp2_and_it_trains_like_cp1(tmp_path):
             assert planned["run"] == [cp_loss, cp_grads]
             assert planned["a2a_backward"] - r["a2a_backward"] == 4 * planned["modes"].count("C")
     assert results[0]["ref"] == results[1]["ref"] and results[0]["cp"] == results[1]["cp"]
+    _probed_once_per_node(tmp_path, results)
+
+
+def _probed_once_per_node(tmp_path, results):
+    from protrain.profile.probe import cache_key
+    from protrain.runtime.node import node_cores
+    log = [json.loads(line) for line in (tmp_path / "measured.log").read_text().splitlines()]
+    assert len(log) == 1                                # one measurement for the node
+    measured = log[0]
+    waited = results[1 - measured["rank"]]["probe"]
+    assert waited["start"] < measured["end"] <= waited["end"]     # on the lock, then read it
+    got = [{k: v for k, v in r["probe"]["hw"].items() if k not in ("device_memory", "host_memory")}
+           for r in results]
+    assert got[0] == got[1] and got[0]["ranks_per_node"] == 2
+    entries = list((tmp_path / "probe-cache").glob("hardware-*.json"))
+    assert len(entries) == 1 and cache_key(torch.device("cpu"), node_cores(), 2) in entries[0].name
+    assert not list((tmp_path / "probe-cache").glob("*.tmp"))
 
 
 # -- the argument-parsing hook, one process ------------------------------------------------

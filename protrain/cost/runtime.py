@@ -46,6 +46,7 @@ import numpy as np
 from ..block_mode import CKPT, SEL, SSD, SWAP
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
+from .host_share import rank_rates
 from .layout import ChunkLayout
 from .memory import offload_bytes, part_modes
 
@@ -77,16 +78,18 @@ class TimePrediction:
 def chunk_transfer_times(layout: ChunkLayout, profile: ModelProfile, hw: HardwareProfile,
                          world: int = 1):
     """Per-chunk upload time, gradient offload time and CPU Adam time (seconds; the runtime's
-    own time per update, ``hw.host_update_overhead``, included).
+    own time per update, ``hw.host_update_overhead``, included), at the rates one of the
+    node's ``hw.ranks_per_node`` ranks gets (``cost.host_share``).
 
     With ``world`` data-parallel ranks an offloaded chunk is sharded: an upload is the H2D
     copy of this rank's 1/world shard followed by an all-gather of the rest; a gradient
     offload is a reduce-scatter followed by the D2H copy of the shard; CPU Adam updates the
     shard only."""
+    rr = rank_rates(hw)
     used = np.asarray(layout.used, dtype=np.float64)
     nbytes = used * profile.param_bytes
-    up, down, adam = nbytes / world / hw.h2d_bandwidth, nbytes / world / hw.d2h_bandwidth, \
-        used / world / hw.cpu_adam_rate + np.where(used > 0, hw.host_update_overhead, 0.0)
+    up, down, adam = nbytes / world / rr.h2d, nbytes / world / rr.d2h, \
+        used / world / rr.cpu_adam + np.where(used > 0, rr.update_overhead, 0.0)
     if world > 1:
         coll = nbytes * (world - 1) / world / _collective_bandwidth(hw)
         up, down = up + coll, down + coll
@@ -112,7 +115,8 @@ def _collective_bandwidth(hw: HardwareProfile) -> float:
 def check_times(layout: ChunkLayout, hw: HardwareProfile, world: int = 1):
     """Per-chunk time to take a chunk's part of the step's verdict on the host (its parameters'
     gradient norms for clipping, or the overflow test) as its gradients land."""
-    rate = hw.grad_check_rate if hw.grad_check_rate > 0 else CHECK_PER_ADAM * hw.cpu_adam_rate
+    rr = rank_rates(hw)
+    rate = rr.grad_check if rr.grad_check > 0 else CHECK_PER_ADAM * rr.cpu_adam
     return np.asarray(layout.used, dtype=np.float64) / world / rate
 
 
@@ -127,8 +131,9 @@ def backup_times(layout: ChunkLayout, hw: HardwareProfile, t_adam, world: int = 
     """Per-chunk time to back up master, exp_avg and exp_avg_sq (12 bytes per parameter of
     this rank's shard) before a speculative update; without a measured host copy bandwidth,
     as long as the update (the ratio measured on a 2-core CPU: bench/cpu_adam.py)."""
-    if hw.host_copy_bandwidth > 0:
-        return np.asarray(layout.used, dtype=np.float64) * 12 / world / hw.host_copy_bandwidth
+    host_copy = rank_rates(hw).host_copy
+    if host_copy > 0:
+        return np.asarray(layout.used, dtype=np.float64) * 12 / world / host_copy
     return np.asarray(t_adam, dtype=np.float64)
 
 
@@ -169,6 +174,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     parts = profile.parts
     rows = np.arange(k_plans)
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
+    rr = rank_rates(hw)                        # the copy and "device" Adam rates of one rank
     spec_from = None
     # Clipping / fp16 (no overlap): each offloaded chunk's gradients are checked (norms,
     # overflow), on the host as they land (before or in its speculative update), or on the
@@ -211,9 +217,9 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     gds = hw.nvme_gds
     ssd_w = zeros.copy()                      # the NVMe write queue (GDS)
     ssd_r = zeros.copy()                      # the NVMe read queue (GDS)
-    w_time = (saved / min(hw.nvme_write_bandwidth, np.inf if gds else hw.d2h_bandwidth)
+    w_time = (saved / min(hw.nvme_write_bandwidth, np.inf if gds else rr.d2h)
               if hw.nvme_write_bandwidth > 0 else saved * 0)
-    r_time = (saved / min(hw.nvme_read_bandwidth, np.inf if gds else hw.h2d_bandwidth)
+    r_time = (saved / min(hw.nvme_read_bandwidth, np.inf if gds else rr.h2d)
               if hw.nvme_read_bandwidth > 0 else saved * 0)
     def ev(lane, what, label, start, end, mask=True):
         if trace is not None and bool(np.asarray(mask).reshape(-1)[0]):
@@ -262,8 +268,8 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
             released[c] = comp
         if part.kind == "block":
             sw = modes[p] == SWAP
-            end = np.maximum(d2h, comp) + saved[p] / hw.d2h_bandwidth
-            ev("d2h", "swap_out", part.name, end - saved[p] / hw.d2h_bandwidth, end, sw)
+            end = np.maximum(d2h, comp) + saved[p] / rr.d2h
+            ev("d2h", "swap_out", part.name, end - saved[p] / rr.d2h, end, sw)
             d2h = np.where(sw, end, d2h)
             swap_out_end[p] = np.where(sw, end, 0.0)
             d2h_bytes += np.where(sw, saved[p], 0)
@@ -320,7 +326,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         start = comp.copy()
         if serial and p >= 1 and parts[p - 1].kind == "block":
             # The previous block's swapped activations come back first, synchronously.
-            comp = comp + np.where(modes[p - 1] == SWAP, saved[p - 1] / hw.h2d_bandwidth, 0.0)
+            comp = comp + np.where(modes[p - 1] == SWAP, saved[p - 1] / rr.h2d, 0.0)
         m = modes[p]
         comp = np.where((m == SWAP) | (m == SSD), np.maximum(comp, swap_in_end[p]), comp)
         redo = np.where(m == CKPT, part.fwd_time, np.where(m == SEL, part.sel_recompute_time, 0.0))
@@ -342,8 +348,8 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         # Prefetch the previous block's swapped activations, issued as this part starts.
         if p >= 1 and parts[p - 1].kind == "block":
             sw = modes[p - 1] == SWAP
-            end = np.maximum(h2d, start) + saved[p - 1] / hw.h2d_bandwidth
-            ev("h2d", "swap_in", parts[p - 1].name, end - saved[p - 1] / hw.h2d_bandwidth, end, sw)
+            end = np.maximum(h2d, start) + saved[p - 1] / rr.h2d
+            ev("h2d", "swap_in", parts[p - 1].name, end - saved[p - 1] / rr.h2d, end, sw)
             h2d = np.where(sw, end, h2d)
             swap_in_end[p - 1] = np.where(sw, end, 0.0)
             h2d_bytes += np.where(sw, saved[p - 1], 0)
@@ -423,7 +429,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
            f"chunk {c}", tail - t_adam[c], tail, offl)
     prefix = np.concatenate([[0], np.cumsum(layout.used)])
     # Device tail at the boundary: all-reduce of the persistent gradients, then device Adam.
-    gpu_optim = (prefix[npers] / hw.gpu_adam_rate + persistent_allreduce_time(layout, npers, hw, world)
+    gpu_optim = (prefix[npers] / rr.device_adam + persistent_allreduce_time(layout, npers, hw, world)
                  if optimizer_step else np.zeros(k_plans))
     if inline:                        # one timeline: CPU Adam, then the "device" Adam
         device_end = np.maximum(bwd_end, cpu) + gpu_optim

@@ -84,7 +84,12 @@ class HardwareProfile(JsonValue):
     peak_flops: float = 0.0
     """Dense bf16 tensor FLOP/s (published), used only by the analytic profile."""
     cpu_cores: int = 1
-    """Host cores (logical)."""
+    """Host cores (logical) the probe measured the host rates with: all those the node's
+    ranks run on (``runtime.node.node_cores``)."""
+    ranks_per_node: int = 1
+    """Ranks sharing this host (``runtime.node``; ``protrain plan --ranks-per-node``). The
+    host rates above are the node's, measured by one process with all its cores; each rank
+    is priced at 1/ranks_per_node of them (``cost.host_share``)."""
     versions: dict[str, str] = field(default_factory=dict)
     """Software versions the measurement was taken with (torch, cuda, deepspeed)."""
 
@@ -102,5 +107,8 @@ class HardwareProfile(JsonValue):
                 + (f" (kernel {self.cpu_adam_kernel_rate / 1e9:.2f}, with the runtime's passes "
                    f"around it)" if self.cpu_adam_kernel_rate else "")
                 + (f" + {self.host_update_overhead * 1e6:.0f} us per chunk update"
-                   if self.host_update_overhead else ""))
+                   if self.host_update_overhead else "")
+                + (f"; host shared by {self.ranks_per_node} ranks per node: CPU Adam "
+                   f"{self.cpu_adam_rate / self.ranks_per_node / 1e9:.3f} Gparam/s per rank"
+                   if self.ranks_per_node > 1 else ""))
 

@@ -1,5 +1,6 @@
-"""Measure this machine -> HardwareProfile. Rates are cached on disk keyed by hardware and
-software; memory budgets are measured at every call.
+"""Measure this machine -> HardwareProfile. Rates are cached on disk keyed by hardware,
+software, the threads measured with and the ranks per node; memory budgets are measured at
+every call.
 
 A few seconds of probes (plus a one-time build of DeepSpeedCPUAdam): pinned host<->device
 bandwidth, the device's fused Adam and DeepSpeed's CPU Adam throughput - cached, as they are
@@ -7,14 +8,27 @@ properties of the machine. Device and host memory depend on the moment (other pr
 this one already holds, the model that will be trained): measured every time, never cached.
 On a CPU-only machine the "device" is the CPU (for tests): bandwidths are memcpy rates, device
 Adam is the CPU Adam, and there is no copy engine.
+
+Once per node: the ranks of a node share its cores and memory bus, so figures measured by all
+of them at once would be contended, different on each rank and cached for later runs. The
+first process of the node to take the cache entry's file lock (``fcntl.flock`` in the cache
+directory) measures; the node's other ranks wait on the lock - asleep, using no core - and then
+read what it wrote. The host rates are the node's: measured with all the cores the node's ranks
+run on (``runtime.node.node_cores``), whatever OMP_NUM_THREADS the launcher set for the training
+threads; the cost model gives each rank 1/ranks_per_node of them (``cost.host_share``). The
+per-chunk update overhead is measured with the kernel as one rank runs it (its share of the
+cores), so it depends on the ranks per node too: both are in the key.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import platform
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +37,7 @@ import torch
 from .hardware import HardwareProfile
 from .update_overhead import measure_update_overhead
 
-PROBE_VERSION = 6
+PROBE_VERSION = 7
 """Bump when the probe measures differently, so old cache entries are not reused."""
 
 
@@ -64,10 +78,14 @@ def _host_memory() -> tuple[int, int]:
         return total, total // 2
 
 
-def cache_key(device: torch.device) -> str:
+def cache_key(device: torch.device, threads: int | None = None, ranks_per_node: int = 1) -> str:
+    """The cache entry of this machine and software, measured with ``threads`` host threads
+    (default: the node's cores) for ``ranks_per_node`` ranks."""
+    from ..runtime.node import node_cores
     total, _ = _host_memory()
     ident = {"cpu": _cpu_model(), "cores": os.cpu_count(), "host": total // 2**30,
-             "versions": _versions(), "device": device.type}
+             "versions": _versions(), "device": device.type,
+             "threads": threads or node_cores(), "ranks_per_node": ranks_per_node}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         ident.update(gpu=props.name, gpu_mem=props.total_memory, cc=f"{props.major}.{props.minor}")
@@ -76,26 +94,65 @@ def cache_key(device: torch.device) -> str:
 
 def probe_hardware(device: torch.device | str | None = None, *, cache_dir: str | Path | None = None,
                    refresh: bool = False, size_mib: int = 256, adam_params: int = 2**24,
-                   progress: bool = True) -> HardwareProfile:
+                   progress: bool = True, ranks_per_node: int = 1,
+                   threads: int | None = None) -> HardwareProfile:
     """Measure (or load from the cache) the profile of ``device`` (default: the current CUDA
-    device, else the CPU). ``size_mib`` and ``adam_params`` size the probes."""
+    device, else the CPU), once per node (see the module doc). ``size_mib`` and ``adam_params``
+    size the probes; ``ranks_per_node``: ranks sharing this host (recorded in the profile, and
+    the overhead probe runs the kernel with their share of the cores); ``threads``: the host
+    threads to measure the node's rates with (default: every core the process may run on).
+    ``refresh``: an entry written before this call is not reused (one written while this call
+    waited for the lock is: the node's measurement of now)."""
+    from ..runtime.node import NodeShare, node_cores
     device = torch.device(device) if device is not None else \
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = cache / f"hardware-{cache_key(device)}-{size_mib}-{adam_params}.json"
+    if ranks_per_node < 1:
+        raise ValueError(f"probe_hardware: ranks_per_node={ranks_per_node}; must be at least 1")
+    threads = threads or node_cores()
+    share = NodeShare(ranks_per_node=ranks_per_node, local_rank=0, cores=threads).threads
+    name = f"hardware-{cache_key(device, threads, ranks_per_node)}-{size_mib}-{adam_params}.json"
+    since = time.time()
     rates = None
-    if path.exists() and not refresh:
-        try:
-            rates = HardwareProfile.load(path)
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            pass  # a stale or damaged entry: measure again
-    if rates is None:
-        rates = _measure_rates(device, size_mib, adam_params, progress)
-        try:
-            rates.save(path)
-        except OSError:
-            pass  # a read-only home is no reason to fail; the next run measures again
+    with _node_lock(Path(cache_dir) if cache_dir is not None else default_cache_dir(), name) as cache:
+        path = cache / name
+        if path.exists() and not (refresh and path.stat().st_mtime < since):
+            try:
+                rates = HardwareProfile.load(path)
+            except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+                pass  # a stale or damaged entry: measure again
+        if rates is None:
+            rates = replace(_measure_rates(device, size_mib, adam_params, progress, threads, share),
+                            ranks_per_node=ranks_per_node)
+            try:
+                rates.save(path)
+            except OSError:
+                pass  # a read-only home is no reason to fail; the next run measures again
     return replace(rates, device_memory=device_capacity(device), host_memory=_host_memory()[1])
+
+
+@contextmanager
+def _node_lock(cache: Path, name: str):
+    """Hold the node's lock of the cache entry ``name`` (blocking until the process holding it
+    has measured and written it); yields the directory to read and write the entry in: the
+    cache directory, or where it cannot be written a directory in this node's temporary space
+    (the node's ranks still measure once and share the result)."""
+    fd = None
+    for d in (cache, Path(tempfile.gettempdir()) / f"protrain-{os.getuid()}"):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd = os.open(d / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            cache = d
+            break
+        except OSError:
+            continue
+    if fd is None:          # nowhere to lock: measure alone, as before
+        yield cache
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield cache
+    finally:
+        os.close(fd)         # releases the lock
 
 
 def device_capacity(device: torch.device) -> int:
@@ -109,9 +166,17 @@ def device_capacity(device: torch.device) -> int:
     return int(free + torch.cuda.memory_reserved(device))
 
 
-def _measure_rates(device: torch.device, size_mib: int, adam_params: int,
-                   progress: bool) -> HardwareProfile:
-    """The cacheable part: rates and bandwidths (the memory fields are left at 0)."""
+def _measure_rates(device: torch.device, size_mib: int, adam_params: int, progress: bool,
+                   threads: int, rank_threads: int) -> HardwareProfile:
+    """The cacheable part: rates and bandwidths (the memory fields are left at 0). Host work
+    on ``threads`` OpenMP threads (the node's rates), the update overhead with the kernel on
+    ``rank_threads`` (as one rank runs it)."""
+    from ..runtime.host_threads import omp_threads
+    with omp_threads(threads):
+        return _measure(device, size_mib, adam_params, progress, threads, rank_threads)
+
+
+def _measure(device, size_mib, adam_params, progress, threads, rank_threads) -> HardwareProfile:
     say = (lambda msg: print(f"protrain: probe: {msg}", flush=True)) if progress else (lambda msg: None)
     nbytes = size_mib * 2**20
     if device.type == "cuda":
@@ -129,7 +194,7 @@ def _measure_rates(device: torch.device, size_mib: int, adam_params: int,
     grad_check = _grad_check_rate(adam_params)
     host_pass = _host_pass_rate(adam_params)
     say("the runtime's time per chunk update")
-    update_overhead = measure_update_overhead()
+    update_overhead = measure_update_overhead(threads=rank_threads)
     if device.type == "cuda":
         say(f"device Adam ({adam_params / 1e6:.0f} M params)")
         gpu_adam = _device_adam_rate(device, adam_params)
@@ -140,7 +205,7 @@ def _measure_rates(device: torch.device, size_mib: int, adam_params: int,
         h2d_bandwidth=h2d, d2h_bandwidth=d2h, gpu_adam_rate=gpu_adam, cpu_adam_rate=cpu_adam,
         host_copy_bandwidth=host_copy, grad_check_rate=grad_check, host_pass_rate=host_pass,
         host_update_overhead=update_overhead, copy_engines=min(engines, 2),
-        cpu_cores=os.cpu_count() or 1, versions=_versions())
+        cpu_cores=threads, versions=_versions())
 
 
 def _best_time(fn, reps: int, sync) -> float:

@@ -33,13 +33,14 @@ CHUNK_NUMEL = 1 << 20
 update of one streams ~30 MB through the caches."""
 
 
-def measure_update_overhead(reps: int = 9) -> float:
+def measure_update_overhead(reps: int = 9, threads: int = 0) -> float:
     """Seconds of the runtime's work per offloaded chunk update beyond its kernel calls
-    (median over ``reps`` steps); 0.0 when DeepSpeed's CPU Adam is not available (the probe
-    then prices the kernel alone)."""
+    (median over ``reps`` steps), the kernel on ``threads`` OpenMP threads as one rank runs it
+    (0: this thread's count); 0.0 when DeepSpeed's CPU Adam is not available (the probe then
+    prices the kernel alone)."""
     try:
         from ..runtime.adam import CPUAdamKernel
-        kernel = _Timed(CPUAdamKernel(adamw=True))
+        kernel = _Timed(CPUAdamKernel(adamw=True, threads=threads))
         steps = _Steps(CHUNKS, kernel)
     except Exception:  # noqa: BLE001 - no compiler / no deepspeed / no memory: not measured
         return 0.0

@@ -13,6 +13,8 @@ import torch
 from torch.optim import adam as _torch_adam
 from torch.optim import adamw as _torch_adamw
 
+from .host_threads import omp_threads
+
 
 @dataclass(frozen=True, slots=True)
 class AdamHyper:
@@ -29,12 +31,17 @@ class AdamHyper:
 class CPUAdamKernel:
     """DeepSpeed's vectorised CPU Adam on fp32 host tensors."""
 
-    def __init__(self, adamw: bool):
+    def __init__(self, adamw: bool, threads: int = 0):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         # One tiny instance owns the C++ optimizer id (and builds the op once per machine).
         self._owner = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], adamw_mode=adamw)
         self._op = self._owner.ds_opt_adam
         self._id = self._owner.opt_id
+        self.threads = threads
+        """OpenMP threads of an update (the rank's share of the node's cores,
+        ``runtime.node``); 0: the calling thread's. DeepSpeed's kernel forks as many as the
+        calling thread is set to (``host_threads``); each element's arithmetic is the same
+        whatever the count, so the bits are too."""
 
     def update(self, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper, *,
                scale=None, grad_writable: bool = True, backup=()) -> None:
@@ -43,9 +50,10 @@ class CPUAdamKernel:
         first - in place where ``grad_writable``, else into a temporary; 16-bit gradients are
         widened into a temporary first. ``backup``: three tensors that receive master,
         exp_avg and exp_avg_sq as they were before."""
-        g = _prepared_grad(master, grad, exp_avg, exp_avg_sq, scale, grad_writable, backup)
-        self._op.adam_update(self._id, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                             h.bias_correction, master, g, exp_avg, exp_avg_sq)
+        with omp_threads(self.threads):
+            g = _prepared_grad(master, grad, exp_avg, exp_avg_sq, scale, grad_writable, backup)
+            self._op.adam_update(self._id, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                                 h.bias_correction, master, g, exp_avg, exp_avg_sq)
 
     def prime(self, steps_done: int, h: AdamHyper) -> None:
         """Put a fresh kernel in the state a long-running one has after ``steps_done`` steps.
@@ -74,6 +82,8 @@ class NativeCPUAdamKernel:
         NativeCPUAdamKernel._next_id += 1
         self._op.create(self._id, adamw)
         self.threads = threads or self._op.max_threads()
+        """OpenMP threads of an update (``num_threads`` of its parallel region): the rank's
+        share of the node's cores (``runtime.node``); 0 given: the constructing thread's."""
 
     def update(self, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper, *,
                scale=None, grad_writable: bool = True, backup=()) -> None:

@@ -166,7 +166,7 @@ class ChunkOptimizer:
         self.loss_scaler = loss_scaler
         self.params_in_order = params_in_order
         self.worker = HostWorker(threaded=streams.asynchronous if host_thread is None else host_thread,
-                                 bind=streams.bind_thread)
+                                 bind=lambda: _bind_worker(streams, host_kernel))
         self._pause = pause_accounting or (lambda: _nullcontext())
         self.overlap = True
         # Updates during backward are exact only when no global quantity scales them; else
@@ -855,6 +855,17 @@ class OverlapStats:
     exposed_s: float = 0.0
     """The last step's wall time in ``step()`` less the device Adam's: the CPU Adam work
     (and its wait) that backward did not hide."""
+
+
+def _bind_worker(streams: Streams, host_kernel) -> None:
+    """The host worker thread's setup: the runtime's device, and the rank's share of the
+    node's cores for the OpenMP regions it starts - the kernel's and the passes around it
+    (copies into the upload region, zeroing), which the cost model prices at that share."""
+    streams.bind_thread()
+    threads = getattr(host_kernel, "threads", 0)
+    if threads:
+        from .host_threads import set_thread_count
+        set_thread_count(threads)
 
 
 def dist_max():

@@ -59,6 +59,10 @@ class OptimizerSetup:
     host_thread: bool | None = None
     """Run CPU Adam on a worker thread (None: when a GPU computes meanwhile; True also on a CPU
     "device", e.g. to measure the overlap on CPU with torch and the kernel on a core each)."""
+    cpu_adam_threads: int = 0
+    """OpenMP threads of the host Adam kernel: the rank's share of the node's cores
+    (``runtime.node.NodeShare.threads``, or the user's ``cpu_adam_threads``); 0: the calling
+    thread's count (OMP_NUM_THREADS, else every core)."""
     speculate_chunks: int | None = None
     """How many offloaded chunks (the last in execution order) update speculatively during
     backward when clipping or fp16 loss scaling is on; None: all of them, 0: none (CPU Adam
@@ -332,7 +336,9 @@ def uses_native_kernel(device: torch.device, setup: OptimizerSetup) -> bool:
 def host_kernel(device: torch.device, setup: OptimizerSetup):
     if setup.torch_adam:
         return TorchAdamKernel(fused=False)
-    return NativeCPUAdamKernel(setup.adamw) if uses_native_kernel(device, setup) else CPUAdamKernel(setup.adamw)
+    threads = setup.cpu_adam_threads
+    return NativeCPUAdamKernel(setup.adamw, threads) if uses_native_kernel(device, setup) \
+        else CPUAdamKernel(setup.adamw, threads)
 
 
 class DeviceAccounting:

@@ -1,0 +1,63 @@
+"""What one rank gets of its host: the host rates a rank is priced at when several share a node.
+
+``HardwareProfile`` holds the node's figures, measured by one process with all the node's cores
+while the node's other ranks wait (``profile.probe``), and ``ranks_per_node``. When the ranks
+run host work at once - and data-parallel ranks in step do: each updates its shard of the same
+chunk as the same gradients land - each gets about 1/ranks_per_node of it:
+
+- CPU Adam and the passes around it (``cost.host_update``), the gradient checks and the
+  speculative backup copies are memory-bound streams: the node's memory bandwidth is split
+  among the ranks. Where a kernel is compute-bound instead, the cores are split (each rank's
+  kernel runs on cores // ranks_per_node threads, ``runtime.node.NodeShare.threads``). Either
+  way a rank gets node rate / ranks_per_node. Measured on a 2-core VM: DeepSpeed's kernel 1.97
+  G parameters/s with 2 threads alone; 2 processes with a thread each at once, 0.90-1.08 each
+  (one alone: 1.6, so a rank's share measured alone would be 60% optimistic).
+- The per-chunk update overhead (``HardwareProfile.host_update_overhead``) is Python on one
+  core and an OpenMP fork and join: a rank runs it on a core of its own while the ranks do not
+  outnumber the cores, so it is not divided; beyond that they time-share the cores.
+- Host-device copies (``h2d_bandwidth``, ``d2h_bandwidth``) go over each GPU's own PCIe link:
+  not shared. The host memory they read and write is, but on current 8-GPU servers its
+  bandwidth is several times what the GPUs' links move together; GPUs behind one PCIe switch
+  do share its uplink, which this model leaves out. On a CPU "device" (tests) every "copy" and
+  the "device" Adam are host memory work, shared like CPU Adam.
+- Collective bandwidths are measured with every rank taking part: already shared.
+
+Pure: a function of the profile alone, so the same profile gives the same prediction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..profile.hardware import HardwareProfile
+
+
+@dataclass(frozen=True, slots=True)
+class RankRates:
+    """One rank's host figures (parameters, elements or bytes per second; seconds)."""
+
+    cpu_adam: float
+    """Parameters/s of the rank's CPU Adam update (with the runtime's passes where
+    ``HardwareProfile.cpu_adam_kernel_rate`` says they are included)."""
+    grad_check: float
+    """Gradient elements/s of the host's verdict check (0: not measured)."""
+    host_copy: float
+    """Bytes/s of a host-memory copy (0: not measured)."""
+    update_overhead: float
+    """Seconds of the runtime's own work per offloaded chunk update."""
+    h2d: float
+    d2h: float
+    device_adam: float
+    """Parameters/s of the "device" Adam over persistent chunks."""
+
+
+def rank_rates(hw: HardwareProfile) -> RankRates:
+    """The figures one of ``hw.ranks_per_node`` ranks is priced at."""
+    r = max(1, hw.ranks_per_node)
+    on_host = hw.device_type == "cpu"          # the "device" is the host: its work is shared too
+    return RankRates(
+        cpu_adam=hw.cpu_adam_rate / r, grad_check=hw.grad_check_rate / r,
+        host_copy=hw.host_copy_bandwidth / r,
+        update_overhead=hw.host_update_overhead * max(1.0, r / max(1, hw.cpu_cores)),
+        h2d=hw.h2d_bandwidth / r if on_host else hw.h2d_bandwidth,
+        d2h=hw.d2h_bandwidth / r if on_host else hw.d2h_bandwidth,
+        device_adam=hw.gpu_adam_rate / r if on_host else hw.gpu_adam_rate)

@@ -1,0 +1,187 @@
+"""Ranks that share a host: the cost model prices each at its share of the host's rates, each
+rank's CPU Adam takes its share of the cores, the probe's cache entry is one per threads and
+ranks per node, and plans record the ranks per node (cost.host_share, runtime.node,
+runtime.host_threads, profile.probe)."""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import chain_profile, slow_link
+from protrain.cost.layout import build_layout
+from protrain.cost.runtime import backup_times, check_times, chunk_transfer_times, simulate
+from protrain.plan import Plan
+from protrain.runtime import host_threads
+from protrain.runtime.node import NodeShare, from_launcher, node_share
+from protrain.search import search
+
+
+def _layout(profile):
+    return build_layout(profile, 100)          # chunk i holds part i's 100 parameters
+
+
+def test_cpu_adam_per_rank_scales_with_ranks_per_node():
+    """Hand-computed: 100 parameters a chunk at 25 parameters/s on the node; 0.5 s of the
+    runtime's own work per chunk update, on 4 cores."""
+    profile = chain_profile((100, 100), pre_params=100)
+    layout = _layout(profile)
+    node = slow_link(host_update_overhead=0.5, cpu_cores=4, grad_check_rate=50.0,
+                     host_copy_bandwidth=600.0)
+    for ranks, adam in [(1, 100 / 25 + 0.5), (4, 100 / (25 / 4) + 0.5),
+                        # 8 ranks on 4 cores: two to a core, their Python time-shares it
+                        (8, 100 / (25 / 8) + 0.5 * 2)]:
+        hw = replace(node, ranks_per_node=ranks)
+        up, down, t_adam = chunk_transfer_times(layout, profile, hw)
+        assert t_adam == pytest.approx([adam] * 3, rel=1e-12)
+        assert check_times(layout, hw) == pytest.approx([100 / (50 / ranks)] * 3, rel=1e-12)
+        assert backup_times(layout, hw, t_adam) == pytest.approx([1200 / (600 / ranks)] * 3, rel=1e-12)
+        # A CPU "device": its copies are host memory work, shared too.
+        assert up == pytest.approx([400 / (80 / ranks)] * 3, rel=1e-12)
+        # Every chunk offloaded, updated after backward: the CPU Adam busy time of the step.
+        t = simulate(profile, layout, hw, 0, 3, np.zeros((1, 2), dtype=np.int8))
+        assert t.cpu_optim_time[0] == pytest.approx(3 * adam, rel=1e-12)
+    # A GPU's PCIe link is its own: its copies are not divided.
+    gpu = replace(node, device_type="cuda", copy_engines=2, ranks_per_node=8)
+    assert chunk_transfer_times(layout, profile, gpu)[0] == pytest.approx([400 / 80] * 3)
+    # With data-parallel sharding on top: each rank's shard at its share of the rate.
+    two = replace(node, ranks_per_node=2, collective_bandwidth=1e9)
+    assert chunk_transfer_times(layout, profile, two, world=2)[2] == \
+        pytest.approx([50 / (25 / 2) + 0.5] * 3, rel=1e-12)
+
+
+def test_the_plan_records_ranks_per_node_and_old_plan_files_load():
+    profile = chain_profile((100, 100), pre_params=100)
+    plan = search(profile, replace(slow_link(), ranks_per_node=4))
+    assert plan.ranks_per_node == 4
+    assert "host shared by 4 ranks per node" in plan.explain().splitlines()[1]    # the machine line
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["ranks_per_node"] == 4 and Plan.from_dict(data) == plan
+    del data["ranks_per_node"]                      # a plan file written before the field
+    old = Plan.from_dict(data)
+    assert old.ranks_per_node == 1 and old.knobs == plan.knobs
+    one = search(profile, slow_link())
+    assert one.ranks_per_node == 1 and "ranks per node" not in one.explain()
+
+
+def test_protrain_plan_eight_ranks_per_node(capsys):
+    """The issue's command: 8 ranks on one node each update their shard at 1/8 of the host's
+    CPU Adam rate - at least 4x the CPU Adam time per rank of 8 ranks on 8 hosts."""
+    from protrain.cli import main
+    cmd = ["plan", "--model", "llama2-13b", "--micro-batch", "4", "--seq", "2048", "--world", "8",
+           "--host-memory", "512GiB", "--json"]
+    plans = {}
+    for ranks in (1, 8):
+        assert main(cmd + ["--ranks-per-node", str(ranks)]) == 0
+        plans[ranks] = json.loads(capsys.readouterr().out)
+    assert plans[8]["ranks_per_node"] == 8 and plans[1]["ranks_per_node"] == 1
+    assert "host shared by 8 ranks per node" in plans[8]["machine"]
+    one, eight = (plans[r]["prediction"]["cpu_optim_time"] for r in (1, 8))
+    assert eight >= 4 * one, (one, eight)
+    assert main(cmd[:-1] + ["--ranks-per-node", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "--ranks-per-node 9" in err and "from 1 to --world (8)" in err
+
+
+def test_each_ranks_kernel_takes_its_share_of_the_cores(monkeypatch):
+    assert NodeShare(ranks_per_node=8, local_rank=0, cores=64).threads == 8
+    assert NodeShare(ranks_per_node=2, local_rank=1, cores=2).threads == 1
+    assert NodeShare(ranks_per_node=8, local_rank=0, cores=4).threads == 1     # at least one
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert from_launcher(16) is None
+    monkeypatch.setenv("LOCAL_SIZE", "4")            # deepspeed's launcher
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert from_launcher(16) == (4, 3)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")      # torchrun
+    assert from_launcher(16) == (8, 3) and from_launcher(2) == (2, 3)   # never above the world
+
+
+def test_without_launcher_variables_one_all_gather_of_host_names_counts_the_local_ranks(monkeypatch):
+    import socket
+
+    import protrain.runtime.node as node_mod
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    hosts = ["a", "b", "a", "a"]
+    calls = []
+
+    def all_gather_object(out, obj, group=None):
+        calls.append(obj)
+        out[:] = hosts
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(socket, "gethostname", lambda: "a")
+    monkeypatch.setattr(node_mod, "node_cores", lambda: 12)
+
+    class Rank2:
+        world, rank, group = 4, 2, None
+    share = node_share(Rank2())
+    assert calls == ["a"]                           # one collective, this host's name
+    assert (share.ranks_per_node, share.local_rank, share.threads) == (3, 1, 4)
+
+
+def test_the_kernels_run_on_the_given_threads_and_give_the_same_bits():
+    """DeepSpeed's kernel forks as many OpenMP threads as its calling thread is set to: the
+    kernel sets its count for the call and puts the caller's back; the bits do not depend on
+    it. The host worker thread runs its passes on the share too."""
+    from protrain.runtime.adam import AdamHyper, CPUAdamKernel
+    from protrain.runtime.optimizer import _bind_worker
+    from protrain.runtime.runtime import OptimizerSetup, host_kernel
+    h = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                  bias_correction=True, adamw=True)
+    before = host_threads.thread_count()
+    seen, out = [], []
+    for threads in (1, 2):
+        k = CPUAdamKernel(adamw=True, threads=threads)
+        real = k._op.adam_update
+        k._op = type("Op", (), {"adam_update": staticmethod(
+            lambda *a: (seen.append(host_threads.thread_count()), real(*a)))})()
+        g = torch.Generator().manual_seed(0)
+        states = [torch.randn(4099, generator=g) for _ in range(4)]
+        states[3].abs_()
+        k.update(states[0], states[1], states[2], states[3], 1, h)
+        out.append(states)
+        assert host_threads.thread_count() == before           # the caller's count back
+    assert seen == [1, 2]
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+    setup = OptimizerSetup(param_groups=[], hyper=lambda g: h, adamw=True, cpu_adam="deepspeed",
+                           cpu_adam_threads=3)
+    kernel = host_kernel(torch.device("cpu"), setup)
+    assert kernel.threads == 3
+    got = []
+
+    def worker():
+        _bind_worker(type("S", (), {"bind_thread": lambda self: None})(), kernel)
+        got.append(host_threads.thread_count())
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert got == [3] and host_threads.thread_count() == before
+
+
+def test_the_probe_cache_is_keyed_on_threads_and_ranks_per_node(tmp_path, monkeypatch):
+    from protrain.profile import probe
+    measured = []
+
+    def fake(device, size_mib, adam_params, progress, threads, rank_threads):
+        measured.append((threads, rank_threads))
+        return slow_link(name=f"measured with {threads}")
+    monkeypatch.setattr(probe, "_measure_rates", fake)
+    cpu = torch.device("cpu")
+    kw = dict(cache_dir=tmp_path, size_mib=8, adam_params=2**18, progress=False)
+    a = probe.probe_hardware(cpu, ranks_per_node=1, threads=4, **kw)
+    b = probe.probe_hardware(cpu, ranks_per_node=2, threads=4, **kw)
+    c = probe.probe_hardware(cpu, ranks_per_node=2, threads=2, **kw)
+    again = probe.probe_hardware(cpu, ranks_per_node=2, threads=4, **kw)
+    # the node's rates on all its threads; the overhead probe's kernel on one rank's share
+    assert measured == [(4, 4), (4, 2), (2, 1)]
+    assert (a.ranks_per_node, b.ranks_per_node, c.ranks_per_node, again.ranks_per_node) == (1, 2, 2, 2)
+    keys = {probe.cache_key(cpu, t, r) for t, r in [(4, 1), (4, 2), (2, 2)]}
+    assert len(keys) == 3
+    entries = sorted(p.name for p in tmp_path.glob("hardware-*.json"))
+    assert len(entries) == 3 and all(any(k in e for k in keys) for e in entries)
+    assert not list(tmp_path.glob("*.tmp"))
