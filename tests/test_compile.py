@@ -216,7 +216,7 @@ def test_compile_wrappers_are_taken_off_with_their_options():
     eager, request = take_compiled(model)
     assert isinstance(eager.transformer.h[1], type(eager.transformer.h[0]))
     assert all(m._compiled_call_impl is None for m in eager.modules())
-    assert (request.backend, request.source) == ("aot_eager", "torch.compile(1)")
+    assert (request.backend, request.source) == ("aot_eager", "torch.compile(transformer.h.1)")
     assert take_compiled(model) == (model, None)
     # CUDA graphs replay fixed addresses: the blocks are compiled without them.
     for request in (CompileRequest.from_options("inductor", "engine.compile()", mode="reduce-overhead"),

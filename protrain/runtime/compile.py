@@ -147,10 +147,11 @@ def take_compiled(model: nn.Module) -> tuple[nn.Module, CompileRequest | None]:
     while _is_optimized_module(model):
         request = request or CompileRequest.from_compiled(model, "torch.compile(model)")
         model = model._orig_mod
-    for module in list(model.modules()):
+    for prefix, module in list(model.named_modules()):
         for name, child in list(module._modules.items()):
             while _is_optimized_module(child):
-                request = request or CompileRequest.from_compiled(child, f"torch.compile({name})")
+                request = request or CompileRequest.from_compiled(
+                    child, f"torch.compile({prefix + '.' if prefix else ''}{name})")
                 child = child._orig_mod
                 module._modules[name] = child
     for name, module in model.named_modules():
