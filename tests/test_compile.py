@@ -21,9 +21,11 @@ from protrain.models import GPT, synthetic_batch
 from protrain.runtime.activations import checkpointed_blocks
 from protrain.runtime.compile import CompiledBlocks, CompileRequest, take_compiled
 
-# Offloaded chunks streaming through 4 buffers; blocks S C C N (swap, checkpoint x2, keep).
+# Offloaded chunks streaming through 4 buffers; blocks S C C N (swap, checkpoint x2, keep),
+# or with an SSD block: D S C N.
 PINS = dict(chunk_size="110KiB", n_persist=2, n_buffer=4, n_swap=1, n_checkpoint=2)
-STEPS = 4
+SSD_PINS = dict(chunk_size="110KiB", n_persist=2, n_buffer=4, n_ssd=1, n_swap=1, n_checkpoint=1)
+STEPS = 3
 
 
 class CountingBackend:
@@ -45,14 +47,17 @@ class CountingBackend:
         return run
 
 
-def _train(form: str, protrain: bool):
+def _train(form: str, protrain: bool, cache=None, ssd=None):
     """Train STEPS steps with the model compiled in ``form``; returns (losses, weights, engine,
-    backend, per-step (graphs, calls))."""
+    backend, per-step (graphs, calls)). ``cache``: profile cache directory (one profile
+    serves the forms after the first: the same eager model); ``ssd``: a plan with an SSD
+    block writing there."""
     torch._dynamo.reset()           # each run compiles afresh (and counts its own graphs)
     torch.manual_seed(0)
     model = GPT(UNTIED)
     backend = CountingBackend()
-    cfg = with_protrain(base_config(), **PINS) if protrain else base_config()
+    pins = dict(SSD_PINS, ssd_path=ssd, ssd_min_bytes=0) if ssd else PINS
+    cfg = with_protrain(base_config(), **pins, profile_cache_dir=cache) if protrain else base_config()
     passed = model
     if form == "torch.compile(model)":
         passed = torch.compile(model, backend=backend, fullgraph=True)
@@ -84,22 +89,27 @@ FORMS = ["torch.compile(model)", "engine.compile()", "model.compile()",
          "regional module.compile()", "engine.compile() after step 1"]
 
 
-def test_every_compile_form_trains_like_deepspeed_compiled(capsys):
+def test_every_compile_form_trains_like_deepspeed_compiled(capsys, tmp_path):
     ref_losses, ref_weights, ref_engine, ref_backend, _ = _train("engine.compile()", protrain=False)
     assert ref_backend.graphs >= 1                     # plain DeepSpeed really compiled
     ref_engine.destroy()
     for form in FORMS:
         capsys.readouterr()
-        losses, weights, engine, backend, counts = _train(form, protrain=True)
-        plan = engine.protrain_plan
-        assert plan.block_modes == (BlockMode.SWAP, BlockMode.CKPT, BlockMode.CKPT, BlockMode.NONE), form
+        ssd = str(tmp_path) if form == "engine.compile()" else None
+        losses, weights, engine, backend, counts = _train(form, protrain=True, cache=str(tmp_path / "cache"),
+                                                          ssd=ssd)
+        modes = "DSCN" if ssd else "SCCN"
+        assert "".join(m.letter for m in engine.protrain_plan.block_modes) == modes, form
         assert engine.protrain_runtime.chunks.offloaded(), form
+        acts = engine.protrain_runtime.activations.stats
+        assert acts["swapped_bytes"] > 0 and acts["prefetched_bytes"] > 0, form
+        assert (acts["ssd_written_bytes"] > 0) == bool(ssd), form
         assert engine.protrain_runtime.compiled.compiled == [0, 1, 2, 3], form
         # Every block's forward ran compiled, the checkpointed ones twice (the recompute);
         # nothing else did (the code around the blocks is eager).
         compiled_steps = counts[1:] if form.endswith("after step 1") else counts
         for _, calls in compiled_steps:
-            assert calls == 4 + 2, (form, counts)
+            assert calls == 4 + modes.count("C"), (form, counts)
         # One graph for the four blocks, none after the first compiled step: moving chunks
         # between steps recompiles nothing.
         assert compiled_steps[0][0] == compiled_steps[-1][0] == 1, (form, counts)
@@ -135,8 +145,9 @@ def test_trainer_torch_compile_and_a_compiled_model_train_like_deepspeed(tmp_pat
               "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
                                                          "betas": "auto", "eps": "auto"}},
               "zero_optimization": {"stage": 0}}
-        if protrain:
-            ds = with_protrain(ds, chunk_size="192KiB", n_persist=1, n_swap=1, n_checkpoint=1)
+        if protrain:       # the second run loads the first one's profile
+            ds = with_protrain(ds, chunk_size="192KiB", n_persist=1, n_swap=1, n_checkpoint=1,
+                               profile_cache_dir=str(tmp_path / "cache"))
         (tmp_path / f"{name}.json").write_text(json.dumps(ds))
         torch.manual_seed(0)
         model = llama({"model": {"layers": 3}, "seq": 32})
