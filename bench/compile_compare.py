@@ -18,7 +18,8 @@ per-round median, in wall time and in this process's CPU time (which other proce
 does not inflate: on a busy shared machine, with OMP_NUM_THREADS=1, the steadier measure). Step i of every engine uses batch i, so the losses are compared too: ProTrain
 compiled against DeepSpeed compiled, and ProTrain eager against DeepSpeed eager.
 
-    OMP_NUM_THREADS=1 python bench/compile_compare.py --save bench/results/compile_compare-cpu.json
+    OMP_NUM_THREADS=1 python bench/compile_compare.py --rounds 6 --save bench/results/compile_compare-cpu.json
+    OMP_NUM_THREADS=2 python bench/compile_compare.py --rounds 6 --save bench/results/compile_compare-cpu-2threads.json
     python bench/compile_compare.py --backend aot_eager --rounds 2 --steps 3      # quick check
 """
 from __future__ import annotations

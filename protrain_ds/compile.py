@@ -84,9 +84,13 @@ def eager_profiling(request: CompileRequest | None):
     except torch.OutOfMemoryError:
         raise
     except Exception as e:
-        if request is not None:
-            e.add_note(f"ProTrain: profiling runs the eager model (torch.compile, asked by "
-                       f"{request.source}, is applied to the blocks after planning), so compile is "
-                       f"not what failed here. Check that the model trains eagerly without "
-                       f"ProTrain (\"protrain\": {{\"enabled\": false}}) and report this if it does")
+        if request is None:
+            raise
+        note = (f"ProTrain: profiling runs the eager model (torch.compile, asked by {request.source}, "
+                f"is applied to the blocks after planning), so compile is not what failed here. "
+                f"Check that the model trains eagerly without ProTrain (\"protrain\": "
+                f"{{\"enabled\": false}}) and report this if it does")
+        if not hasattr(e, "add_note"):            # Python 3.10
+            raise RuntimeError(f"{note}: {type(e).__name__}: {e}") from e
+        e.add_note(note)
         raise

@@ -267,3 +267,19 @@ def test_deepcompile_and_a_compile_schedule_are_refused_saying_why():
     with pytest.raises(ConfigError, match="schedule"):
         engine.compile(schedule=[(0, ["z3"])])
     engine.destroy()
+
+
+def test_the_profiler_runs_compiled_pieces_eager_and_refuses_a_compiled_model():
+    from protrain.models import GPTConfig
+    from protrain.profile.tracer import profile_model
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    backend = CountingBackend()
+    for block in model.transformer.h:          # compiled pieces inside the model it is given
+        block.compile(backend=backend)
+    x, y = synthetic_batch(cfg, 2)
+    profile = profile_model(model, lambda m: m(x, y), progress=False)
+    assert len(profile.parts) == 2 + 2 and backend.graphs == backend.calls == 0
+    with pytest.raises(TypeError, match=r"ProTrain profiles the eager model.*model\._orig_mod"):
+        profile_model(torch.compile(model, backend=backend), lambda m: m(x, y), progress=False)

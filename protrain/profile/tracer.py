@@ -224,10 +224,16 @@ def profile_model(model: nn.Module, step: StepFn, *, blocks: Sequence[nn.Module]
         stream_params = any(p.device != device for p in params)
     tracer = _Tracer(model, step, blocks, params, device, stream_params, progress)
     try:
-        with torch.compiler.set_stance("force_eager"):
+        with _eager():
             return tracer.run(name=name or type(model).__name__, micro_batch=micro_batch, seq_len=seq_len)
     finally:
         tracer.restore()
+
+
+def _eager():
+    """Everything torch.compile'd runs eager (torch >= 2.6; older ones have no stance)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else nullcontext()
 
 
 class _Tracer:
