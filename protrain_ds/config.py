@@ -231,6 +231,11 @@ def refuse_conflicts(ds_config: dict) -> None:
         raise ConfigError(f"data_parallel_size={ds_config['data_parallel_size']} with protrain is not "
                           f"supported: ProTrain uses every rank (sequence_parallel sets how many "
                           f"share a sequence)")
+    if (ds_config.get("compile") or {}).get("deepcompile"):
+        raise ConfigError("compile.deepcompile=true with protrain is not supported: DeepCompile's "
+                          "passes partition with ZeRO, ProTrain places parameters itself. Remove "
+                          "compile.deepcompile; engine.compile() and torch.compile(model) work, "
+                          "ProTrain compiles the blocks")
     if ds_config.get("torch_autocast", {}).get("enabled"):
         raise ConfigError("torch_autocast with protrain is not supported: use the bf16 or fp16 "
                           "section (parameters are kept in the training dtype in chunks)")

@@ -11,6 +11,9 @@ integration. What changes:
   the plan, prints it, and builds the runtime; every forward then runs inside the runtime's
   forward context.
 
+- ``engine.compile()`` (and a model compiled before initialize) compiles the blocks once the
+  plan is made, not the whole module (``compile.py``).
+
 Private DeepSpeed methods overridden here (checked by tests/test_ds_contract.py):
 ``_configure_optimizer``, ``clip_fp32_gradients``, ``_broadcast_model``.
 """
@@ -23,6 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from protrain.config import ConfigError
@@ -37,6 +41,7 @@ from protrain.runtime.runtime import ProTrainRuntime
 from protrain.search import InfeasibleError, check_budgets, search
 from protrain.units import fmt_bytes
 
+from . import compile as protrain_compile
 from .config import ProTrainDSConfig
 from .optimizer import ProTrainOptimizer
 from .sequence_parallel import SequenceParallelForward, model_takes, unsupported_reason
@@ -45,9 +50,11 @@ log = logging.getLogger("protrain")
 
 
 class ProTrainEngine(DeepSpeedEngine):
-    def __init__(self, *args, protrain_config: ProTrainDSConfig, overridden: list[str], **kwargs):
+    def __init__(self, *args, protrain_config: ProTrainDSConfig, overridden: list[str],
+                 compile_request=None, **kwargs):
         # Set before DeepSpeed's constructor: it calls _configure_optimizer.
         self.protrain_config = protrain_config
+        self.protrain_compile = compile_request   # torch.compile asked for (protrain.runtime.compile)
         self.protrain_overridden = overridden
         self.protrain_runtime: ProTrainRuntime | None = None
         self._protrain_overlap = None   # OverlapStats, kept across re-plans
@@ -112,6 +119,11 @@ class ProTrainEngine(DeepSpeedEngine):
                 t.copy_(tmp)
             else:
                 torch.distributed.broadcast(t, 0)
+
+    def compile(self, backend=get_accelerator().get_compile_backend(), compile_kwargs={},  # noqa: B006
+                schedule=None, compiled_autograd_enabled=False) -> None:
+        """DeepSpeed's signature; the blocks are compiled under the plan (compile.py)."""
+        protrain_compile.engine_compile(self, backend, compile_kwargs, schedule, compiled_autograd_enabled)
 
     # ---- training ----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -291,6 +303,7 @@ class ProTrainEngine(DeepSpeedEngine):
     def _protrain_setup(self, inputs, kwargs) -> None:
         cfg = self.protrain_config
         verbose = self.global_rank == 0 and cfg.verbosity >= 1
+        protrain_compile.before_planning(self)
         _, blocks = find_blocks(self.module)
         if getattr(self.module, "is_gradient_checkpointing", False) and \
                 hasattr(self.module, "gradient_checkpointing_disable"):
@@ -418,7 +431,8 @@ class ProTrainEngine(DeepSpeedEngine):
             accounting=self.protrain_config.accounting, dp=dp or DataParallel(),
             ssd_root=self.protrain_config.ssd_path, ssd_verify=self.protrain_config.ssd_verify,
             ssd_min_bytes=self.protrain_config.ssd_min_bytes,
-            trace_file=self.protrain_config.trace_file)
+            trace_file=self.protrain_config.trace_file, compile=self.protrain_compile)
+        protrain_compile.announce(self)
         self.optimizer.runtime = self.protrain_runtime
         # Counts are cumulative over re-plans: the new runtime goes on counting in the same record.
         self._protrain_overlap = self._protrain_overlap or self.protrain_runtime.optimizer.stats
@@ -542,10 +556,11 @@ class ProTrainEngine(DeepSpeedEngine):
                 return self.optimizer.scale_if_loss(_loss_of(held[0]) / gas)
 
             try:
-                profile = profile_model(
-                    self.module, step, blocks=blocks,
-                    device=self.device, name=type(self.module).__name__, micro_batch=micro_batch,
-                    seq_len=length, progress=cfg.progress and self.global_rank == 0)
+                with protrain_compile.eager_profiling(self.protrain_compile):
+                    profile = profile_model(
+                        self.module, step, blocks=blocks,
+                        device=self.device, name=type(self.module).__name__, micro_batch=micro_batch,
+                        seq_len=length, progress=cfg.progress and self.global_rank == 0)
                 break
             except torch.OutOfMemoryError:
                 held.clear()

@@ -55,11 +55,13 @@ def _initialize_protrain(ds_config: dict, kw: dict):
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.pipe.module import PipelineModule
 
+    from .compile import eager_model
     from .engine import ProTrainEngine
 
     pt_config = ProTrainDSConfig.from_ds_config(ds_config)
     refuse_conflicts(ds_config)
-    model = kw["model"]
+    # torch.compile(model): the engine plans on the eager model and compiles its blocks.
+    model, compile_request = eager_model(kw["model"])
     if model is None:
         raise ConfigError("deepspeed.initialize requires a model")
     if any(hasattr(p, "ds_id") for p in model.parameters()):
@@ -85,7 +87,8 @@ def _initialize_protrain(ds_config: dict, kw: dict):
                             training_data=kw["training_data"], lr_scheduler=kw["lr_scheduler"],
                             mpu=kw["mpu"], dist_init_required=kw["dist_init_required"],
                             collate_fn=kw["collate_fn"], config=clean, config_class=config_class,
-                            protrain_config=pt_config, overridden=overridden)
+                            protrain_config=pt_config, overridden=overridden,
+                            compile_request=compile_request)
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -34,6 +34,7 @@ def test_pinned_version():
     ("optimizer_name", ["self"]), ("optimizer_params", ["self"]),
     ("fp16_enabled", ["self"]), ("loss_scale", ["self"]), ("dynamic_loss_scale", ["self"]),
     ("dynamic_loss_scale_args", ["self"]),
+    ("compile", ["self", "backend", "compile_kwargs", "schedule", "compiled_autograd_enabled"]),
 ])
 def test_engine_methods(name, expected):
     assert params(getattr(DeepSpeedEngine, name)) == expected
@@ -78,3 +79,11 @@ def test_cpu_adam_kernel_entry_point():
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     src = inspect.getsource(DeepSpeedCPUAdam)
     assert "self.ds_opt_adam.adam_update(self.opt_id, state['step'], group['lr'], beta1, beta2" in src
+
+
+def test_engine_compile_state_the_adapter_sets():
+    # ProTrainEngine.compile keeps DeepSpeed's record of a compiled engine (protrain_ds/compile.py).
+    assert "return self._is_compiled" in inspect.getsource(DeepSpeedEngine.is_compiled.fget)
+    init = inspect.getsource(DeepSpeedEngine.__init__)
+    for needle in ("self._is_compiled = False", "self._compile_mode = None", "self._compile_kwargs = {}"):
+        assert needle in init, needle

@@ -201,7 +201,16 @@ def profile_model(model: nn.Module, step: StepFn, *, blocks: Sequence[nn.Module]
     parameters are elsewhere (a model too big for the device, kept on the host), or
     ``stream_params`` is set, block parameters are streamed through the device one block at
     a time.
+
+    The profile is of the eager model: functions and modules compiled with torch.compile
+    inside it run eager here (the hooks and dispatch modes that measure it see eager
+    operators only); a torch.compile'd model itself is refused.
     """
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError(
+            "ProTrain profiles the eager model, and got a torch.compile'd one (OptimizedModule): "
+            "pass its eager module (model._orig_mod) to profile_model; ProTrain compiles the "
+            "blocks itself once the plan is made (protrain.runtime.compile)")
     if blocks is None:
         _, blocks = find_blocks(model)
     blocks = list(blocks)
@@ -215,9 +224,16 @@ def profile_model(model: nn.Module, step: StepFn, *, blocks: Sequence[nn.Module]
         stream_params = any(p.device != device for p in params)
     tracer = _Tracer(model, step, blocks, params, device, stream_params, progress)
     try:
-        return tracer.run(name=name or type(model).__name__, micro_batch=micro_batch, seq_len=seq_len)
+        with _eager():
+            return tracer.run(name=name or type(model).__name__, micro_batch=micro_batch, seq_len=seq_len)
     finally:
         tracer.restore()
+
+
+def _eager():
+    """Everything torch.compile'd runs eager (torch >= 2.6; older ones have no stance)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else nullcontext()
 
 
 class _Tracer:

@@ -227,8 +227,9 @@ class ActivationRuntime:
         for i, m in enumerate(self.modes):
             if m == BlockMode.SWAP:
                 self.stashes[i] = HostStash(streams.pinned(caps[i], torch.uint8), streams)
-        self._ckpt = checkpointed_blocks(self.blocks, self.modes, checkpoint_context_fn)
-        self._ckpt.__enter__()
+        self._checkpoint_context_fn = checkpoint_context_fn
+        self._ckpt = None
+        self.wrap_blocks()
         self.stats = {"swapped_bytes": 0, "swap_dedup_hits": 0, "prefetched_bytes": 0,
                       "ssd_written_bytes": 0, "ssd_read_bytes": 0, "forwarded": 0,
                       "writes_skipped": 0, "kept_small": 0}
@@ -243,10 +244,19 @@ class ActivationRuntime:
         reason = getattr(self.store, "reason", None)
         return f"{self.store.name} ({reason})" if reason else self.storage_backend
 
-    def close(self) -> None:
+    def wrap_blocks(self) -> None:
+        """Put the CKPT and SELECTIVE blocks' forwards under checkpoint."""
+        if self._ckpt is None:
+            self._ckpt = checkpointed_blocks(self.blocks, self.modes, self._checkpoint_context_fn)
+            self._ckpt.__enter__()
+
+    def unwrap_blocks(self) -> None:
         if self._ckpt is not None:
             self._ckpt.__exit__(None, None, None)
             self._ckpt = None
+
+    def close(self) -> None:
+        self.unwrap_blocks()
         self.streams.synchronize()       # no queued copy may still use what is given back
         if self.store is not None:
             # Drained before the files close: a write or read still running uses their file

@@ -35,6 +35,7 @@ from .adam import AdamHyper, CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
 from .boundaries import part_boundaries
 from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
+from .compile import CompiledBlocks, CompileRequest
 from .optimizer import ChunkOptimizer
 from .streams import Streams
 
@@ -76,7 +77,8 @@ class ProTrainRuntime:
                  setup: OptimizerSetup, *, swap_bytes: Sequence[int],
                  is_boundary: Callable[[], bool] = lambda: True, accounting: bool = False,
                  dp: DataParallel | None = None, ssd_root=None, ssd_verify: bool = False,
-                 ssd_min_bytes: int = 2**20, trace_file: str | None = None):
+                 ssd_min_bytes: int = 2**20, trace_file: str | None = None,
+                 compile: CompileRequest | None = None):
         self.model = model
         self.blocks = list(blocks)
         self.plan = plan
@@ -121,9 +123,17 @@ class ProTrainRuntime:
         self._buffer_index = {t.data_ptr(): b for b, t in enumerate(self.chunks.pool.tensors)}
         self._persistent_ptrs = {c.data.data_ptr() for c in self.chunks.chunks if c.persistent}
         self._slot_offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
-        self.activations = ActivationRuntime(self.blocks, plan.block_modes, self.streams, device,
-                                             swap_bytes, self._param_lookup, ssd_root=ssd_root,
-                                             ssd_verify=ssd_verify, ssd_min_bytes=ssd_min_bytes)
+        # Compiled before the activation modes wrap the forwards: checkpoint goes around the
+        # compiled code, and the saved-tensor hooks see what the compiled graphs save.
+        self.compiled = CompiledBlocks(self.blocks, plan.block_modes, compile,
+                                       plan.knobs.sequence_parallel)
+        try:
+            self.activations = ActivationRuntime(self.blocks, plan.block_modes, self.streams, device,
+                                                 swap_bytes, self._param_lookup, ssd_root=ssd_root,
+                                                 ssd_verify=ssd_verify, ssd_min_bytes=ssd_min_bytes)
+        except BaseException:
+            self.compiled.close()
+            raise
         self._needs_saved_hooks = bool(self.chunks.offloaded()) or any(
             m in (BlockMode.SWAP, BlockMode.SSD) for m in plan.block_modes)
         self._hooks = ExitStack()
@@ -161,9 +171,18 @@ class ProTrainRuntime:
             self.tracer.close()
         self._hooks.close()
         self.activations.close()
+        self.compiled.close()
         if self.accounting is not None:
             self.accounting.end(0)
         self.chunks.close(to_host, gather)
+
+    def set_compile(self, request: CompileRequest | None) -> None:
+        """Compile the blocks' forwards with ``request`` from now on (None: eager again)."""
+        self.activations.unwrap_blocks()
+        self.compiled.close()
+        self.compiled = CompiledBlocks(self.blocks, self.plan.block_modes, request,
+                                       self.plan.knobs.sequence_parallel)
+        self.activations.wrap_blocks()
 
     @contextmanager
     def forward_context(self):
