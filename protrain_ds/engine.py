@@ -213,8 +213,8 @@ class ProTrainEngine(DeepSpeedEngine):
                                         keep_grads=opt.gas > 1 and opt._dirty)
         if self.global_rank == 0:
             ranks = f" (the largest of {self._protrain_host.world} ranks')" if self._protrain_host.world > 1 else ""
-            sp = f", sequence_parallel {old.knobs.sequence_parallel} -> {plan.knobs.sequence_parallel}" \
-                if self._protrain_host.world > 1 else ""
+            p0, p1 = old.knobs.sequence_parallel, plan.knobs.sequence_parallel
+            sp = f", sequence_parallel {p0} -> {p1}" if p1 != p0 else ""
             print(f"ProTrain: batch {shape}{ranks} is beyond the plan's {covered}; re-planned for "
                   f"{target}: {old.knobs.as_tuple()} -> {plan.knobs.as_tuple()}{sp}, predicted peak "
                   f"{fmt_bytes(plan.prediction.peak_device_bytes)}"
