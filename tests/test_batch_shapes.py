@@ -6,6 +6,7 @@ planned again. Several ranks: tests/test_data_parallel.py (the "shapes" runs); t
 Face Trainer with a pad-to-longest collator: test_hugging_face_trainer_pads_to_the_longest."""
 import functools
 import json
+import os
 
 import pytest
 import torch
@@ -171,3 +172,74 @@ def test_a_plan_file_made_for_shorter_batches_is_planned_again_and_saved(tmp_pat
     assert "was made for batches up to 2 x 16, this run's need 2 x 40: planning again" in out
     assert Plan.load(tmp_path / "copy.json").seq_len == 40
     engine.destroy()
+
+
+def _trainer_run(tmp_path, protrain: dict | None):
+    """A Hugging Face Trainer script as a user writes it: a tiny Llama, a tokenizer, and
+    DataCollatorForLanguageModeling, which pads each batch to its longest sample (labels -100
+    on the padding). Returns the logged losses, the trained weights and the engine."""
+    import tokenizers
+    import transformers
+    from accelerate.state import AcceleratorState, PartialState
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{f"t{i}": i for i in range(2, 128)}}
+    core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]",
+                                                     unk_token="[UNK]")
+    g = torch.Generator().manual_seed(0)
+    # batches of 2 padded to 16, 40, 64 tokens, and a last batch of one sample
+    texts = [" ".join(f"t{int(t)}" for t in torch.randint(2, 128, (n,), generator=g))
+             for n in (16, 9, 40, 23, 64, 50, 12)]
+    data = [tokenizer(t) for t in texts]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        attn_implementation="sdpa"))
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "train_batch_size": "auto", "gradient_clipping": "auto",
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                     "betas": "auto", "eps": "auto"}},
+          "zero_optimization": {"stage": 0}}
+    if protrain is not None:
+        ds["protrain"] = {"enabled": True, "device_memory": "4GiB", "progress": False,
+                          "verbosity": 0, **protrain}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), num_train_epochs=1, per_device_train_batch_size=2,
+        logging_steps=1, learning_rate=1e-3, report_to="none", save_strategy="no", deepspeed=ds,
+        use_cpu=True, disable_tqdm=True, seed=0, data_seed=0, lr_scheduler_type="constant")
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data,
+        data_collator=transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(data)
+    try:
+        trainer.train()
+        engine = trainer.model_wrapped
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        result = (losses, engine.protrain_plan if protrain is not None else None,
+                  len(engine.protrain_runtime.chunks.offloaded()) if protrain is not None else None)
+        engine.destroy()
+        weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    finally:
+        AcceleratorState._reset_state(True)
+        PartialState._reset_state()
+    return result[0], weights, result[1], result[2]
+
+
+def test_hugging_face_trainer_pads_to_the_longest(tmp_path, monkeypatch, capsys):
+    """The Trainer with a pad-to-longest collator, an offloading plan (one chunk on the device)
+    and nothing else changed: bit for bit what DeepSpeed ZeRO-0 trains, re-planning for the
+    longer batches as they come."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    # accelerate sets it (and torch's thread count) when unset: keep this process's as it is
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads())))
+    ref_losses, ref_weights, _, _ = _trainer_run(tmp_path / "ref", None)
+    capsys.readouterr()
+    losses, weights, plan, offloaded = _trainer_run(tmp_path / "protrain",
+                                                    dict(chunk_size="40KiB", n_persist=1))
+    out = capsys.readouterr().out
+    assert len(losses) == 4 and losses == ref_losses
+    assert _same(weights, ref_weights)
+    assert offloaded > 0 and (plan.micro_batch, plan.seq_len) == (2, 64)
+    assert "batch 2 x 40 is beyond the plan's 2 x 16; re-planned for 2 x 64" in out
+    assert out.count("re-planned") == 1
