@@ -13,7 +13,7 @@ integration. What changes:
 - a batch beyond the shape the plan covers (more samples or tokens: a pad-to-longest collator,
   a curriculum) is planned for before its forward (``_protrain_longer_batch``), all ranks
   together; an out-of-memory error re-plans with a larger margin. Both move every state into
-  the new plan's chunks (``_protrain_replan``).
+  the new plan's chunks (``_protrain_move``).
 
 Private DeepSpeed methods overridden here (checked by tests/test_ds_contract.py):
 ``_configure_optimizer``, ``clip_fp32_gradients``, ``_broadcast_model``.
@@ -128,13 +128,16 @@ class ProTrainEngine(DeepSpeedEngine):
     # ---- training ----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         kwargs = _no_kv_cache(self.module, kwargs)
-        shape = self._protrain_batch(inputs, kwargs)
         if self.protrain_runtime is None:
-            self._protrain_setup(inputs, kwargs, shape)
-        elif shape is not None:
-            if self._protrain_covered is None:     # a plan that does not say (an older file)
-                self._protrain_covered = shape
-            elif not self._protrain_covered.covers(shape):
+            self._protrain_setup(inputs, kwargs, self._protrain_batch(inputs, kwargs))
+        elif torch.is_grad_enabled():
+            # Training forwards run on every rank; one without autograd (evaluation,
+            # generation) may run on one rank alone, so it neither agrees on the shape nor
+            # re-plans: it saves no activations for backward, which the plan mostly holds.
+            shape = self._protrain_batch(inputs, kwargs)
+            if shape is not None and self._protrain_covered is None:
+                self._protrain_covered = shape       # a plan that does not say (an older file)
+            elif shape is not None and not self._protrain_covered.covers(shape):
                 self._protrain_longer_batch(shape, inputs, kwargs)
         if self._protrain_sp is not None:
             return self._protrain_sp.forward(inputs, kwargs)
@@ -147,7 +150,7 @@ class ProTrainEngine(DeepSpeedEngine):
             failure = _without_traceback(e)
         # Re-plan outside the except clause: the exception's traceback holds the failed
         # forward's frames, and through them its activations, until the clause is left.
-        self._protrain_replan("forward", failure)
+        self._protrain_out_of_memory("forward", failure)
         _set_rng_state(self._protrain_redo[2])
         return self.forward(*inputs, **kwargs)
 
@@ -166,13 +169,13 @@ class ProTrainEngine(DeepSpeedEngine):
                 "was already applied or accumulated, so the step cannot be redone exactly. "
                 "Resume from the last checkpoint with a larger protrain.memory_margin (or "
                 "delete protrain.plan_file to re-plan)") from failure
-        self._protrain_replan("backward", failure)
+        self._protrain_out_of_memory("backward", failure)
         inputs, kwargs, rng = self._protrain_redo
         _set_rng_state(rng)
         loss = self.forward(*inputs, **kwargs)
         return super().backward(_loss_of(loss), retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
-    def _protrain_replan(self, where: str, error: BaseException) -> None:
+    def _protrain_out_of_memory(self, where: str, error: BaseException) -> None:
         """An out-of-memory error in this micro-batch: plan again with a larger memory margin
         and let the caller redo the micro-batch. Gradients of the failed micro-batch are
         dropped; those accumulated before it are kept."""
