@@ -21,7 +21,7 @@ SECTION = "protrain"
 
 _OWN_KEYS = {
     "enabled": "turn ProTrain on (true) or off (false)",
-    "plan_file": "path: load this plan if it exists, else save the chosen plan there",
+    "plan_file": "path: load this plan if it exists (and covers the batches), else save the chosen plan there",
     "profile_cache_dir": "directory where measured model profiles are cached between runs",
     "verbosity": "0 quiet, 1 the plan table at start-up (default), 2 debug details",
     "progress": "show a progress bar while profiling (default true)",
@@ -60,8 +60,9 @@ class ProTrainDSConfig:
     """Memory limits, margins and knob pins for the search."""
     plan_file: str | None = None
     """Load this plan if the file exists (refused, saying what changed, when it was made for
-    other parameters, blocks, dtype, micro-batch or sequence length); otherwise save the chosen
-    plan to it (its directory must be writable: checked at initialize)."""
+    other parameters, blocks or dtype; planned again, and saved there, when it was made for
+    smaller batches than this run's); otherwise save the chosen plan to it (its directory must
+    be writable: checked at initialize). A re-plan for a longer batch saves its plan too."""
     profile_cache_dir: str | None = None
     """Cache measured model profiles here, keyed by the model's code and settings, the batch
     shape, the device and versions (protrain/profile/cache.py). Created if missing; one that

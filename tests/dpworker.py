@@ -38,6 +38,10 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         rt_mod.Streams = DeferredStreams
     else:
         rt_mod.Streams = Streams
+    import protrain.runtime.collectives as coll_mod
+    # A device backend (NCCL) as far as collectives.host_side can tell: host messages then go
+    # over a gloo group of their own, as on GPUs.
+    coll_mod.dist = _AsIfNCCL() if spec.get("device_backend") else torch.distributed
     cfg = GPTConfig(**spec["model"])
     global_batch = spec["global_batch"]
     mb = global_batch // world
@@ -86,7 +90,8 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     if spec.get("save_16bit"):                      # every rank calls it (ZeRO-3's contract)
         engine.save_16bit_model(os.path.join(out_dir, "16bit"), "model.bin")
     result = {"losses": losses, "norms": norms, "global_steps": engine.global_steps, "lr": engine.get_lr(),
-              "plans": plans, "peaks": peaks}
+              "plans": plans, "peaks": peaks,
+              "host_group": getattr(getattr(engine, "_protrain_host", None), "group", None) is not None}
     rt = getattr(engine, "protrain_runtime", None)
     if rt is not None:
         result["host_bytes"] = rt.chunks.host_bytes()
@@ -101,6 +106,18 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, "weights.pt"))
     return result, engine
+
+
+class _AsIfNCCL:
+    """torch.distributed, with a default backend that is not gloo."""
+
+    def __getattr__(self, name):
+        import torch.distributed
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def get_backend(group=None) -> str:
+        return "nccl"
 
 
 def budget_between(cfg, mb: int, world: int, pins: dict, short: int, long: int) -> int:

@@ -69,7 +69,8 @@ def clipped_runs(tmp_path_factory):
                                           save_16bit=True)
     shapes = dict(model=MODEL, global_batch=4, steps=len(SHAPES), batches=SHAPES)
     runs["deepspeed shapes"] = dict(shapes, protrain=None)
-    runs["protrain shapes"] = dict(shapes, deferred_streams=True, protrain=SHAPE_PINS, budget_between=[16, 64])
+    runs["protrain shapes"] = dict(shapes, deferred_streams=True, protrain=SHAPE_PINS, budget_between=[16, 64],
+                                   device_backend=True)
     accumulating = dict(model=MODEL, global_batch=4, steps=len(SHAPES_ACCUMULATING),
                         batches=SHAPES_ACCUMULATING, extra=dict(gradient_accumulation_steps=2))
     runs["deepspeed shapes, accumulation"] = dict(accumulating, protrain=None)
@@ -136,7 +137,8 @@ def test_two_ranks_plan_together_for_a_longer_batch_on_one_of_them(clipped_runs)
     same micro-step (the 40 tokens of rank 1) to the same plan, which offloads chunks the
     16-token plan kept on the device (states move from replicated to sharded chunks). Losses
     and weights are DeepSpeed ZeRO-0's bit for bit, every copy held back as long as CUDA may,
-    and each rank's device bytes stay within the plan in force at every step."""
+    and each rank's device bytes stay within the plan in force at every step. The shape goes
+    over a gloo group of its own, as with NCCL."""
     out, runs = clipped_runs
     ref, got = runs["deepspeed shapes"], runs["protrain shapes"]
     for a, b in zip(ref, got):
@@ -150,6 +152,8 @@ def test_two_ranks_plan_together_for_a_longer_batch_on_one_of_them(clipped_runs)
     assert n_persist[1] < n_persist[0] and got[0]["offloaded"] > 0
     for r in got:
         assert r["races"] == 0 and all(0 < peak <= bound for peak, bound in r["peaks"]), r["peaks"]
+        assert r["host_group"]            # its own gloo group (the world's is used when gloo)
+    assert not any(r["host_group"] for r in runs["protrain shapes, accumulation"])
 
 
 def test_two_ranks_keep_the_accumulated_gradients_over_a_replan_at_degree_two(clipped_runs):

@@ -100,5 +100,12 @@ def host_side(dp: DataParallel) -> DataParallel:
     tens of microseconds. The group is made once (a collective: every rank, same order)."""
     if dp.world == 1 or dist.get_backend(dp.group) == "gloo":
         return dp
-    ranks = dist.get_process_group_ranks(dp.group) if dp.group is not None else None
-    return DataParallel(dist.new_group(ranks=ranks, backend="gloo"))
+    ranks = tuple(dist.get_process_group_ranks(dp.group)) if dp.group is not None else None
+    # One per process group and ranks: engines built again in the same job reuse it.
+    key = (id(dist.distributed_c10d._get_default_group()), ranks)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = dist.new_group(ranks=list(ranks) if ranks else None, backend="gloo")
+    return DataParallel(_HOST_GROUPS[key])
+
+
+_HOST_GROUPS: dict = {}
