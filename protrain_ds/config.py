@@ -21,7 +21,7 @@ SECTION = "protrain"
 
 _OWN_KEYS = {
     "enabled": "turn ProTrain on (true) or off (false)",
-    "plan_file": "path: load this plan if it exists, else save the chosen plan there",
+    "plan_file": "path: load this plan if it exists (and covers the batches), else save the chosen plan there",
     "profile_cache_dir": "directory where measured model profiles are cached between runs",
     "verbosity": "0 quiet, 1 the plan table at start-up (default), 2 debug details",
     "progress": "show a progress bar while profiling (default true)",
@@ -36,6 +36,8 @@ _OWN_KEYS = {
     "host_thread": "run CPU Adam on a worker thread even on a CPU device (benchmarks; default: on a GPU)",
     "profile_seq_len": "profile the first N tokens of each sequence and scale the profile to the "
                        "batch's length (linear parts by s, attention by s^2)",
+    "max_seq_len": "the longest sequence the job trains on (or \"auto\": the model's own maximum): "
+                   "the first forward plans for it, so no longer batch re-plans later",
 }
 _PLANNER_KEYS = {f.name for f in dataclasses.fields(PlannerConfig)} | set(KNOB_NAMES)
 _DERIVED = {"grad_accumulation_steps": "gradient_accumulation_steps",
@@ -61,8 +63,9 @@ class ProTrainDSConfig:
     """Memory limits, margins and knob pins for the search."""
     plan_file: str | None = None
     """Load this plan if the file exists (refused, saying what changed, when it was made for
-    other parameters, blocks, dtype, micro-batch or sequence length); otherwise save the chosen
-    plan to it (its directory must be writable: checked at initialize)."""
+    other parameters, blocks or dtype; planned again, and saved there, when it was made for
+    smaller batches than this run's); otherwise save the chosen plan to it (its directory must
+    be writable: checked at initialize). A re-plan for a longer batch saves its plan too."""
     profile_cache_dir: str | None = None
     """Cache measured model profiles here, keyed by the model's code and settings, the batch
     shape, the device and versions (protrain/profile/cache.py). Created if missing; one that
@@ -104,6 +107,14 @@ class ProTrainDSConfig:
     """Profile the first N tokens of the first batch's sequences and scale the profile to the
     full length (protrain.sp.scaling: linear parts by s, attention by s^2): faster at very long
     sequences. None: the whole sequence (halved while it runs out of device memory)."""
+    max_seq_len: int | str | None = None
+    """The longest sequence (tokens) the job will train on, when it is known before training
+    (the tokenizer's truncation length, a curriculum's last stage): the first forward plans
+    for it - the first batch is profiled as given and the profile scaled to this length
+    (protrain.sp.scaling) - so no later batch re-plans. "auto": the model's own maximum (its
+    config's max_position_embeddings, n_positions or block_size). None: plan for the first
+    batch; a longer one re-plans before its forward, for the next power of two tokens (capped
+    by the model's maximum), so lengths that keep growing re-plan a handful of times."""
 
     @classmethod
     def from_ds_config(cls, ds_config: dict | None) -> "ProTrainDSConfig":
@@ -161,6 +172,12 @@ class ProTrainDSConfig:
                                   f"tokens >= 1")
             kwargs["profile_seq_len"] = v
         data.pop("profile_seq_len", None)
+        v = data.pop("max_seq_len", None)
+        if v is not None and v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{SECTION}.max_seq_len = {v!r}: must be a whole number of tokens >= 1 "
+                              f"(the longest sequence the job trains on), \"auto\" (the model's "
+                              f"own maximum) or null (plan for the batches as they come)")
+        kwargs["max_seq_len"] = v
         for key in ("progress", "accounting", "ssd_verify"):
             v = data.pop(key, cls.__dataclass_fields__[key].default)
             if not isinstance(v, bool):

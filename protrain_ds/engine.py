@@ -9,7 +9,11 @@ integration. What changes:
 - the optimizer DeepSpeed builds is a ProTrainOptimizer (``_configure_optimizer``);
 - the first forward profiles the model on its first batch (or loads a saved plan), searches
   the plan, prints it, and builds the runtime; every forward then runs inside the runtime's
-  forward context.
+  forward context;
+- a batch beyond the shape the plan covers (more samples or tokens: a pad-to-longest collator,
+  a curriculum) is planned for before its forward (``_protrain_longer_batch``), all ranks
+  together; an out-of-memory error re-plans with a larger margin. Both move every state into
+  the new plan's chunks (``_protrain_move``).
 
 - ``engine.compile()`` (and a model compiled before initialize) compiles the blocks once the
   plan is made, not the whole module (``compile.py``).
@@ -26,16 +30,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from protrain.batch_shape import BatchShape, model_max_seq_len, replan_shape
 from protrain.config import ConfigError
 from protrain.plan import Plan
 from protrain.profile.blocks import find_blocks
 from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
 from protrain.profile.probe import probe_alltoall, probe_collective
-from protrain.runtime.collectives import DataParallel
+from protrain.runtime.collectives import DataParallel, host_side
 from protrain.runtime.node import NodeShare, node_share
 from protrain.runtime.runtime import ProTrainRuntime
 from protrain.search import InfeasibleError, check_budgets, search
@@ -65,7 +71,15 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_sp: SequenceParallelForward | None = None
         self._protrain_node = NodeShare(ranks_per_node=1, local_rank=0, cores=1)
         """This rank's share of its host (set at the first forward, when every rank is there)."""
+        self._protrain_sp_factor: float | None = None   # the script's loss factor, kept over re-plans
+        self._protrain_covered: BatchShape | None = None
+        """The largest batch the plan in force was made for (None: not known yet)."""
+        self._protrain_second: ModelProfile | None = None   # the profile at half the sequence
+        self._protrain_ce_calls = 1
+        self._protrain_hw = None
         super().__init__(*args, dont_change_device=True, **kwargs)
+        # Every forward agrees on the batch shape over the ranks, in host memory (see host_side).
+        self._protrain_host = host_side(DataParallel())
         # Gradients live in chunks, not in .grad: DeepSpeed's own all-reduce has nothing to do.
         self.enable_backward_allreduce = False
         if not isinstance(self.optimizer, ProTrainOptimizer):
@@ -129,7 +143,16 @@ class ProTrainEngine(DeepSpeedEngine):
     def forward(self, *inputs, **kwargs):
         kwargs = _no_kv_cache(self.module, kwargs)
         if self.protrain_runtime is None:
-            self._protrain_setup(inputs, kwargs)
+            self._protrain_setup(inputs, kwargs, self._protrain_batch(inputs, kwargs))
+        elif torch.is_grad_enabled():
+            # Training forwards run on every rank; one without autograd (evaluation,
+            # generation) may run on one rank alone, so it neither agrees on the shape nor
+            # re-plans: it saves no activations for backward, which the plan mostly holds.
+            shape = self._protrain_batch(inputs, kwargs)
+            if shape is not None and self._protrain_covered is None:
+                self._protrain_covered = shape       # a plan that does not say (an older file)
+            elif shape is not None and not self._protrain_covered.covers(shape):
+                self._protrain_longer_batch(shape, inputs, kwargs)
         if self._protrain_sp is not None:
             return self._protrain_sp.forward(inputs, kwargs)
         # What redoing this micro-batch after an out-of-memory error needs.
@@ -141,7 +164,7 @@ class ProTrainEngine(DeepSpeedEngine):
             failure = _without_traceback(e)
         # Re-plan outside the except clause: the exception's traceback holds the failed
         # forward's frames, and through them its activations, until the clause is left.
-        self._protrain_replan("forward", failure)
+        self._protrain_out_of_memory("forward", failure)
         _set_rng_state(self._protrain_redo[2])
         return self.forward(*inputs, **kwargs)
 
@@ -160,43 +183,82 @@ class ProTrainEngine(DeepSpeedEngine):
                 "was already applied or accumulated, so the step cannot be redone exactly. "
                 "Resume from the last checkpoint with a larger protrain.memory_margin (or "
                 "delete protrain.plan_file to re-plan)") from failure
-        self._protrain_replan("backward", failure)
+        self._protrain_out_of_memory("backward", failure)
         inputs, kwargs, rng = self._protrain_redo
         _set_rng_state(rng)
         loss = self.forward(*inputs, **kwargs)
         return super().backward(_loss_of(loss), retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
-    def _protrain_replan(self, where: str, error: BaseException) -> None:
-        """An out-of-memory error in this micro-batch: plan again with a larger memory margin,
-        move every state into the new plan's chunks, and let the caller redo the micro-batch.
-        Gradients of the failed micro-batch are dropped; those accumulated before it are kept.
-        The old runtime's device memory is given back before the new one allocates."""
-        from protrain.runtime.states import assemble, export_pieces, import_pieces
-        rt = self.protrain_runtime
-        dp = rt.chunks.dp
+    def _protrain_out_of_memory(self, where: str, error: BaseException) -> None:
+        """An out-of-memory error in this micro-batch: plan again with a larger memory margin
+        and let the caller redo the micro-batch. Gradients of the failed micro-batch are
+        dropped; those accumulated before it are kept."""
+        dp = self.protrain_runtime.chunks.dp
         if dp.world > 1:
+            # The error happened on this rank alone: the others are inside a collective.
             raise RuntimeError("ProTrain: out of device memory with several ranks: re-planning "
                                "needs every rank; restart from the last checkpoint with a larger "
                                "protrain.memory_margin") from error
-        planner = _planner_config(self, dp)
-        margin = max(planner.memory_margin, self._protrain_margin) + 0.1
+        margin = max(self.protrain_config.planner.memory_margin, self._protrain_margin) + 0.1
         if margin >= 1.0:
             raise InfeasibleError(f"ProTrain: out of device memory again at a {margin - 0.1:.0%} "
                                   f"margin; no plan is safe on this device. Lower the micro-batch "
                                   f"or the sequence length, or use a device with more memory") from error
         self._protrain_margin = margin
+        opt = self.protrain_runtime.optimizer
+        keep = where == "forward" and opt.gas > 1 and opt._dirty_before_forward
+        inputs, kwargs, _ = self._protrain_redo
+        old, plan = self._protrain_move(self._protrain_covered, inputs, kwargs, margin=margin,
+                                        keep_grads=keep)
+        if self.global_rank == 0:
+            print(f"ProTrain: out of device memory in {where} ({str(error).splitlines()[0][:120]}); "
+                  f"re-planned with a {margin:.0%} margin: {old.knobs.as_tuple()} -> "
+                  f"{plan.knobs.as_tuple()}, predicted peak {plan.prediction.peak_device_bytes / 2**30:.2f} "
+                  f"GiB; redoing the micro-batch", flush=True)
+
+    def _protrain_longer_batch(self, shape: BatchShape, inputs, kwargs) -> None:
+        """A batch beyond the shape the plan covers, on some rank (``shape``: the largest over
+        the ranks): plan for it before its forward runs - rounded up (batch_shape.replan_shape)
+        so that growing lengths re-plan a handful of times - keeping the gradients accumulated
+        so far in this optimizer step."""
+        covered = self._protrain_covered
+        target = replan_shape(shape, micro_batch=self.train_micro_batch_size_per_gpu(),
+                              model_max=model_max_seq_len(self.module)).union(covered)
+        opt = self.protrain_runtime.optimizer
+        margin = max(self.protrain_config.planner.memory_margin, self._protrain_margin)
+        old, plan = self._protrain_move(target, inputs, kwargs, margin=margin,
+                                        keep_grads=opt.gas > 1 and opt._dirty)
+        if self.global_rank == 0:
+            ranks = f" (the largest of {self._protrain_host.world} ranks')" if self._protrain_host.world > 1 else ""
+            p0, p1 = old.knobs.sequence_parallel, plan.knobs.sequence_parallel
+            sp = f", sequence_parallel {p0} -> {p1}" if p1 != p0 else ""
+            print(f"ProTrain: batch {shape}{ranks} is beyond the plan's {covered}; re-planned for "
+                  f"{target}: {old.knobs.as_tuple()} -> {plan.knobs.as_tuple()}{sp}, predicted peak "
+                  f"{fmt_bytes(plan.prediction.peak_device_bytes)}"
+                  + (f"; saved to {self.protrain_config.plan_file}" if self.protrain_config.plan_file else ""),
+                  flush=True)
+
+    def _protrain_move(self, target: BatchShape | None, inputs, kwargs, *, margin: float,
+                       keep_grads: bool) -> tuple[Plan, Plan]:
+        """Plan again for batches up to ``target`` with ``margin``, and move every state into
+        the new plan's chunks: weights, fp32 masters, Adam moments and step counts, and with
+        ``keep_grads`` the gradients accumulated in this optimizer step (else they are
+        dropped). A collective: every rank calls it, rank 0 plans (profiling ``inputs`` if it
+        holds no profile: a loaded plan). The old runtime's memory is given back before the
+        new one allocates. Returns (old plan, new plan)."""
+        from protrain.runtime.states import assemble, export_pieces, import_pieces, redistribute
+        rt = self.protrain_runtime
+        dp = rt.chunks.dp
         opt = self.optimizer
         while opt._backward_active_depth > 0:       # DeepSpeed's backward never finished
             opt.exit_backward()
-        rt.optimizer.worker.drain()
+        rt.optimizer.worker.drain()                   # CPU Adam of the last step
         rt.streams.synchronize()
-        keep_grads = self.gradient_accumulation_steps() > 1 and rt.optimizer._dirty_before_forward
-        if where == "backward" or not keep_grads:
+        if not keep_grads:
             rt.optimizer._dirty = True
             rt.optimizer._reset()                     # this micro-batch's partial gradients
-        pieces = {}
-        for piece in export_pieces(rt.chunks, grads=keep_grads):
-            pieces.setdefault(piece.name, []).append(piece)
+        pieces = export_pieces(rt.chunks, grads=keep_grads)
+        old = self.protrain_plan
         # Park every parameter on the host and drop every reference to the old runtime (its
         # chunks, buffers, optimizer states) before the new chunks take the device.
         rt.close(to_host=True)
@@ -206,26 +268,25 @@ class ProTrainEngine(DeepSpeedEngine):
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        profile = self.protrain_profile
-        if profile is None:
-            inputs, kwargs, rng = self._protrain_redo
-            profile, _ = self._profile(find_blocks(self.module)[1], inputs, kwargs)
-            _set_rng_state(rng)
-            self.protrain_profile = profile
-        old = self.protrain_plan
-        plan = search(profile, self._hardware(), replace(planner, memory_margin=margin))
-        if self.global_rank == 0:
-            print(f"ProTrain: out of device memory in {where} ({str(error).splitlines()[0][:120]}); "
-                  f"re-planned with a {margin:.0%} margin: {old.knobs.as_tuple()} -> "
-                  f"{plan.knobs.as_tuple()}, predicted peak {plan.prediction.peak_device_bytes / 2**30:.2f} "
-                  f"GiB; redoing the micro-batch", flush=True)
-        if self.protrain_config.plan_file:
-            plan.save(self.protrain_config.plan_file)
+        planner = replace(_planner_config(self, dp), memory_margin=margin)
+        if keep_grads and dp.world > 1 and old.knobs.sequence_parallel == 1 and \
+                planner.pins.sequence_parallel is None:
+            # A plan at P > 1 learns the script's loss factor (sequence_parallel.py) on its
+            # first micro-step by rescaling what was accumulated, which would rescale the
+            # gradients carried over from P = 1 too: the degree stays for this re-plan.
+            planner = replace(planner, pins=replace(planner.pins, sequence_parallel=1))
+        plan = self._protrain_choose(inputs, kwargs, dp, planner, target, load=False)[0]
         self._protrain_build_runtime(plan, dp)
-        import_pieces(self.protrain_runtime.chunks, lambda n, lo, hi: assemble(pieces, n, lo, hi),
-                      grads=keep_grads)
+        chunks = self.protrain_runtime.chunks
+        if dp.world > 1:       # another layout or sharding: each rank gets what it holds now
+            pieces = redistribute(pieces, chunks, self._protrain_host)
+        by_name = {}
+        for piece in pieces:
+            by_name.setdefault(piece.name, []).append(piece)
+        import_pieces(chunks, lambda n, lo, hi: assemble(by_name, n, lo, hi), grads=keep_grads)
         self.protrain_runtime.resume_optimizer()
         self.protrain_runtime.optimizer._dirty = keep_grads
+        return old, self.protrain_plan
 
     def train_batch(self, data_iter):
         """Run one optimizer step over ``gradient_accumulation_steps`` micro-batches drawn from
@@ -300,11 +361,36 @@ class ProTrainEngine(DeepSpeedEngine):
         super().__del__()
 
     # ---- planning at the first batch --------------------------------------------------------
-    def _protrain_setup(self, inputs, kwargs) -> None:
+    def _protrain_batch(self, inputs, kwargs) -> BatchShape | None:
+        """This forward's batch shape, the largest over the ranks (with pad-to-longest ranks see
+        different lengths in one step; all of them must run one plan). One all-reduce of two
+        numbers in host memory per forward (collectives.host_side: no device sync)."""
+        micro_batch, seq = _batch_shape(inputs, kwargs)
+        host = self._protrain_host
+        if host.world > 1:
+            t = torch.tensor([micro_batch or 0, seq or 0], dtype=torch.int64)
+            host.all_reduce_(t, op=dist.ReduceOp.MAX)
+            micro_batch, seq = int(t[0]), int(t[1])
+        return BatchShape(micro_batch, seq) if micro_batch and seq else None
+
+    def _protrain_first_shape(self, shape: BatchShape | None) -> BatchShape | None:
+        """What the first plan covers: this batch, the configured micro-batch, and
+        ``max_seq_len`` when given (then longer batches never re-plan)."""
+        if shape is None:
+            return None
+        longest = self.protrain_config.max_seq_len
+        if longest == "auto":
+            longest = model_max_seq_len(self.module)
+            if longest is None:
+                raise ConfigError(f"protrain.max_seq_len = \"auto\": the model's config "
+                                  f"({type(self.module).__name__}) gives no maximum length "
+                                  f"(max_position_embeddings, n_positions); give the number of tokens")
+        return shape.union(BatchShape(self.train_micro_batch_size_per_gpu(), longest or 0))
+
+    def _protrain_setup(self, inputs, kwargs, shape: BatchShape | None) -> None:
         cfg = self.protrain_config
         verbose = self.global_rank == 0 and cfg.verbosity >= 1
         protrain_compile.before_planning(self)
-        _, blocks = find_blocks(self.module)
         if getattr(self.module, "is_gradient_checkpointing", False) and \
                 hasattr(self.module, "gradient_checkpointing_disable"):
             self.module.gradient_checkpointing_disable()
@@ -320,53 +406,60 @@ class ProTrainEngine(DeepSpeedEngine):
         dp = DataParallel()
         # The ranks on this host: the launcher's variables, else one all-gather of host names.
         self._protrain_node = node_share(dp)
-        planner = _planner_config(self, dp)
-        coll_bw, a2a_bw = _probe_links(dp, self.device)
         if dp.world > 1 and not (cfg.plan_file and Path(cfg.plan_file).exists()):
             # Every rank takes part in the probe rank 0 plans with: one process per node
             # measures while the node's others sleep on the probe's lock (waiting in the plan's
-            # broadcast below instead, NCCL ranks would spin a core each under the measurement).
+            # broadcast instead, NCCL ranks would spin a core each under the measurement).
             self._hardware()
+        target = self._protrain_first_shape(shape)
+        plan, loaded, profile_seconds = self._protrain_choose(inputs, kwargs, dp, _planner_config(self, dp),
+                                                              target, load=True)
+        if verbose:
+            print(plan.explain(), flush=True)
+            if loaded:
+                print(f"ProTrain: plan loaded from {cfg.plan_file} (no profiling or search)", flush=True)
+            else:
+                beyond = f"; planned for batches up to {target}" if target != shape else ""
+                print(f"ProTrain: profiling took {profile_seconds:.2f} s, search "
+                      f"{plan.search_seconds:.3f} s{beyond}" + (f"; plan saved to {cfg.plan_file}"
+                                                               if cfg.plan_file else ""), flush=True)
+        elif self.global_rank == 0 and cfg.verbosity == 0:
+            k = plan.knobs
+            sp = f", sequence_parallel={k.sequence_parallel}" if k.sequence_parallel > 1 else ""
+            print(f"ProTrain: plan {k.as_tuple()}{sp} predicted {plan.prediction.iter_time:.3f} s/iter, "
+                  f"peak {plan.prediction.peak_device_bytes / 2**30:.2f} GiB", flush=True)
+        self._protrain_build_runtime(plan, dp)
+        self._protrain_covered = self._protrain_covered or target
+
+    def _protrain_choose(self, inputs, kwargs, dp: DataParallel, planner, target: BatchShape | None,
+                         *, load: bool) -> tuple[Plan, bool, float]:
+        """The plan every rank runs, for batches up to ``target``: rank 0 loads it from
+        ``plan_file`` (with ``load``, if one there covers ``target``) or searches it - from
+        its profile, taken now from ``inputs`` if it has none, scaled to ``target`` - and
+        saves it; every rank gets it (a collective). Returns (plan, loaded, profiling seconds)."""
+        cfg = self.protrain_config
+        _, blocks = find_blocks(self.module)
+        links = _probe_links(dp, self.device)       # every rank measures
         t0 = time.perf_counter()
         profile_seconds = 0.0
         plan, loaded, error, failure = None, False, None, None
         if dp.rank == 0:
             # One rank measures and decides; every rank runs the same plan.
             try:
-                plan = self._load_plan(planner, blocks, inputs, kwargs)
+                plan = self._load_plan(planner, blocks, target) if load else None
                 loaded = plan is not None
                 if plan is None:
-                    profile, ce_calls = self._profile(blocks, inputs, kwargs)
-                    profile_seconds = time.perf_counter() - t0
-                    hw = self._hardware()
-                    if cfg.ssd_path:
-                        from protrain.profile.probe import probe_storage
-                        ssd = probe_storage(cfg.ssd_path, self.device)
-                        if verbose:
-                            print(f"ProTrain: SSD tier at {cfg.ssd_path} via {ssd['backend']}: write "
-                                  f"{ssd['nvme_write_bandwidth'] / 1e9:.2f} GB/s, read "
-                                  f"{ssd['nvme_read_bandwidth'] / 1e9:.2f} GB/s, "
-                                  f"{fmt_bytes(ssd['nvme_free_bytes'])} free", flush=True)
-                        hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
-                    if dp.world > 1:
-                        hw = replace(hw, collective_bandwidth=coll_bw, alltoall_bandwidth=a2a_bw,
-                                     host_memory=hw.host_memory // hw.ranks_per_node)
-                    seq = _batch_shape(inputs, kwargs)[1]
-                    if dp.world == 1 and seq == profile.seq_len:
-                        plan = search(profile, hw, planner)
-                    else:
-                        # Other lengths per rank: a second, shorter profile separates what
-                        # grows with the sequence from what does not (protrain.sp.scaling).
-                        from protrain.sp.planner import search_sequence_parallel
-                        second = self._profile(blocks, inputs, kwargs,
-                                               length=profile.seq_len // 2)[0] \
-                            if profile.seq_len and profile.seq_len >= 2 else None
-                        why = unsupported_reason(self.module) or (
-                            None if ce_calls else "the model computes no cross_entropy loss in "
-                            "forward (pass the labels), which sequence shards need")
-                        plan = search_sequence_parallel(profile, hw, planner, seq_len=seq,
-                                                        unsupported=why, second=second)
-                    self.protrain_profile = profile
+                    if self.protrain_profile is None:
+                        self.protrain_profile, self._protrain_ce_calls = self._profile(blocks, inputs, kwargs)
+                        profile = self.protrain_profile
+                        if dp.world > 1 and profile.seq_len and profile.seq_len >= 2:
+                            # Degrees that split the sequence below the profiled length: a
+                            # second, shorter profile separates what grows with it from what
+                            # does not (protrain.sp.scaling).
+                            self._protrain_second = self._profile(blocks, inputs, kwargs,
+                                                                  length=profile.seq_len // 2)[0]
+                        profile_seconds = time.perf_counter() - t0
+                    plan = self._protrain_search(planner, dp, links, target)
                     if cfg.plan_file:
                         plan.save(cfg.plan_file)
             except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast below
@@ -388,22 +481,44 @@ class ProTrainEngine(DeepSpeedEngine):
                                       micro_batch_fit=getattr(e, "micro_batch_fit", None)) from None
             raise ConfigError(msg)
         plan = plan if dp.rank == 0 else Plan.from_dict(shared[0])
-        loaded = shared[1]
-        self.protrain_plan = plan
-        if verbose:
-            print(plan.explain(), flush=True)
-            if loaded:
-                print(f"ProTrain: plan loaded from {cfg.plan_file} (no profiling or search)", flush=True)
-            else:
-                print(f"ProTrain: profiling took {profile_seconds:.2f} s, search "
-                      f"{plan.search_seconds:.3f} s" + (f"; plan saved to {cfg.plan_file}"
-                                                        if cfg.plan_file else ""), flush=True)
-        elif self.global_rank == 0 and cfg.verbosity == 0:
-            k = plan.knobs
-            sp = f", sequence_parallel={k.sequence_parallel}" if k.sequence_parallel > 1 else ""
-            print(f"ProTrain: plan {k.as_tuple()}{sp} predicted {plan.prediction.iter_time:.3f} s/iter, "
-                  f"peak {plan.prediction.peak_device_bytes / 2**30:.2f} GiB", flush=True)
-        self._protrain_build_runtime(plan, dp)
+        return plan, shared[1], profile_seconds
+
+    def _protrain_search(self, planner, dp: DataParallel, links, target: BatchShape | None) -> Plan:
+        """Rank 0: the plan for batches up to ``target`` from this engine's profile (scaled to
+        ``target`` when it was taken at another shape, and per sequence-parallel degree)."""
+        profile = self.protrain_profile
+        hw = self._protrain_machine(dp, links)
+        if target is None or (dp.world == 1 and (target.micro_batch, target.seq_len) ==
+                              (profile.micro_batch, profile.seq_len)):
+            return search(profile, hw, planner)
+        from protrain.sp.planner import search_sequence_parallel
+        why = unsupported_reason(self.module) or (
+            None if self._protrain_ce_calls else "the model computes no cross_entropy loss in "
+            "forward (pass the labels), which sequence shards need")
+        return search_sequence_parallel(profile, hw, planner, seq_len=target.seq_len,
+                                        micro_batch=target.micro_batch, unsupported=why,
+                                        second=self._protrain_second)
+
+    def _protrain_machine(self, dp: DataParallel, links: tuple[float, float]):
+        """Rank 0: the hardware the plans are made for (measured once per engine)."""
+        if self._protrain_hw is not None:
+            return self._protrain_hw
+        cfg = self.protrain_config
+        hw = self._hardware()
+        if cfg.ssd_path:
+            from protrain.profile.probe import probe_storage
+            ssd = probe_storage(cfg.ssd_path, self.device)
+            if cfg.verbosity >= 1:
+                print(f"ProTrain: SSD tier at {cfg.ssd_path} via {ssd['backend']}: write "
+                      f"{ssd['nvme_write_bandwidth'] / 1e9:.2f} GB/s, read "
+                      f"{ssd['nvme_read_bandwidth'] / 1e9:.2f} GB/s, "
+                      f"{fmt_bytes(ssd['nvme_free_bytes'])} free", flush=True)
+            hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
+        if dp.world > 1:
+            hw = replace(hw, collective_bandwidth=links[0], alltoall_bandwidth=links[1],
+                         host_memory=hw.host_memory // hw.ranks_per_node)
+        self._protrain_hw = hw
+        return hw
 
     def _protrain_build_runtime(self, plan: Plan, dp: DataParallel | None = None) -> None:
         """Put the model's parameters into the plan's chunks and hook up the runtime (and, with
@@ -421,6 +536,7 @@ class ProTrainEngine(DeepSpeedEngine):
         p = plan.knobs.sequence_parallel
         if p > 1:
             self._protrain_sp = SequenceParallelForward(self, p, blocks)
+            self._protrain_sp.factor = self._protrain_sp_factor
             is_boundary = self._protrain_sp.is_boundary
             # The P sub-steps of a micro-batch accumulate like micro-batches (as planned).
             setup = replace(setup, grad_accumulation_steps=setup.grad_accumulation_steps * p)
@@ -434,6 +550,8 @@ class ProTrainEngine(DeepSpeedEngine):
             trace_file=self.protrain_config.trace_file, compile=self.protrain_compile)
         protrain_compile.announce(self)
         self.optimizer.runtime = self.protrain_runtime
+        self._protrain_covered = BatchShape(plan.micro_batch, plan.seq_len) \
+            if plan.micro_batch and plan.seq_len else None
         # Counts are cumulative over re-plans: the new runtime goes on counting in the same record.
         self._protrain_overlap = self._protrain_overlap or self.protrain_runtime.optimizer.stats
         self.protrain_runtime.optimizer.stats = self._protrain_overlap
@@ -444,6 +562,8 @@ class ProTrainEngine(DeepSpeedEngine):
 
     def _protrain_close_sp(self) -> None:
         if self._protrain_sp is not None:
+            if self._protrain_sp.factor is not None:     # the script's; a new plan keeps it
+                self._protrain_sp_factor = self._protrain_sp.factor
             self._protrain_sp.close()
             self._protrain_sp = None
 
@@ -480,10 +600,11 @@ class ProTrainEngine(DeepSpeedEngine):
                     load_lr_scheduler_states=load_lr_scheduler_states,
                     load_module_only=load_module_only)
 
-    def _load_plan(self, planner, blocks, inputs, kwargs) -> Plan | None:
+    def _load_plan(self, planner, blocks, target: BatchShape | None) -> Plan | None:
         """The plan in ``plan_file`` if there is one and it was made for this run: the same
-        trainable parameters, blocks, dtype and batch shape (its predictions hold for nothing
-        else); otherwise say what changed."""
+        trainable parameters, blocks and dtype (its predictions hold for nothing else),
+        otherwise say what changed; and for batches up to ``target`` at least, otherwise None
+        (planned again for this run's batches, and saved there)."""
         path = self.protrain_config.plan_file
         if not path or not Path(path).exists():
             return None
@@ -500,9 +621,8 @@ class ProTrainEngine(DeepSpeedEngine):
                                f"(or point plan_file at a new path) to re-plan")
         named = dict(self.module.named_parameters())
         trainable = [n for n, p in named.items() if p.requires_grad]
-        micro_batch, seq = _batch_shape(inputs, kwargs)
         why = plan.differs_from(
-            n_blocks=len(blocks), micro_batch=micro_batch, seq_len=seq,
+            n_blocks=len(blocks), micro_batch=None, seq_len=None,
             param_bytes=named[trainable[0]].element_size() if trainable else plan.param_bytes)
         if why is not None:
             raise stale(why)
@@ -523,6 +643,13 @@ class ProTrainEngine(DeepSpeedEngine):
         if planner.device_memory and need > planner.device_memory:
             raise ConfigError(f"protrain.plan_file {path} needs {need / 2**30:.2f} GiB of device "
                               f"memory, above protrain.device_memory; delete it to re-plan")
+        if target is not None and plan.micro_batch and plan.seq_len and \
+                not BatchShape(plan.micro_batch, plan.seq_len).covers(target):
+            if self.protrain_config.verbosity >= 1:
+                print(f"ProTrain: the plan in {path} was made for batches up to {plan.micro_batch} x "
+                      f"{plan.seq_len}, this run's need {target}: planning again (saved there)",
+                      flush=True)
+            return None
         return plan
 
     def _profile(self, blocks, inputs, kwargs, length: int | None = None) -> tuple[ModelProfile, int]:

@@ -21,8 +21,14 @@ DeferredStreams plays the schedules CUDA may play, so that such a bug changes tr
   as the last tensor on it is dropped, whatever side stream still uses it). A copy reading a
   freed block copies poison; one writing a freed block would corrupt its next owner and is
   reported (``DeviceOrderError``).
+- the host does not wait when the compute stream does: ``wait`` (compute waits for a copy)
+  runs the copy, so that eager compute sees its result, but does not tell the host it is
+  done. Only a host wait (``host_wait``, an event's ``synchronize``, ``synchronize``) or a
+  later copy ordered after it does. Until then a device-to-host copy's destination keeps its
+  poison (the copy engine may not have written it yet: the host reads garbage), and the
+  host memory a copy reads or writes counts as in use.
 - pinned memory is registered as with cudaHostRegister (``pinned_bytes`` is what is held);
-  unregistering a region a queued copy still uses is reported.
+  unregistering a region a copy may still use (the host has not waited for it) is reported.
 - a helper thread that uses the device without selecting it first (``bind_thread``) is
   reported: on a multi-GPU node it would create a context on, and queue work for, GPU 0.
 - host reads of device data (``to_host``, the runtime's one way to read it) are counted per
@@ -61,11 +67,23 @@ class _Queue:
         self.done = 0
         self.hooks: dict[int, list] = {}
         """Callbacks to run once op n (1-based count) has run."""
+        self.waits: list[list] = []
+        """Per op: the events it waits for (a host that knows it is done knows those are)."""
+        self.ranges: list[list[tuple[int, int]]] = []
+        """Per op: the host (pinned) address ranges it reads or writes."""
+        self.staged: dict[int, tuple] = {}
+        """Op n's result for host memory, not yet visible to the host: (destination, value)."""
+        self.published = 0
+        """Ops whose host-memory results are written (something ordered after them ran)."""
+        self.acked = 0
+        """Ops the host has waited for (directly or through something ordered after them)."""
 
-    def push(self, op, dep: int) -> int:
+    def push(self, op, dep: int, waits=(), ranges=()) -> int:
         with self.lock:
             self.ops.append(op)
             self.deps.append(max(dep, self.dep_of(len(self.deps))))
+            self.waits.append(list(waits))
+            self.ranges.append(list(ranges))
             return len(self.ops)
 
     def dep_of(self, n: int) -> int:
@@ -80,8 +98,23 @@ class _Queue:
                 for hook in self.hooks.pop(self.done, []):
                     hook()
 
+    def publish_until(self, n: int) -> None:
+        """Ops up to n are complete on the device: their results are in host memory."""
+        with self.lock:
+            self.run_until(n)
+            while self.published < n:
+                self.published += 1
+                dst, value = self.staged.pop(self.published, (None, None))
+                if dst is not None:
+                    dst.copy_(value)
+
     def pending(self) -> int:
         return len(self.ops) - self.done
+
+    def unacked_ranges(self):
+        """Host ranges of the ops the host has not waited for."""
+        for r in self.ranges[self.acked:]:
+            yield from r
 
 
 class _Event:
@@ -96,10 +129,23 @@ class _Event:
     def query(self) -> bool:
         return self.queue is None or self.queue.done >= self.n
 
-    def synchronize(self) -> None:
-        self.owner._check_thread("waited for an event")
+    def run(self) -> None:
+        """The compute stream waits for the event: what compute reads or overwrites next is
+        the copies' business first (they run), but the host learns nothing."""
         if self.queue is not None:
             self.queue.run_until(self.n)
+
+    def complete(self) -> None:
+        """Something ordered after the event on the device runs: the copies up to it are done,
+        their results in host memory."""
+        if self.queue is not None:
+            self.queue.publish_until(self.n)
+
+    def synchronize(self) -> None:
+        """The host waits for the event (CUDA's event.synchronize)."""
+        self.owner._check_thread("waited for an event")
+        self.complete()
+        self.owner._ack(self)
 
     def on_done(self, fn) -> None:
         with self.queue.lock:
@@ -200,6 +246,9 @@ class DeferredStreams(Streams):
         """The thread of each host read of device data (``to_host``): on CUDA each one waits
         for the work queued on the reading thread's stream (a host-device synchronisation)."""
         self._compute_seq = 0
+        self._compute_waits: list[tuple[int, _Event]] = []
+        """(compute events recorded before it, event) per compute wait the host has not
+        learnt the end of."""
         self._watch: dict[int, _Watch] = {}
         self._host_ranges: dict[int, tuple[int, int]] = {}
         self._bound = {threading.get_ident()}
@@ -261,13 +310,15 @@ class DeferredStreams(Streams):
                 if not op.host:
                     self._watch_tensor(t)
             dep = max([e.compute_dep() for e in deps] + [0])
-            n = q.push(None, dep)
+            ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                      for t, op in ((dst, d_op), (src, s_op)) if op.host]
+            n = q.push(None, dep, deps, ranges)
             self.copies += 1
             self.most_pending = max(self.most_pending, sum(x.pending() for x in self.queues.values()))
 
             def run():
                 for e in deps:
-                    e.synchronize()
+                    e.complete()
                 d = d_op.get()
                 if d is None:
                     raise DeviceOrderError(f"a queued {queue} copy writes device memory that was freed "
@@ -279,10 +330,14 @@ class DeferredStreams(Streams):
                 elif not s_op.host and self._raced(s, q.dep_of(n)):
                     self.races += 1
                     _poison(d)
+                elif d_op.host:
+                    # Read now (compute may overwrite the source once it waited), visible in
+                    # host memory only when something ordered after the copy runs.
+                    value = torch.empty_like(d)
+                    value.copy_(s)
+                    q.staged[n] = (d, value)
                 else:
                     d.copy_(s)
-            run.host_ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                               for t, op in ((dst, d_op), (src, s_op)) if op.host]
             q.ops[n - 1] = run
             waiting = [e for e in deps if not e.query()]
             poisoned = [False]
@@ -307,12 +362,36 @@ class DeferredStreams(Streams):
             return _Event(self, q, len(q.ops))
 
     def wait(self, event) -> None:
+        """The compute stream waits; the host goes on (see the module docstring)."""
         self._check_thread("made the compute stream wait")
+        if event is not None:
+            event.run()
+            with self.lock:
+                self._compute_waits.append((self._compute_seq, event))
+
+    def host_wait(self, event) -> None:
+        self._check_thread("waited for an event on the host")
         if event is not None:
             event.synchronize()
 
-    def host_wait(self, event) -> None:
-        self.wait(event)
+    def _ack(self, event: "_Event") -> None:
+        """The host knows ``event`` happened, and so everything ordered before it: earlier ops
+        of its queue, the events they waited for, and the copies compute waited for before a
+        compute event it waited for."""
+        with self.lock:
+            todo = [event]
+            while todo:
+                e = todo.pop()
+                if e.queue is None:
+                    before = [w for seq, w in self._compute_waits if seq < e.n]
+                    self._compute_waits = [(seq, w) for seq, w in self._compute_waits if seq >= e.n]
+                    todo.extend(before)
+                    continue
+                q = e.queue
+                q.publish_until(e.n)
+                while q.acked < e.n:
+                    todo.extend(q.waits[q.acked])
+                    q.acked += 1
 
     @contextmanager
     def side(self, queue, after=None):
@@ -324,10 +403,10 @@ class DeferredStreams(Streams):
         # Under the lock: no copy runs meanwhile, so every write seen during the context is
         # the context's own (side work), and every write before it was compute's.
         with self.lock:
-            q.run_until(len(q.ops))
+            q.publish_until(len(q.ops))
             dep = max(after.compute_dep() if after is not None else 0, q.dep_of(len(q.ops)))
-            n = q.push(lambda: None, dep)
-            q.run_until(n)
+            n = q.push(lambda: None, dep, [after] if after is not None else [])
+            q.publish_until(n)
             self._scan()
             with _SideReads(self, q.dep_of(n)):
                 yield
@@ -339,7 +418,9 @@ class DeferredStreams(Streams):
     def synchronize(self) -> None:
         self._check_thread("synchronized the device")
         for q in self.queues.values():
-            q.run_until(len(q.ops))
+            self._ack(_Event(self, q, len(q.ops)))
+        with self.lock:
+            self._compute_waits = []
 
     def pending(self) -> int:
         return sum(q.pending() for q in self.queues.values())
@@ -375,10 +456,9 @@ class DeferredStreams(Streams):
         lo, hi = self._host_ranges.pop(id(t))
         with self.lock:
             for q in self.queues.values():
-                for op in q.ops[q.done:]:
-                    if any(a < hi and lo < b for a, b in getattr(op, "host_ranges", ())):
-                        raise DeviceOrderError(f"pinned memory unregistered while a queued {q.name} "
-                                               f"copy still uses it")
+                if any(a < hi and lo < b for a, b in q.unacked_ranges()):
+                    raise DeviceOrderError(f"pinned memory unregistered while a {q.name} copy may "
+                                           f"still use it (the host has not waited for it)")
 
 
 class Held:

@@ -38,6 +38,10 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         rt_mod.Streams = DeferredStreams
     else:
         rt_mod.Streams = Streams
+    import protrain.runtime.collectives as coll_mod
+    # A device backend (NCCL) as far as collectives.host_side can tell: host messages then go
+    # over a gloo group of their own, as on GPUs.
+    coll_mod.dist = _AsIfNCCL() if spec.get("device_backend") else torch.distributed
     cfg = GPTConfig(**spec["model"])
     global_batch = spec["global_batch"]
     mb = global_batch // world
@@ -47,6 +51,9 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     if spec.get("protrain") is not None:
         ds["protrain"] = {"enabled": True, "device_memory": "1GiB", "progress": False,
                           "verbosity": 0, **spec["protrain"]}
+        if spec.get("budget_between"):
+            ds["protrain"]["device_memory"] = budget_between(cfg, mb, world, spec["protrain"],
+                                                             *spec["budget_between"])
     factor = spec.get("loss_factor", 1.0)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -56,9 +63,13 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         assert path is not None and client == {"note": "resume me"}, (path, client)
     start = spec.get("start", 0)
     losses, norms = [], []     # norms: ProTrain's global gradient norm at each boundary
+    plans, peaks = [], []      # per micro-batch: the plan in force, (device peak, its bound)
     for i in range(start, start + spec["steps"]):
         x, y = synthetic_batch(cfg, global_batch, seed=i)
         x, y = x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb]
+        if spec.get("batches"):                # (micro-batch, tokens) of each rank's batch
+            m, s = spec["batches"][i - start][rank]
+            x, y = x[:m, :s].contiguous(), y[:m, :s].contiguous()
         loss = engine(x, y)
         engine.backward(loss * factor if factor != 1.0 else loss)
         boundary = engine.is_gradient_accumulation_boundary()
@@ -67,13 +78,20 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         rt = getattr(engine, "protrain_runtime", None)
         if rt is not None and boundary:
             norms.append(rt.optimizer.global_grad_norm)
+        if rt is not None:
+            plan = engine.protrain_plan
+            plans.append([plan.seq_len, plan.knobs.sequence_parallel] + list(plan.knobs.as_tuple()))
+            if rt.accounting is not None:
+                peaks.append([rt.device_peak(), plan.prediction.peak_device_bytes * (1 + plan.memory_margin)])
         if spec.get("save") and spec.get("save_at") == i + 1:     # mid-run, then go on
             engine.save_checkpoint(spec["save"], client_state={"note": "resume me"})
     if spec.get("save") and spec.get("save_at") is None:
         engine.save_checkpoint(spec["save"], client_state={"note": "resume me"})
     if spec.get("save_16bit"):                      # every rank calls it (ZeRO-3's contract)
         engine.save_16bit_model(os.path.join(out_dir, "16bit"), "model.bin")
-    result = {"losses": losses, "norms": norms, "global_steps": engine.global_steps, "lr": engine.get_lr()}
+    result = {"losses": losses, "norms": norms, "global_steps": engine.global_steps, "lr": engine.get_lr(),
+              "plans": plans, "peaks": peaks,
+              "host_group": getattr(getattr(engine, "_protrain_host", None), "group", None) is not None}
     rt = getattr(engine, "protrain_runtime", None)
     if rt is not None:
         result["host_bytes"] = rt.chunks.host_bytes()
@@ -93,6 +111,54 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, "weights.pt"))
     return result, engine
+
+
+class _AsIfNCCL:
+    """torch.distributed, with a default backend that is not gloo."""
+
+    def __getattr__(self, name):
+        import torch.distributed
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def get_backend(group=None) -> str:
+        return "nccl"
+
+
+def budget_between(cfg, mb: int, world: int, pins: dict, short: int, long: int) -> int:
+    """A device budget at which the plan with every chunk on the device (and ``pins``) fits
+    batches of ``short`` tokens and not of ``long``, and a plan that offloads chunks fits
+    ``long`` (from this model's profile at ``short``, scaled as the engine scales it): a
+    re-plan for ``long`` must offload chunks."""
+    import math
+    from dataclasses import replace
+
+    import torch
+    from protrain.config import PlannerConfig
+    from protrain.models import GPT, synthetic_batch
+    from protrain.profile.hardware import HardwareProfile
+    from protrain.profile.tracer import profile_model
+    from protrain.search import InfeasibleError, search
+    from protrain.sp import scale_profile
+    from protrain_ds.config import ProTrainDSConfig
+    torch.manual_seed(0)
+    x, y = synthetic_batch(cfg, mb, short)
+    profile = profile_model(GPT(cfg), lambda m: m(x, y), progress=False, micro_batch=mb, seq_len=short)
+    hw = HardwareProfile(name="budget", source="measured", device_type="cpu", device_memory=2**40,
+                         host_memory=2**40, h2d_bandwidth=1e10, d2h_bandwidth=1e10,
+                         gpu_adam_rate=1e9, cpu_adam_rate=1e9, collective_bandwidth=1e10)
+    pins = ProTrainDSConfig.from_ds_config({"protrain": {"enabled": True, **pins}}).planner.pins
+    resident = PlannerConfig(device_memory=2**40, data_parallel_size=world, pins=replace(pins, n_persist="all"))
+    need = []
+    for p in (profile, scale_profile(profile, seq_len=long)):
+        plan = search(p, hw, resident)
+        need.append(plan.prediction.peak_device_bytes * (1 + plan.memory_margin))
+    budget = int(math.sqrt(need[0] * need[1]))
+    try:
+        search(scale_profile(profile, seq_len=long), hw, replace(resident, device_memory=1, pins=pins))
+    except InfeasibleError as e:
+        assert e.device_needed < budget < need[1], (e.device_needed, budget, need)
+    return budget
 
 
 def leave(engine) -> list[str]:

@@ -205,3 +205,67 @@ def test_pinned_memory_is_given_back_only_after_the_copies_using_it():
     assert streams.pending() == 1
     streams.release_pinned()              # the upload still reads ``host``: it runs first
     assert streams.pending() == 0 and torch.equal(dev, host) and streams.pinned_bytes() == 0
+
+
+def test_a_compute_wait_does_not_hold_the_host():
+    """As on CUDA, ``wait`` orders the compute stream after a copy and the host goes on: a
+    device-to-host copy's destination holds no value for the host until it waits (or
+    something ordered after the copy runs), and its pinned memory may not be given back."""
+    from deferred_streams import DeferredStreams
+    streams = DeferredStreams(torch.device("cpu"))
+    dev = torch.full((256,), 2.0)
+    host = streams.pinned(256, torch.float32)
+    done = streams.copy(host, dev, "offload", after=streams.compute_event())
+    streams.wait(done)                       # compute may now overwrite ``dev``...
+    dev.fill_(5.0)
+    assert torch.isnan(host).all()           # ...but the host has not seen the copy land
+    with pytest.raises(DeviceOrderError, match="host has not waited"):
+        streams.unpin(host)
+    back = torch.empty(256)
+    up = streams.copy(back, host, "upload", after=done)   # a copy ordered after it sees it
+    streams.wait(up)
+    assert torch.equal(back, torch.full((256,), 2.0))
+    streams.host_wait(done)
+    assert torch.equal(host, torch.full((256,), 2.0))
+    streams.host_wait(up)
+    streams.unpin(host)                      # every copy using it is known done
+    assert streams.pinned_bytes() == 0
+
+
+def test_a_grown_swap_arena_is_given_back_after_the_host_waited_for_its_copies():
+    """A block that saves more than its arena (a longer batch than profiled) swaps into extra
+    pinned regions; at the end of its backward they and the arena are unregistered and
+    dropped. The compute stream's waits do not hold the host, so ``HostStash.reset`` must wait
+    for the swap-outs and prefetches on the host first (it did not: on CUDA a queued copy read
+    or wrote pages no longer pinned)."""
+    from torch import nn
+
+    from deferred_streams import DeferredStreams
+    from protrain.block_mode import BlockMode
+    from protrain.runtime.activations import ActivationRuntime
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(2)]
+    streams = DeferredStreams(torch.device("cpu"))
+    acts = ActivationRuntime(blocks, [BlockMode.SWAP, BlockMode.NONE], streams, torch.device("cpu"),
+                             [1024, 1024], lambda t: None)       # far less than block 0 saves
+    x = torch.randn(256, 64, requires_grad=True)
+    ref = torch.autograd.grad(blocks[1](blocks[0](x)).sum(), x)[0]
+    with acts.hooks():
+        acts.forward_part(1)
+        h = blocks[0](x)
+        acts.forward_part(2)
+        loss = blocks[1](h).sum()
+        acts.forward_part(3)
+    acts.enter_forward_block(None)
+    del h
+    stash = acts.stashes[0]
+    assert stash.extra                                    # the arena overflowed
+    acts.prefetch(0)
+    g = torch.autograd.grad(loss, x)[0]
+    assert torch.equal(g, ref)
+    assert any(q.acked < len(q.ops) for q in streams.queues.values())   # not known done yet
+    acts.leave_backward_block(0)                          # gives the regions back
+    assert not stash.extra and stash.arena.numel() >= stash.need
+    acts.close()
+    assert streams.pinned_bytes() == 0

@@ -94,6 +94,35 @@ def test_scaled_profile_matches_profiles_measured_at_that_length(profiles):
     assert c.sel_saved_bytes == pytest.approx(2 * b0.sel_saved_bytes + c.attn_io_bytes, abs=2)
 
 
+def test_a_longer_and_wider_batch_is_planned_from_the_first_profile_with_an_upper_bound():
+    """A batch longer (and with more samples) than the profiled one: time scales with the
+    tokens (attention with the sequence squared), and the byte figures scaled linearly bound
+    the ones measured at that shape, tightly where activations dominate. A fit through two
+    short profiles is not a bound: a steeper line can overtake further on (the head's backward
+    peak here), which is why the planner fits only below the measured length."""
+    short, half = _profile(16), _profile(8)
+    torch.manual_seed(0)
+    x, y = synthetic_batch(CFG, 4, 64)
+    wide = profile_model(GPT(CFG), lambda m: m(x, y), progress=False, micro_batch=4, seq_len=64)
+    scaled = scale_profile(short, seq_len=64, micro_batch=4)
+    assert (scaled.micro_batch, scaled.seq_len) == (4, 64)
+    fields = ("in_bytes", "saved_bytes", "fwd_start", "fwd_peak", "bwd_start", "bwd_peak")
+    for got, want in zip(scaled.parts, wide.parts):
+        for f in fields:
+            assert getattr(got, f) >= getattr(want, f) * (1 - 0.002), (got.name, f)
+    blocks = [(g, w) for g, w in zip(scaled.blocks, wide.blocks)]
+    assert all(g.fwd_peak == pytest.approx(w.fwd_peak, rel=0.01) for g, w in blocks)
+    b0, b = short.blocks[0], scaled.blocks[0]
+    assert b.attn_fwd_time == pytest.approx(2 * 16 * b0.attn_fwd_time)          # (b / b0) (s / s0)^2
+    assert b.fwd_time - b.attn_fwd_time == pytest.approx(2 * 4 * (b0.fwd_time - b0.attn_fwd_time))
+    fitted = scale_profile(short, seq_len=64, second=half)
+    measured = _profile(64)
+    assert fitted.parts[-1].bwd_peak < measured.parts[-1].bwd_peak <= \
+        scale_profile(short, seq_len=64).parts[-1].bwd_peak
+    with pytest.raises(ValueError, match="same model and micro-batch"):
+        scale_profile(short, seq_len=64, second=scaled)
+
+
 def _machine(**over) -> HardwareProfile:
     kw = dict(name="hand", source="measured", device_type="cpu", device_memory=2**40,
               host_memory=2**40, h2d_bandwidth=1e10, d2h_bandwidth=1e10, gpu_adam_rate=1e9,

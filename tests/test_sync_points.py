@@ -273,14 +273,15 @@ def test_replan_with_updates_pending_carries_the_updated_states(monkeypatch, cap
     from test_oom import InjectOOM
     ref_losses, ref_states, _ = reference()
     carried, pending_at_replan = [], []
-    replan = engine_mod.ProTrainEngine._protrain_replan
+    move = engine_mod.ProTrainEngine._protrain_move       # the re-plan, for any reason
 
-    def replanning(self, where, error):
+    def replanning(self, *args, **kwargs):
         opt = self.protrain_runtime.optimizer
         pending_at_replan.append(sum(not e.is_set() for e in opt._ready.values()))
-        replan(self, where, error)
+        plans = move(self, *args, **kwargs)
         carried.append({p.name: p for p in export_pieces(self.protrain_runtime.chunks)})
-    monkeypatch.setattr(engine_mod.ProTrainEngine, "_protrain_replan", replanning)
+        return plans
+    monkeypatch.setattr(engine_mod.ProTrainEngine, "_protrain_move", replanning)
     with deferred_streams(monkeypatch) as made:
         held = HeldUpdates(monkeypatch)
         torch.manual_seed(0)

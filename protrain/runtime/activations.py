@@ -141,10 +141,18 @@ class HostStash:
                 # there, and the caching allocator would give that memory to the compute
                 # stream as soon as it is dropped.
                 self.streams.wait(e.in_done)
+        if self.extra:
+            # The arena and the extra regions are unregistered and dropped below: pinned pages
+            # the swap-outs wrote and the prefetches read. The waits above and in backward only
+            # hold the compute stream; the host must know every such copy is over before the
+            # pages are given back (else a queued copy reads or writes memory that is no longer
+            # pinned, or no longer ours). Only when an arena grows: a shape change.
+            for e in self.stored.values():
+                self.streams.host_wait(e.out_done)
+                self.streams.host_wait(e.in_done)
         self.stored.clear()
         self.used = 0
         if self.extra:
-            # Every copy of this iteration is done (waited above or in backward).
             for t in self.extra:
                 self.streams.unpin(t)
             self.extra = []

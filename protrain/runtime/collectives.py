@@ -70,3 +70,42 @@ class DataParallel:
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj``, in rank order."""
+        if self.world == 1:
+            return [obj]
+        box = [None] * self.world
+        dist.all_gather_object(box, obj, group=self.group)
+        return box
+
+    def all_to_all_(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                    in_splits: list[int]) -> torch.Tensor:
+        """out <- the parts of every rank's ``inp`` meant for this rank (``in_splits[r]``
+        elements of ``inp`` go to rank r, ``out_splits[r]`` come from it), in rank order."""
+        if self.world == 1:
+            out.copy_(inp)
+        else:
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+        return out
+
+
+def host_side(dp: DataParallel) -> DataParallel:
+    """The ranks of ``dp`` over gloo, for small messages in host memory that every rank needs
+    at once (the batch shape at each forward, states moved at a re-plan). With NCCL a
+    collective on a host value needs a device copy and a read back to the host, which makes
+    the host wait until the device's queue has drained to that point: every micro-batch the
+    host would stop running ahead of the device (the chunk prefetches and CPU Adam it queues
+    meanwhile). Gloo moves host tensors over TCP without touching the device: a round trip of
+    tens of microseconds. The group is made once (a collective: every rank, same order)."""
+    if dp.world == 1 or dist.get_backend(dp.group) == "gloo":
+        return dp
+    ranks = tuple(dist.get_process_group_ranks(dp.group)) if dp.group is not None else None
+    # One per process group and ranks: engines built again in the same job reuse it.
+    key = (id(dist.distributed_c10d._get_default_group()), ranks)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = dist.new_group(ranks=list(ranks) if ranks else None, backend="gloo")
+    return DataParallel(_HOST_GROUPS[key])
+
+
+_HOST_GROUPS: dict = {}

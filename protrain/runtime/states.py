@@ -9,12 +9,14 @@ parameter exactly once, which is what lets a checkpoint taken on N ranks load on
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .chunks import Chunk, ChunkManager
+from .collectives import DataParallel
 
 
 @dataclass
@@ -37,10 +39,17 @@ def _local_range(m: ChunkManager, c: Chunk) -> tuple[int, int]:
 
 def export_pieces(m: ChunkManager, *, grads: bool = False) -> list[Piece]:
     """This rank's pieces. With ``grads``, also the gradients accumulated in this optimizer
-    step (micro-batches before an accumulation boundary)."""
+    step (micro-batches before an accumulation boundary), as the step would apply them: an
+    offloaded chunk's shard holds them averaged over the ranks already (its reduce-scatter),
+    a persistent chunk's are this rank's own until the step's all-reduce, so they are averaged
+    here (a collective then: every rank calls it). Imported into persistent chunks on every
+    rank, the step averages them again, exactly when the world size is a power of two."""
     m.host_sync()            # CPU Adam of the last step may still be running on offloaded chunks
     pieces = []
     for c in m.chunks:
+        averaged = None
+        if grads and c.persistent and m.dp.world > 1:
+            averaged = m.dp.all_reduce_(c.grad.clone()).div_(m.dp.world)
         if c.persistent and m.dp.rank != 0:
             continue
         lo, hi = _local_range(m, c)
@@ -49,7 +58,7 @@ def export_pieces(m: ChunkManager, *, grads: bool = False) -> list[Piece]:
             if a >= b:
                 continue
             sl = slice(a - lo, b - lo)
-            acc = c.grad if c.persistent else c.grad_acc
+            acc = averaged if averaged is not None else c.grad if c.persistent else c.grad_acc
             pieces.append(Piece(s.name, a - s.offset, b - s.offset,
                                 c.master[sl].detach().float().cpu().clone(),
                                 c.exp_avg[sl].detach().cpu().clone(),
@@ -57,6 +66,62 @@ def export_pieces(m: ChunkManager, *, grads: bool = False) -> list[Piece]:
                                 acc[sl].detach().float().cpu().clone()
                                 if grads and acc is not None else None))
     return pieces
+
+
+def held_ranges(m: ChunkManager) -> list[tuple[str, int, int]]:
+    """(parameter, lo, hi): the element ranges of each parameter this rank's chunks hold."""
+    out = []
+    for c in m.chunks:
+        lo, hi = _local_range(m, c)
+        for s in c.slots:
+            a, b = max(s.offset, lo), min(s.stop, hi)
+            if a < b:
+                out.append((s.name, a - s.offset, b - s.offset))
+    return out
+
+
+def redistribute(pieces: list[Piece], m: ChunkManager, dp: DataParallel) -> list[Piece]:
+    """The pieces this rank's chunks in ``m`` hold, cut out of every rank's ``pieces`` (taken
+    from another layout or sharding: a re-plan). Every rank sends each rank the parts of its
+    pieces that rank holds now, in one all-to-all over ``dp`` (host tensors: a gloo group);
+    what a rank receives is what its chunks need, nothing more. A collective."""
+    index = [(p.name, p.lo, p.hi, p.step, p.grad is not None) for p in pieces]
+    meta = dp.all_gather_object((index, held_ranges(m)))
+
+    def segments(src: int, dst: int) -> list[tuple[int, int, int, int]]:
+        """(piece of ``src``, lo, hi, fields) for ``dst``, in an order both ranks compute."""
+        by_name = defaultdict(list)
+        for k, (name, lo, hi, _, grad) in enumerate(meta[src][0]):
+            by_name[name].append((k, lo, hi, 4 if grad else 3))
+        out = []
+        for name, lo, hi in meta[dst][1]:
+            for k, plo, phi, fields in by_name.get(name, ()):
+                a, b = max(lo, plo), min(hi, phi)
+                if a < b:
+                    out.append((k, a, b, fields))
+        return out
+    send, in_splits = [], []
+    for dst in range(dp.world):
+        n = 0
+        for k, a, b, fields in segments(dp.rank, dst):
+            p = pieces[k]
+            send += [t[a - p.lo:b - p.lo].float() for t in (p.master, p.exp_avg, p.exp_avg_sq, p.grad)
+                     if t is not None]
+            n += fields * (b - a)
+        in_splits.append(n)
+    incoming = [segments(src, dp.rank) for src in range(dp.world)]
+    out_splits = [sum(f * (b - a) for _, a, b, f in segs) for segs in incoming]
+    inp = torch.cat(send) if send else torch.empty(0)
+    got = dp.all_to_all_(torch.empty(sum(out_splits)), inp, out_splits, in_splits)
+    mine, at = [], 0
+    for src, segs in enumerate(incoming):
+        for k, a, b, fields in segs:
+            name, step = meta[src][0][k][0], meta[src][0][k][3]
+            n = b - a
+            parts = [got[at + i * n:at + (i + 1) * n] for i in range(fields)]
+            at += fields * n
+            mine.append(Piece(name, a, b, *parts[:3], step, parts[3] if fields == 4 else None))
+    return mine
 
 
 def import_pieces(m: ChunkManager, fetch: Callable[[str, int, int], tuple], *,

@@ -57,16 +57,19 @@ def candidate_degrees(profile: ModelProfile, config: PlannerConfig, world: int,
 
 def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
                              config: PlannerConfig | None = None, *, seq_len: int | None = None,
-                             unsupported: str | None = None,
+                             micro_batch: int | None = None, unsupported: str | None = None,
                              second: ModelProfile | None = None, shape: SPShape | None = None,
                              per_rank: Callable[[ModelProfile], ModelProfile] | None = None,
                              where: str = "protrain.sequence_parallel",
                              auto: str = '(or "auto")') -> Plan:
     """The fastest plan over the sequence-parallel degrees (and every other knob), for
-    ``profile`` measured on one rank at its sequence length, training at ``seq_len`` tokens
-    (default: the profile's) on ``config.data_parallel_size`` ranks. ``second``: the same
-    model profiled at another length, to separate what grows with the sequence from what does
-    not (protrain.sp.scaling). Megatron's context parallelism passes its ``shape`` (constraints),
+    ``profile`` measured on one rank at its batch shape, training micro-batches of
+    ``micro_batch`` samples of ``seq_len`` tokens (default: the profile's) on
+    ``config.data_parallel_size`` ranks. ``second``: the same model profiled at a shorter
+    length, to separate what grows with the sequence from what does not (protrain.sp.scaling)
+    at the degrees where a rank holds fewer tokens than were measured; where it holds as many
+    or more, the byte figures are scaled linearly, an upper bound (a fit through two shorter
+    profiles can miss a line that overtakes further on). Megatron's context parallelism passes its ``shape`` (constraints),
     ``per_rank`` (applied to each degree's per-rank profile: micro-batches in flight) and the
     flag's name for errors (``where``, ``auto``)."""
     config = config or PlannerConfig()
@@ -78,9 +81,11 @@ def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
     plans: dict[int, Plan] = {}
     failures: dict[int, InfeasibleError] = {}
     a2a: dict[int, float] = {}
+    per_sample = (micro_batch or profile.micro_batch or 1) / (profile.micro_batch or 1)
     for p in degrees:
+        below = seq_len * per_sample / p < (profile.seq_len or 0)
         scaled = scale_profile(profile, seq_len=seq_len, degree=p, alltoall_bandwidth=bandwidth,
-                               second=second)
+                               second=second if below else None, micro_batch=micro_batch)
         a2a[p] = sum(b.comm_fwd_time + b.comm_bwd_time for b in scaled.blocks) * \
             config.grad_accumulation_steps * p
         cfg = replace(config, pins=inner_pins,

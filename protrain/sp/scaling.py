@@ -1,20 +1,28 @@
-"""A profile measured at one sequence length on one rank, rescaled to another sequence length
-split over P ranks (Ulysses): the per-rank profile the search plans with for each P.
+"""A profile measured at one batch shape on one rank, rescaled to another micro-batch and
+sequence length split over P ranks (Ulysses): the per-rank profile the search plans with for
+each P, and for a batch longer than the one profiled (the engine's shape re-plan).
 
-Measured once at sequence s0 (the user's, or a shorter one when the user's does not fit the
-device while profiling), for a target sequence s and degree P each rank holds s / P tokens:
+Measured once at micro-batch b0 and sequence s0 (the user's first batch, or a shorter
+sequence when the user's does not fit the device while profiling), for a target micro-batch b,
+sequence s and degree P each rank holds (b / b0) s / P tokens per profiled sample:
 
 - time outside attention (projections, norms, MLP, embedding, head, loss) is linear in the
-  tokens a rank holds: x (s / s0) / P;
-- attention time is quadratic in the sequence and split over the heads: x (s / s0)^2 / P;
+  tokens a rank holds: x (b / b0) (s / s0) / P;
+- attention time is quadratic in the sequence, linear in the batch and split over the heads:
+  x (b / b0) (s / s0)^2 / P;
 - every activation byte figure is affine in the tokens a rank holds: activations grow with
   them, while the parameter gradients that pass through the device in backward (and the tied
   embedding's) do not. Given a second profile at another length (``second``, the engine takes
   one at half the sequence) each figure is fitted through both; from one profile it is taken
-  as linear (x (s / s0) / P), which errs high when scaling up and low by the parameter
-  gradients when splitting. Either way attention is assumed to keep no s x s matrix (flash /
-  memory-efficient kernels, which F.scaled_dot_product_attention uses without a mask); a
-  math-kernel model's attention memory would grow faster;
+  as linear, which errs high when scaling up and low by the parameter gradients when
+  splitting. A peak is the largest of several such lines, and between two short profiles the
+  fit may follow one that a steeper line overtakes further on (a 4-layer GPT's head: its
+  backward peak fitted through 8 and 16 tokens is 6% low at 64), while the linear rule bounds
+  every line that does not start below zero: so the planner fits only where a rank holds
+  fewer tokens than were measured (protrain.sp.planner). Either way attention is assumed to
+  keep no s x s matrix (flash / memory-efficient kernels, which
+  F.scaled_dot_product_attention uses without a mask); a math-kernel model's attention memory
+  would grow faster;
 - with P > 1 each block adds Ulysses' all-to-alls: forward moves the attention operator's
   query, key, value and output per rank, (P - 1) / P of them leaving the rank, backward the
   same gradients (key/value replicated P / kv_heads times when P exceeds the KV heads). The
@@ -53,29 +61,38 @@ def alltoall_bytes(part: PartProfile, profile: ModelProfile, degree: int) -> flo
 
 
 _BYTES = ("in_bytes", "saved_bytes", "fwd_start", "fwd_peak", "bwd_start", "bwd_peak",
-          "attn_io_bytes", "sel_saved_bytes")
+          "attn_io_bytes", "sel_saved_bytes", "kept_bytes", "resaved_bytes", "in_shared_bytes")
 
 
 def scale_profile(profile: ModelProfile, *, seq_len: int | None = None, degree: int = 1,
-                  alltoall_bandwidth: float = 0.0, second: ModelProfile | None = None) -> ModelProfile:
-    """The per-rank profile of ``profile`` at ``seq_len`` tokens split over ``degree`` ranks
-    (``second``: the same model profiled at another sequence length, for the byte figures)."""
+                  alltoall_bandwidth: float = 0.0, second: ModelProfile | None = None,
+                  micro_batch: int | None = None) -> ModelProfile:
+    """The per-rank profile of ``profile`` at ``micro_batch`` samples (default: the profile's)
+    of ``seq_len`` tokens split over ``degree`` ranks (``second``: the same model and batch
+    profiled at another sequence length, for the byte figures)."""
     if profile.sequence_parallel != 1:
         raise ValueError("scale_profile takes a profile measured on one rank (sequence_parallel=1)")
     s0 = profile.seq_len
     s = seq_len or s0
     if not s0:
         raise ValueError("the profile does not record its sequence length; it cannot be rescaled")
-    lin = s / s0 / degree
-    quad = (s / s0) ** 2 / degree
+    b0 = profile.micro_batch
+    b = micro_batch or b0
+    if b != b0 and not b0:
+        raise ValueError("the profile does not record its micro-batch; it cannot be rescaled to "
+                         f"micro-batch {b}")
+    per_sample = b / b0 if b != b0 else 1.0
+    lin = s / s0 * per_sample / degree
+    quad = (s / s0) ** 2 * per_sample / degree
     if degree > 1 and alltoall_bandwidth <= 0 and any(p.attn_io_bytes for p in profile.parts):
         raise ValueError("planning sequence parallelism needs the all-to-all bandwidth (probe the "
                          "machine with the ranks launched, or use a named GPU)")
 
-    tokens = s / degree
-    if second is not None and (second.seq_len == s0 or len(second.parts) != len(profile.parts)):
-        raise ValueError("scale_profile: the second profile must be of the same model at another "
-                         "sequence length")
+    tokens = s * per_sample / degree
+    if second is not None and (second.seq_len == s0 or len(second.parts) != len(profile.parts)
+                               or second.micro_batch != b0):
+        raise ValueError("scale_profile: the second profile must be of the same model and "
+                         "micro-batch at another sequence length")
 
     def fit(p0, p1, field: str) -> int:
         v0 = getattr(p0, field)
@@ -108,5 +125,5 @@ def scale_profile(profile: ModelProfile, *, seq_len: int | None = None, degree: 
             bwd_start=scaled.bwd_start + held + extra, bwd_peak=scaled.bwd_peak + held + extra,
             sel_saved_bytes=scaled.sel_saved_bytes + kept_comm if scaled.sel_saved_bytes else 0))
         held += extra
-    return replace(profile, parts=tuple(parts), seq_len=s, sequence_parallel=degree, ops=(),
-                   name=profile.name)
+    return replace(profile, parts=tuple(parts), seq_len=s, micro_batch=b, sequence_parallel=degree,
+                   ops=(), name=profile.name)

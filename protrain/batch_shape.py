@@ -1,0 +1,65 @@
+"""The batch shape a plan covers, and the shape to plan for when a batch goes beyond it.
+
+A plan's predictions hold for micro-batches up to the shape it was made for: activations
+(and the swap arenas sized from them) grow with the samples and the tokens. Data pipelines
+change the shape as they go - Hugging Face collators pad each batch to its longest sample,
+curricula lengthen sequences - so a framework adapter checks every batch against the shape
+in force and plans again, before the forward, for a batch beyond it. Smaller batches run
+under the plan in force.
+
+Re-planning rounds the sequence up to the next power of two (capped by the longest sequence
+the model accepts), so a job whose lengths keep growing re-plans a handful of times at most
+(log2 of the longest over the first), and a micro-batch up to the configured one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODEL_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
+                     "block_size")
+"""Model config attributes that give the longest sequence a model accepts (Hugging Face
+configs, and nanoGPT-style ones such as protrain.models.GPTConfig)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """Samples per micro-batch, and tokens per sample."""
+
+    micro_batch: int
+    seq_len: int
+
+    def covers(self, other: "BatchShape") -> bool:
+        """Whether a plan made for this shape holds for a batch of ``other``'s."""
+        return other.micro_batch <= self.micro_batch and other.seq_len <= self.seq_len
+
+    def union(self, other: "BatchShape") -> "BatchShape":
+        """The smallest shape that covers both."""
+        return BatchShape(max(self.micro_batch, other.micro_batch), max(self.seq_len, other.seq_len))
+
+    def __str__(self) -> str:
+        return f"{self.micro_batch} x {self.seq_len}"
+
+
+def model_max_seq_len(module) -> int | None:
+    """The longest sequence ``module`` accepts, from its config; None when it does not say."""
+    cfg = getattr(module, "config", None)
+    for key in MODEL_LENGTH_KEYS:
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def replan_shape(need: BatchShape, *, micro_batch: int | None, model_max: int | None) -> BatchShape:
+    """The shape to plan for when a batch of ``need`` goes beyond the plan in force: its
+    sequence rounded up to the next power of two, capped by ``model_max`` (never below the
+    batch's own: a model that accepts more than its config says gets what it was given), and
+    its micro-batch raised to the configured ``micro_batch``."""
+    seq = next_power_of_two(need.seq_len)
+    if model_max is not None:
+        seq = max(min(seq, model_max), need.seq_len)
+    return BatchShape(max(need.micro_batch, micro_batch or 0), seq)
