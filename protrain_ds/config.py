@@ -94,6 +94,9 @@ class ProTrainDSConfig:
     """Profile the first N tokens of the first batch's sequences and scale the profile to the
     full length (protrain.sp.scaling: linear parts by s, attention by s^2): faster at very long
     sequences. None: the whole sequence (halved while it runs out of device memory)."""
+    sequence_parallel_key: str = "protrain.sequence_parallel"
+    """The setting a pinned sequence-parallel degree came from (DeepSpeed's own
+    ``sequence_parallel_size`` pins it too), named when the degree is refused."""
 
     @classmethod
     def from_ds_config(cls, ds_config: dict | None) -> "ProTrainDSConfig":
@@ -158,6 +161,7 @@ class ProTrainDSConfig:
                 raise ConfigError(f"sequence_parallel_size = {sp} and {SECTION}.sequence_parallel = "
                                   f"{mine!r} disagree; keep one")
             data["sequence_parallel"] = sp      # DeepSpeed's own setting pins the degree
+            kwargs["sequence_parallel_key"] = "sequence_parallel_size"
         kwargs["planner"] = PlannerConfig.from_dict(data, where=SECTION)
         return cls(**kwargs)
 
