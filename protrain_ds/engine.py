@@ -505,6 +505,9 @@ class ProTrainEngine(DeepSpeedEngine):
             param_bytes=named[trainable[0]].element_size() if trainable else plan.param_bytes)
         if why is not None:
             raise stale(why)
+        why = _pins_disagree(plan, planner.pins)
+        if why is not None:
+            raise stale(why)
         for rec in plan.params:
             p = named.get(rec.name)
             if p is None or p.numel() != rec.numel:
@@ -592,6 +595,22 @@ class ProTrainEngine(DeepSpeedEngine):
             grad_accumulation=self.gradient_accumulation_steps() > 1,
             scaled=(self.gradient_clipping() or 0.0) > 0 or self.fp16_enabled())
         return runtime_update_rate(hw, passes)
+
+
+def _pins_disagree(plan: Plan, pins) -> str | None:
+    """A knob the config pins that the saved plan set otherwise (the loaded plan would run,
+    the pin silently ignored). The sequence-parallel degree is left out: a pinned degree is
+    applied to a loaded plan (_protrain_launchable)."""
+    from protrain.config import ALL
+    for key, want in pins.pinned().items():
+        if key == "sequence_parallel":
+            continue
+        have = getattr(plan.knobs, key)
+        if want == ALL:
+            want = plan.chunks.n_chunks
+        if have != want:
+            return f"it was made with {key}={have} and protrain.{key} pins {want}"
+    return None
 
 
 def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821
