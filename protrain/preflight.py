@@ -59,7 +59,7 @@ class ModelFacts:
         except ValueError as e:
             raise ConfigError(f"protrain: {e}") from None
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        largest_name, largest = max(named, key=lambda np_: np_[1].numel(), default=("", None))
+        largest_name, largest = max(named, key=lambda item: item[1].numel(), default=("", None))
         heads, kv, note = _heads(module)
         return cls(n_blocks=len(blocks), block_list=name,
                    trainable_params=sum(p.numel() for _, p in named), n_trainable=len(named),

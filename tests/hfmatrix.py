@@ -206,7 +206,7 @@ def _idle_experts(model):
 
 
 # ---- two ranks: one launch runs several cases, each with and without ProTrain --------------
-HANG_S = 900
+HANG_S = 420
 """A launch still running after this many seconds is stuck: each rank prints its stack and exits."""
 
 def run_rank(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -> None:

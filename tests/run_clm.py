@@ -95,8 +95,11 @@ def main():
                 for i in range(0, total, block_size)]
         return Blocks(rows[:limit] if limit is not None else rows)
 
-    train_dataset = blocks(data_args.train_file, data_args.max_train_samples) if training_args.do_train else None
-    eval_dataset = blocks(data_args.validation_file, data_args.max_eval_samples) if training_args.do_eval else None
+    train_dataset = eval_dataset = None
+    if training_args.do_train:
+        train_dataset = blocks(data_args.train_file, data_args.max_train_samples)
+    if training_args.do_eval:
+        eval_dataset = blocks(data_args.validation_file, data_args.max_eval_samples)
 
     def preprocess_logits_for_metrics(logits, labels):
         return (logits[0] if isinstance(logits, tuple) else logits).argmax(dim=-1)
