@@ -54,7 +54,9 @@ setup(
         "megatron-core==0.16.1",
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.40", "accelerate>=0.30", "matplotlib==3.11.2"],
+        # peft: the PEFT LoRA case of the Hugging Face matrix (tests/test_hf_matrix.py)
+        "test": ["pytest>=7", "transformers>=4.40", "accelerate>=0.30", "matplotlib==3.11.2",
+                 "peft==0.21.2"],
         # `protrain explain PLAN.json --plot out.png`: the timeline drawn
         "plot": ["matplotlib==3.11.2"],
         "gds": ["kvikio-cu13==26.10.0"],

@@ -14,14 +14,23 @@ the package as ``protrain/csrc`` by a regular install (setup.py).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 import sys
 import threading
 from pathlib import Path
 
+log = logging.getLogger("protrain")
+
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
+
+LOCK_WAIT_WARN_S = 5.0
+"""Seconds a build or load may wait on ``torch.utils.cpp_extension``'s lock file before
+ProTrain says which file it is waiting for (the wait itself has no end: a build killed midway
+leaves the file behind, and every later load waits on it, silently)."""
 
 
 class NativeBuildError(RuntimeError):
@@ -58,15 +67,64 @@ def cpu_adam():
         ds = _deepspeed_csrc()
         flags = [f for f in CPUAdamBuilder().cxx_args() if f] + ["-UC10_USE_GLOG"]
         sources = [str(csrc_dir() / "cpu_adam.cpp"), str(ds / "adam" / "cpu_adam_impl.cpp")]
+        build_dir = _build_dir(name, sources, flags)
         try:
-            module = load(name=name, sources=sources,
-                          build_directory=_build_dir(name, sources, flags),
-                          extra_include_paths=[str(ds / "includes")], extra_cflags=flags,
-                          extra_ldflags=["-fopenmp"], verbose=False)
+            with watch_build_lock(build_dir, "ProTrain's native CPU Adam"):
+                module = load(name=name, sources=sources, build_directory=build_dir,
+                              extra_include_paths=[str(ds / "includes")], extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:   # noqa: BLE001 - compiler / ninja / loader errors, re-raised below
             raise NativeBuildError(_explain(e, sources, flags)) from e
         _loaded[name] = module
         return module
+
+
+def deepspeed_cpu_adam(*args, **kwargs):
+    """``DeepSpeedCPUAdam(*args, **kwargs)``, its op built or loaded under
+    ``watch_build_lock`` (a DeepSpeed install without prebuilt ops compiles it on first use with
+    ``torch.utils.cpp_extension.load``, in torch's default build directory for the op's name)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    with watch_build_lock(_torch_build_dir(CPUAdamBuilder.NAME), "DeepSpeed's CPU Adam op"):
+        return DeepSpeedCPUAdam(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def watch_build_lock(build_dir: str | Path | None, what: str, after: float | None = None):
+    """Around a ``torch.utils.cpp_extension`` build or load in ``build_dir``: if it is still
+    running after ``after`` seconds (default ``LOCK_WAIT_WARN_S``) while the build's lock file
+    is there, say once which file it waits for and what to do. torch waits on that file with
+    no time limit and no word; another process's build holds it for a minute or two, a build
+    killed midway forever."""
+    done = threading.Event()
+    wait = LOCK_WAIT_WARN_S if after is None else after
+    lock = Path(build_dir) / "lock" if build_dir is not None else None
+
+    def watch():
+        if not done.wait(wait) and lock is not None and lock.exists():
+            log.warning(
+                "ProTrain: loading %s has waited %.0f s for the build lock %s. Another process may "
+                "be building it (the wait then ends when that build does, usually within a few "
+                "minutes). If no other build is running, a build was killed midway and left the "
+                "lock behind: delete %s and loading goes on.", what, wait, lock, lock)
+
+    watcher = threading.Thread(target=watch, name="protrain-build-lock-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _torch_build_dir(name: str) -> str | None:
+    """torch's default build directory of an extension named ``name`` (what
+    ``torch.utils.cpp_extension.load`` uses without ``build_directory``); None if this torch
+    does not say."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        return _get_build_directory(name, False)
+    except (ImportError, AttributeError, TypeError, OSError):
+        return None
 
 
 def _build_dir(name: str, sources: list[str], flags: list[str]) -> str:

@@ -6,10 +6,12 @@ value compares equal to the saved one (floats survive because json writes repr()
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
 import os
+import secrets
 import tempfile
 import types
 import typing
@@ -64,15 +66,26 @@ def from_jsonable(tp: Any, data: Any) -> Any:
 
 def dump_json(obj: Any, path: str | Path) -> None:
     """Write atomically: a crash or a power loss mid-write never leaves a truncated file
-    behind (the new text is on the drive before it replaces the old)."""
+    behind (the new text is on the drive before it replaces the old). Each write goes through
+    a temporary file of its own (process id and a random part in the name, in the same
+    directory so the rename stays on one file system): two jobs writing one plan or cache file
+    at once both succeed, and the file holds the last complete write."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(to_jsonable(obj), indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    text = json.dumps(to_jsonable(obj), indent=1) + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    # O_EXCL: never someone else's file; mode 0o666 less the umask, as open() would give
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def unwritable(directory: str | Path) -> str | None:

@@ -26,6 +26,7 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
     """
     if isinstance(value, bool):
         raise ValueError(f"{what}: expected a size such as 80GiB or a number of bytes, got {value!r}")
+    bare = True
     if isinstance(value, int):
         result = value          # exact (and not limited to float's range)
     elif isinstance(value, float):
@@ -38,6 +39,7 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
                 f"{what}: cannot read {value!r} as a size; write a number of bytes or a number "
                 f"with a unit such as 64MiB, 80GB or 128GiB")
         result = float(m.group(1)) * _UNITS[unit]
+        bare = _UNITS[unit] == 1
     else:
         raise ValueError(f"{what}: expected a size such as 80GiB or a number of bytes, got {value!r}")
     if result != result or result in (float("inf"), float("-inf")):
@@ -45,6 +47,10 @@ def parse_bytes(value: int | float | str, *, what: str = "size") -> int:
                          f"number with a unit such as 64MiB, 80GB or 128GiB")
     if result < 0:
         raise ValueError(f"{what}: must not be negative, got {value!r}")
+    if bare and result != int(result):
+        # 1.5 bytes is a slip (a size meant in another unit), not something to round away
+        raise ValueError(f"{what}: {value!r} is not a whole number of bytes; write an integer "
+                         f"number of bytes or a size with a unit such as 64MiB or 1.5GiB")
     if result > MAX_BYTES:
         shown = f"{float(result):.3g}" if result < 1e300 else "over 1e300"
         raise ValueError(f"{what}: {value!r} is {shown} bytes, more than any machine has "

@@ -115,6 +115,9 @@ class ProTrainDSConfig:
     config's max_position_embeddings, n_positions or block_size). None: plan for the first
     batch; a longer one re-plans before its forward, for the next power of two tokens (capped
     by the model's maximum), so lengths that keep growing re-plan a handful of times."""
+    sequence_parallel_key: str = "protrain.sequence_parallel"
+    """The setting a pinned sequence-parallel degree came from (DeepSpeed's own
+    ``sequence_parallel_size`` pins it too), named when the degree is refused."""
 
     @classmethod
     def from_ds_config(cls, ds_config: dict | None) -> "ProTrainDSConfig":
@@ -192,6 +195,7 @@ class ProTrainDSConfig:
                 raise ConfigError(f"sequence_parallel_size = {sp} and {SECTION}.sequence_parallel = "
                                   f"{mine!r} disagree; keep one")
             data["sequence_parallel"] = sp      # DeepSpeed's own setting pins the degree
+            kwargs["sequence_parallel_key"] = "sequence_parallel_size"
         kwargs["planner"] = PlannerConfig.from_dict(data, where=SECTION)
         return cls(**kwargs)
 

@@ -37,6 +37,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from protrain.batch_shape import BatchShape, model_max_seq_len, replan_shape
 from protrain.config import ConfigError
 from protrain.plan import Plan
+from protrain.preflight import ModelFacts, check_profile_length, check_settings
 from protrain.profile.blocks import find_blocks
 from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
@@ -85,12 +86,8 @@ class ProTrainEngine(DeepSpeedEngine):
         if not isinstance(self.optimizer, ProTrainOptimizer):
             raise ConfigError("ProTrain needs an optimizer to train: add an \"optimizer\" section "
                               "(Adam or AdamW) to the DeepSpeed config or pass one to initialize")
-        if protrain_config.ssd_path:
-            _check_ssd_path(protrain_config.ssd_path)
-        # Rank 0 plans (reads and writes these files): checked now, not after profiling. An
-        # unusable cache directory is reported and ignored.
-        if protrain_config.plan_file and self.global_rank == 0:
-            _check_plan_file(protrain_config.plan_file)
+        self._protrain_preflight()
+        # An unusable cache directory is reported and ignored.
         self._protrain_cache = ProfileCache(
             protrain_config.profile_cache_dir if self.global_rank == 0 else None,
             key_name="protrain.profile_cache_dir")
@@ -108,6 +105,32 @@ class ProTrainEngine(DeepSpeedEngine):
             if overridden:
                 lines.append("ProTrain: the plan replaces these DeepSpeed settings: " + ", ".join(overridden))
             print("\n".join(lines), flush=True)
+
+    def _protrain_preflight(self) -> None:
+        """Refuse now what this model and launch cannot run, not at the first forward after
+        profiling (protrain/preflight.py). Every rank refuses: a check that can fail on one rank
+        only (a path on its host, the plan file rank 0 writes) is shared over the ranks, so
+        none goes on to wait in a collective for a peer that stopped."""
+        cfg = self.protrain_config
+        error = None
+        try:
+            check_settings(cfg.planner, ModelFacts.of(self.module), world=DataParallel().world,
+                           ssd_path=cfg.ssd_path, sp_unsupported=unsupported_reason(self.module),
+                           profile_seq_len=cfg.profile_seq_len, sp_key=cfg.sequence_parallel_key)
+            if cfg.ssd_path:
+                _check_ssd_path(cfg.ssd_path)
+            if cfg.trace_file:
+                _check_trace_file(cfg.trace_file)
+            if cfg.plan_file and self.global_rank == 0:    # rank 0 plans: reads and writes it
+                _check_plan_file(cfg.plan_file)
+        except ConfigError as e:
+            error = str(e)
+        errors = DataParallel().all_gather_object(error)
+        if error is not None:
+            raise ConfigError(error)
+        for rank, other in enumerate(errors):
+            if other is not None:
+                raise ConfigError(f"{other} (refused on rank {rank})")
 
     # ---- DeepSpeed hooks (private API; see tests/test_ds_contract.py) ---------------------
     def _configure_optimizer(self, client_optimizer, model_parameters):
@@ -450,6 +473,7 @@ class ProTrainEngine(DeepSpeedEngine):
                 loaded = plan is not None
                 if plan is None:
                     if self.protrain_profile is None:
+                        check_profile_length(cfg.profile_seq_len, _batch_shape(inputs, kwargs)[1])
                         self.protrain_profile, self._protrain_ce_calls = self._profile(blocks, inputs, kwargs)
                         profile = self.protrain_profile
                         if dp.world > 1 and profile.seq_len and profile.seq_len >= 2:
@@ -626,6 +650,9 @@ class ProTrainEngine(DeepSpeedEngine):
             param_bytes=named[trainable[0]].element_size() if trainable else plan.param_bytes)
         if why is not None:
             raise stale(why)
+        why = _pins_disagree(plan, planner.pins)
+        if why is not None:
+            raise stale(why)
         for rec in plan.params:
             p = named.get(rec.name)
             if p is None or p.numel() != rec.numel:
@@ -725,6 +752,22 @@ class ProTrainEngine(DeepSpeedEngine):
         return runtime_update_rate(hw, passes)
 
 
+def _pins_disagree(plan: Plan, pins) -> str | None:
+    """A knob the config pins that the saved plan set otherwise (the loaded plan would run,
+    the pin silently ignored). The sequence-parallel degree is left out: a pinned degree is
+    applied to a loaded plan (_protrain_launchable)."""
+    from protrain.config import ALL
+    for key, want in pins.pinned().items():
+        if key == "sequence_parallel":
+            continue
+        have = getattr(plan.knobs, key)
+        if want == ALL:
+            want = plan.chunks.n_chunks
+        if have != want:
+            return f"it was made with {key}={have} and protrain.{key} pins {want}"
+    return None
+
+
 def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821
     cfg = engine.protrain_config.planner
     clip = engine.gradient_clipping() or 0.0
@@ -800,6 +843,16 @@ def _check_ssd_path(path: str) -> None:
         RunDirectory(path, 0).close()
     except StorageConfigError as e:
         raise ConfigError(f"protrain.ssd_path: {e}") from None
+
+
+def _check_trace_file(path: str) -> None:
+    """Each iteration's timeline is written there: refuse a path that cannot be written now."""
+    from protrain.serde import unwritable
+    p = Path(path)
+    why = f"{path} is a directory" if p.is_dir() else unwritable(p.parent)
+    if why is not None:
+        raise ConfigError(f"protrain.trace_file {path}: the timeline could not be written there "
+                          f"({why}); point trace_file at a file in a writable directory")
 
 
 def _check_plan_file(path: str) -> None:

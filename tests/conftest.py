@@ -9,6 +9,8 @@ from protrain.profile.model_profile import ModelProfile, ParamRecord, PartProfil
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+    config.addinivalue_line("markers", "matrix: the rest of issue 25's Hugging Face matrix "
+                            "(tests/test_hf_matrix.py); deselected by default, run with -m matrix")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,7 +9,8 @@ def test_sizes():
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("80 GiB") == parse_bytes("80G") == 80 * GiB
     assert parse_bytes("64MiB") == 64 * MiB and parse_bytes(1e9) == 10**9
-    for bad in ("lots", "-1GB", True, None, "12 parsecs"):
+    assert parse_bytes("1.5KiB") == 1536 and parse_bytes(2.0) == 2
+    for bad in ("lots", "-1GB", True, None, "12 parsecs", 1.5, "0.5", "2.5B"):
         with pytest.raises(ValueError):
             parse_bytes(bad)
     assert fmt_bytes(80 * GiB) == "80.0 GiB" and fmt_bytes(512) == "512 B"

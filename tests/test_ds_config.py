@@ -66,6 +66,79 @@ def test_bad_protrain_settings_fail_at_initialize_naming_the_key(section, words)
         assert w in str(e.value), str(e.value)
 
 
+# Issue 25 section 4: values a run cannot use, refused at initialize (they used to pass it and
+# fail at the first forward, after profiling, or never). TINY: 4 blocks (transformer.h), 4
+# heads, a 64-position table, largest parameter transformer.wte.weight (256 x 64 fp32).
+REFUSED_AT_INITIALIZE = [
+    # 1 rank: the world size is named first (it used to fail in search() with an internal message)
+    ({"sequence_parallel": 3}, ["protrain.sequence_parallel = 3", "world size (1 ranks)",
+                                "Valid values for this launch and model: 1", '"auto"']),
+    ({"pins": {"sequence_parallel": 2}}, ["protrain.sequence_parallel = 2", "world size (1 ranks)"]),
+    ({"n_selective": 99}, ["protrain.n_selective = 99", "4 transformer blocks", "0 to 4", '"auto"']),
+    ({"n_swap": 5}, ["protrain.n_swap = 5", "4 transformer blocks (transformer.h)", "0 to 4"]),
+    ({"n_checkpoint": 3, "n_swap": 3}, ["protrain.n_checkpoint = 3, protrain.n_swap = 3", "add up to 6",
+                                        "at most 4"]),
+    ({"n_ssd": 1}, ["protrain.n_ssd = 1", "protrain.ssd_path", "pin n_ssd to 0"]),
+    ({"profile_seq_len": 4096}, ["protrain.profile_seq_len = 4096", "64 positions", "1 to 64",
+                                 "remove it"]),
+    ({"ssd_min_bytes": 1.5}, ["protrain.ssd_min_bytes", "1.5", "whole number of bytes", "64MiB"]),
+    ({"ssd_min_bytes": "0.5"}, ["protrain.ssd_min_bytes", "'0.5'", "whole number of bytes"]),
+    ({"device_memory": 1.5e9 + 0.5}, ["protrain.device_memory", "whole number of bytes"]),
+    ({"chunk_size": 1000}, ["protrain.chunk_size = 1000", "transformer.wte.weight", "65536 bytes",
+                            "use at least 65536"]),
+    ({"n_persist": 99}, ["protrain.n_persist = 99", "fill at most 15 chunk(s)", "use 0 to 15",
+                         '"all"']),
+    ({"n_persist": 2, "chunk_size": "1MiB"}, ["protrain.n_persist = 2", "at most 1 chunk(s)",
+                                              "(1.0 MiB)"]),
+    ({"n_buffer": 40}, ["protrain.n_buffer = 40", "use 0 to 15"]),
+    ({"trace_file": "/proc/no/such/trace.json"}, ["protrain.trace_file /proc/no/such/trace.json",
+                                                  "writable directory"]),
+]
+
+
+@pytest.mark.parametrize("section, words", REFUSED_AT_INITIALIZE)
+def test_values_a_run_cannot_use_are_refused_at_initialize(section, words):
+    cfg = with_protrain(base_config(), **section)
+    with pytest.raises(ConfigError) as e:
+        init(cfg)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_deepspeeds_sequence_parallel_size_is_named_when_refused():
+    cfg = with_protrain(base_config(sequence_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"^sequence_parallel_size = 2: P must divide the world size"):
+        init(cfg)
+
+
+def test_pins_at_their_limits_are_accepted():
+    """The bounds refuse only what no layout can run: the limits themselves pass initialize."""
+    for section in ({"n_selective": 4}, {"n_checkpoint": 2, "n_swap": 2}, {"chunk_size": 65536},
+                    {"n_persist": "all"}, {"profile_seq_len": 64}, {"ssd_min_bytes": "1.5KiB"},
+                    {"sequence_parallel": 1}):
+        engine, *_ = init(with_protrain(base_config(), **section))
+        engine.destroy()
+
+
+def test_profile_seq_len_longer_than_the_batch_is_refused_before_profiling():
+    """A model without a position table (rotary): only the first batch tells its length."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2))
+    engine, *_ = init(with_protrain(base_config(), profile_seq_len=32), model)
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises(ConfigError) as e:
+        engine(input_ids=ids, labels=ids)
+    msg = str(e.value)
+    assert "protrain.profile_seq_len = 32" in msg and "(16 tokens)" in msg and "use 1 to 16" in msg, msg
+    assert calls == []                      # refused before the profiler ran the model
+    engine.destroy()
+
+
 @pytest.mark.parametrize("extra, words", [
     ({"autotuning": {"enabled": True}}, ["autotuning", "protrain.enabled=false"]),
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, ["optimizer.type='Lamb'", "Adam"]),

@@ -147,6 +147,9 @@ def test_a_plan_file_for_another_run_is_refused_saying_what_changed(tmp_path):
          "parameter transformer.h.1.mlp.c_fc.bias is trainable in the plan but frozen in this run"),
         (dict(ds_config=cfg, model_cfg=GPTConfig(**{**vars(TINY), "n_embd": 32})),
          "made for another model (parameter transformer.wte.weight has 16384 elements there, 8192 here)"),
+        # a pin the saved plan does not hold used to be ignored without a word
+        (dict(ds_config=with_protrain(base_config(), plan_file=str(path), n_checkpoint=3)),
+         "made with n_checkpoint=0 and protrain.n_checkpoint pins 3"),
     ]
     # A plan made for fewer blocks (its parameters all exist in the bigger model).
     small = tmp_path / "small.json"

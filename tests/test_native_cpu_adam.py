@@ -113,3 +113,69 @@ def test_every_kernel_takes_the_runtimes_call(kind):
         assert all(torch.equal(a, b) for a, b in zip(backup, (p, m, v)))
         if not writable:
             assert torch.equal(grads, g)
+
+
+# A process that loads both kernels while a build killed midway has left its lock file behind
+# (the lock is what torch.utils.cpp_extension's build holds; it waits on it with no end).
+STALE_LOCK_LOADER = r"""
+import pathlib, sys, threading
+import torch
+import deepspeed.ops.adam, deepspeed.ops.op_builder.cpu.cpu_adam  # not from two threads at once
+from protrain import native
+native.LOCK_WAIT_WARN_S = 1.0
+real = native._build_dir
+def killed_build_left_its_lock(*args):
+    d = real(*args)
+    pathlib.Path(d, "lock").touch()
+    return d
+native._build_dir = killed_build_left_its_lock
+threading.Thread(target=native.cpu_adam, daemon=True).start()
+if sys.argv[1] == "deepspeed-too":
+    threading.Thread(target=native.deepspeed_cpu_adam, args=([torch.nn.Parameter(torch.zeros(1))],),
+                     daemon=True).start()
+threading.Event().wait()
+"""
+
+
+def test_a_stale_build_lock_is_named_within_seconds_instead_of_a_silent_wait(tmp_path):
+    """Issue 25 §5: every load after a killed build used to wait forever, silently."""
+    import os
+    import queue
+    import subprocess
+    import sys
+    import threading
+    import time
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+    # DeepSpeed's op is compiled on first use unless the install carries it prebuilt
+    ds_jit = not installed_ops.get(CPUAdamBuilder.NAME, False)
+    if ds_jit:
+        (tmp_path / CPUAdamBuilder.NAME).mkdir()
+        (tmp_path / CPUAdamBuilder.NAME / "lock").touch()
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", STALE_LOCK_LOADER, "deepspeed-too" if ds_jit else ""],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    lines, want = queue.Queue(), 2 if ds_jit else 1
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stderr], daemon=True).start()
+    said, seen = [], []
+    try:
+        deadline = time.monotonic() + 120         # the process never ends by itself
+        while len(said) < want and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            seen.append(line)
+            if "waited 1 s for the build lock" in line:
+                said.append(line)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(said) == want, "".join(seen)
+    native_lock = next(tmp_path.glob("protrain_cpu_adam_*/lock"))
+    mine = next(ln for ln in said if "native CPU Adam" in ln)
+    assert str(native_lock) in mine and f"delete {native_lock}" in mine and "killed midway" in mine
+    if ds_jit:
+        theirs = next(ln for ln in said if "DeepSpeed's CPU Adam" in ln)
+        assert str(tmp_path / CPUAdamBuilder.NAME / "lock") in theirs

@@ -80,9 +80,12 @@ def chunk_capacities(profile: ModelProfile, sizes_bytes: tuple[int, ...]) -> tup
     whole model would only waste buffer memory: they become the model's size, and halves,
     quarters and eighths of it are tried too, so small models still get several chunks.
     """
-    w = profile.param_bytes
-    largest = profile.largest_param
-    total = profile.total_params
+    return capacities(profile.largest_param, profile.total_params, profile.param_bytes, sizes_bytes)
+
+
+def capacities(largest: int, total: int, w: int, sizes_bytes: tuple[int, ...]) -> tuple[int, ...]:
+    """``chunk_capacities`` from the parameter counts alone (elements of the largest parameter
+    and of all, ``w`` bytes each): known before profiling."""
     caps = {min(s // w, total) for s in sizes_bytes if s // w >= largest}
     if not caps:
         mib = 2**20

@@ -250,8 +250,8 @@ def _cpu_adam_rate(n: int) -> float:
     p = torch.nn.Parameter(torch.zeros(n))
     p.grad = torch.full_like(p, 1e-3)
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-        opt = DeepSpeedCPUAdam([p], lr=1e-3)
+        from ..native import deepspeed_cpu_adam
+        opt = deepspeed_cpu_adam([p], lr=1e-3)
     except Exception:  # noqa: BLE001 - no compiler / no deepspeed: torch's Adam is the fallback
         opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
     t = _best_time(opt.step, 3, lambda: None)

@@ -32,9 +32,9 @@ class CPUAdamKernel:
     """DeepSpeed's vectorised CPU Adam on fp32 host tensors."""
 
     def __init__(self, adamw: bool, threads: int = 0):
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from ..native import deepspeed_cpu_adam
         # One tiny instance owns the C++ optimizer id (and builds the op once per machine).
-        self._owner = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], adamw_mode=adamw)
+        self._owner = deepspeed_cpu_adam([torch.nn.Parameter(torch.zeros(1))], adamw_mode=adamw)
         self._op = self._owner.ds_opt_adam
         self._id = self._owner.opt_id
         self.threads = threads

@@ -64,6 +64,14 @@ class DataParallel:
             dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
         return t
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj``, in rank order."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def broadcast_object(self, obj, src: int = 0):
         if self.world == 1:
             return obj

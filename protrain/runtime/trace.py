@@ -86,9 +86,7 @@ class Tracer:
                       events=tuple(Event(ln, w, lb, a - t0, b - t0) for ln, w, lb, a, b in mine),
                       memory=tuple((a - t0, b) for a, b in mem),
                       stats={"iteration_s": until - t0})
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tl.save(tmp)
-        tmp.replace(self.path)            # a reader never sees half a file
+        tl.save(self.path)                # atomic (serde.dump_json): a reader never sees half a file
         self.iterations_written += 1
         self._t0 = until
 
