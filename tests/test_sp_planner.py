@@ -163,6 +163,13 @@ def test_auto_picks_a_degree_that_fits_and_says_why(profiles):
                                  seq_len=1024, unsupported="no position_ids")
 
 
+def _seconds(text: str) -> float:
+    """A time as fmt_seconds prints it ("812.4 ms", "1.23 s", "950 us"): the measured profile's
+    times, and so the unit, depend on the machine's speed."""
+    value, unit = text.split()
+    return float(value) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+
+
 def test_degrees_predicted_within_the_error_band_hedge_to_the_smaller(profiles):
     prof = profiles[128]
     # Room for P=1 only with recompute; P=2 keeps everything: it is predicted faster.
@@ -174,12 +181,15 @@ def test_degrees_predicted_within_the_error_band_hedge_to_the_smaller(profiles):
     # A difference inside the model's error band: the smaller degree, and the plan says so.
     hedged = search_sequence_parallel(prof, fast_links, replace(cfg, time_tolerance=0.5), seq_len=1024)
     assert hedged.knobs.sequence_parallel == 1
-    step = {int(n[2]): float(n.split("step ")[1].split(" ms")[0]) for n in hedged.notes
+    step = {int(n[2]): _seconds(n.split("step ")[1].split(",")[0]) for n in hedged.notes
             if n.startswith("P=") and ": step " in n}
     assert step[2] < step[1] <= 1.5 * step[2]
     assert any(n.startswith("P=1: step") and n.endswith("- chosen") for n in hedged.notes), hedged.notes
     said = re.search(r"P=1 chosen over P=2: P=2 is predicted (\d+\.\d)% faster", " ".join(hedged.notes))
-    assert said and float(said.group(1)) == pytest.approx(100 * (1 - step[2] / step[1]), abs=0.2)
+    # the steps are printed rounded (to 0.1 ms, or 0.01 s on a slow machine): allow for it
+    slack = sum(0.05e-3 if step[p] < 1.0 else 0.005 for p in (1, 2)) / step[1]
+    assert said and float(said.group(1)) == pytest.approx(100 * (1 - step[2] / step[1]),
+                                                          abs=0.1 + 100 * slack)
     assert "within the model's 50% error band" in " ".join(hedged.notes)
     assert choose_degree({}, 0.05) is None
 
