@@ -24,6 +24,7 @@ compiled against DeepSpeed compiled, and ProTrain eager against DeepSpeed eager.
 """
 from __future__ import annotations
 
+from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 import argparse
 import json
 import os
@@ -86,7 +87,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--save", default=None)
     args = ap.parse_args(argv)
 
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29733"), ("RANK", "0"),
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                  ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)          # one process, no launcher
     import torch

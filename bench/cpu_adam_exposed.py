@@ -16,6 +16,7 @@ median over rounds.
 """
 from __future__ import annotations
 
+from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 import argparse
 import json
 import platform
@@ -53,7 +54,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     import os
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29731"), ("RANK", "0"),
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                  ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)          # one process, no launcher
     import deepspeed

@@ -25,11 +25,11 @@ the results; the error reported is the median over rounds and ranks.
 """
 from __future__ import annotations
 
+from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
         _rank(args)
         return {}
     with tempfile.TemporaryDirectory() as out:
-        port = _free_port()
+        port = free_port()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         me = [sys.executable, str(Path(__file__).resolve())] + (argv if argv is not None else sys.argv[1:])
         procs = [subprocess.Popen(me + ["--rank", str(r), "--out", out],
@@ -96,12 +96,6 @@ def main(argv=None) -> dict:
     if args.save:
         Path(args.save).write_text(json.dumps(result, indent=1) + "\n")
     return result
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(args) -> None:

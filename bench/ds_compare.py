@@ -26,6 +26,7 @@ bench/results/ds_compare-<device>-<tag>.json.
 """
 from __future__ import annotations
 
+from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 import argparse
 import json
 import os
@@ -48,7 +49,7 @@ SYSTEMS = {
 
 def worker(spec: dict) -> dict:
     """Train ``spec['steps']`` steps of one system in this process and measure them."""
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29700 + spec["index"])),
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())),
                  ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     import torch

@@ -16,6 +16,7 @@ Writes bench/results/megatron_accuracy-<device>.json and prints a table.
 """
 from __future__ import annotations
 
+from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 import argparse
 import json
 import os
@@ -107,7 +108,7 @@ def main() -> None:
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29541"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     dist.init_process_group("nccl" if cuda else "gloo")
     from megatron.core import parallel_state

@@ -13,7 +13,9 @@ from protrain_megatron.sdpa_attention import SDPACoreAttention
 def init_parallel() -> None:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29617")
+        if "MASTER_PORT" not in os.environ:    # a fixed port collides with other jobs' runs
+            from dpworker import free_port
+            os.environ["MASTER_PORT"] = str(free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
     if not parallel_state.model_parallel_is_initialized():
