@@ -38,12 +38,20 @@ from protrain.sp.ulysses import SequenceParallelError, new_groups, ulysses_block
 
 
 def model_takes(module, name: str) -> bool:
-    """Whether the module's forward has a parameter ``name`` (or takes **kwargs)."""
+    """Whether the module's forward has a parameter ``name``. A wrapper whose forward passes
+    **kwargs on to the model it wraps (PEFT's ``get_base_model()``) takes what that model
+    takes; any other **kwargs is not enough (what its body does with them is unknown)."""
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
         return False
-    return name in params
+    if name in params:
+        return True
+    wrapped = getattr(module, "get_base_model", None)
+    if callable(wrapped) and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        inner = wrapped()
+        return inner is not module and model_takes(inner, name)
+    return False
 
 
 def is_hf_causal_lm(module) -> bool:

@@ -293,3 +293,23 @@ def test_two_ranks_the_trainer_saves_the_whole_model(two_ranks_matrix):
     pt = torch.load(out / "weights-llama, saves every 2 steps protrain.pt")
     ds = torch.load(out / "weights-llama, saves every 2 steps deepspeed.pt")
     assert all(torch.equal(pt["saved"][n], w) for n, w in ds["saved"].items())
+
+
+def test_a_peft_model_takes_what_its_base_model_takes():
+    """PEFT's forward passes **kwargs on to the model it wraps: the engine must see that it
+    takes position_ids (sequence shards) and use_cache (turned off in training), while a bare
+    **kwargs elsewhere says nothing of what the forward does with them."""
+    peft = pytest.importorskip("peft")
+    from torch import nn
+
+    from protrain_ds.sequence_parallel import model_takes, unsupported_reason
+    model = peft.get_peft_model(hfmatrix.tiny_model("llama"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    assert model_takes(model, "position_ids") and model_takes(model, "use_cache")
+    assert unsupported_reason(model) is None
+    assert not model_takes(model, "no_such_argument")
+
+    class Opaque(nn.Module):
+        def forward(self, x, **kwargs):
+            return x
+    assert not model_takes(Opaque(), "position_ids")
