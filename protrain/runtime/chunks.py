@@ -69,10 +69,12 @@ class Slot:
     shape: torch.Size = torch.Size()
     """The parameter's shape (its ``.data`` may be an empty placeholder while sharded)."""
     has_grad: bool = False
-    """A gradient arrived for it in this optimizer step (parameters without one are skipped by
-    Adam, as torch and DeepSpeed optimizers skip ``grad is None``)."""
+    """A gradient arrived for it in this optimizer step. Adam steps it either way (on a zero
+    gradient without one, as DeepSpeed ZeRO-0 does: ChunkOptimizer._update); without one its
+    place in a device buffer still holds its values and is zeroed before the buffer's
+    gradients are offloaded."""
     step: int = 0
-    """Adam steps taken (per parameter, as torch keeps them)."""
+    """Adam steps taken (kept per parameter for checkpoints; all parameters step together)."""
 
     @property
     def stop(self) -> int:
@@ -339,20 +341,25 @@ class ChunkManager:
         c.move(ChunkState.HOST)
         self._point_params(c)
 
+    def evict(self, c: Chunk) -> None:
+        """Drop the buffered copy of an offloaded chunk (its host states are about to change):
+        its next use uploads it again, after its update (``upload`` waits for it)."""
+        if c.state == ChunkState.UPLOADING:
+            self.access(c)
+        if c.state == ChunkState.RESIDENT:
+            self.release(c)
+        if c.state == ChunkState.CACHED:
+            self.pool.owner[c.buffer] = None
+            c.buffer = None
+            c.move(ChunkState.HOST)
+            self._point_params(c)
+        elif c.state == ChunkState.GRADS:
+            raise RuntimeError(f"chunk {c.index} still has gradients in flight; finish the step first")
+
     def evict_all(self) -> None:
         """Drop every buffered copy (their host states are about to change)."""
         for c in self.offloaded():
-            if c.state == ChunkState.UPLOADING:
-                self.access(c)
-            if c.state == ChunkState.RESIDENT:
-                self.release(c)
-            if c.state == ChunkState.CACHED:
-                self.pool.owner[c.buffer] = None
-                c.buffer = None
-                c.move(ChunkState.HOST)
-                self._point_params(c)
-            elif c.state == ChunkState.GRADS:
-                raise RuntimeError(f"chunk {c.index} still has gradients in flight; finish the step first")
+            self.evict(c)
 
     # ---- accounting ------------------------------------------------------------------------
     def device_bytes(self) -> int:

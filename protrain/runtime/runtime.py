@@ -202,7 +202,10 @@ class ProTrainRuntime:
         if self.tracer is not None:
             self.tracer.end_backward()
         for c in self.chunks.offloaded():
-            if c.state == ChunkState.RESIDENT and any(s.has_grad for s in c.slots):
+            # After a backward every resident chunk is done, gradients or not (zeros then: Adam
+            # steps every parameter); the same on every rank, whose reduce-scatters must pair
+            # up. Outside one (no part boundary was crossed) only chunks that got gradients.
+            if c.state == ChunkState.RESIDENT and (self._in_backward or any(s.has_grad for s in c.slots)):
                 self.optimizer.chunk_backward_done(c, boundary)
         if self._in_backward:
             self.activations.reset()
@@ -318,8 +321,11 @@ def adam_kernels(device: torch.device, setup: OptimizerSetup, offloaded: bool):
     host kernel, so a machine without a compiler trains all the same."""
     if device.type == "cuda":
         return (host_kernel(device, setup) if offloaded else None), TorchAdamKernel(fused=True)
-    host = host_kernel(device, setup)
-    return host, host
+    # Two instances of the host kernel: the persistent chunks' updates (main thread) and the
+    # offloaded ones' (the worker, a thread with ``host_thread``) interleave by timing, and the
+    # C++ kernel keeps state per instance (step, beta^t; DeepSpeed's binding lr and bias
+    # corrections too). Each follows DeepSpeed's own beta^t chain step by step: same bits.
+    return host_kernel(device, setup), host_kernel(device, setup)
 
 
 def uses_native_kernel(device: torch.device, setup: OptimizerSetup) -> bool:
