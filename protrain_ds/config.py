@@ -34,6 +34,9 @@ _OWN_KEYS = {
     "host_thread": "run CPU Adam on a worker thread even on a CPU device (benchmarks; default: on a GPU)",
     "profile_seq_len": "profile the first N tokens of each sequence and scale the profile to the "
                        "batch's length (linear parts by s, attention by s^2)",
+    "gather_timeout": "seconds a rank waits for the others in a collective save (state_dict with "
+                      "sharded parameters, destroy) before failing with the reason (default: the "
+                      "process group's timeout)",
 }
 _PLANNER_KEYS = {f.name for f in dataclasses.fields(PlannerConfig)} | set(KNOB_NAMES)
 _DERIVED = {"grad_accumulation_steps": "gradient_accumulation_steps",
@@ -94,6 +97,12 @@ class ProTrainDSConfig:
     """Profile the first N tokens of the first batch's sequences and scale the profile to the
     full length (protrain.sp.scaling: linear parts by s, attention by s^2): faster at very long
     sequences. None: the whole sequence (halved while it runs out of device memory)."""
+    gather_timeout: float | None = None
+    """Seconds a rank waits for the other ranks before a collective that gathers sharded
+    parameters (the model's state_dict with several ranks, as every weight save reads it;
+    destroy), then fails naming the ranks that never came and what to do (a save called on
+    one rank only). None: the default process group's timeout (30 minutes), what the
+    collective itself would wait."""
 
     @classmethod
     def from_ds_config(cls, ds_config: dict | None) -> "ProTrainDSConfig":
@@ -144,6 +153,11 @@ class ProTrainDSConfig:
                                   f"tokens >= 1")
             kwargs["profile_seq_len"] = v
         data.pop("profile_seq_len", None)
+        v = data.pop("gather_timeout", None)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise ConfigError(f"{SECTION}.gather_timeout = {v!r}: must be a number of seconds > 0 "
+                              f"(or null for the process group's timeout)")
+        kwargs["gather_timeout"] = None if v is None else float(v)
         for key in ("progress", "accounting", "ssd_verify"):
             v = data.pop(key, cls.__dataclass_fields__[key].default)
             if not isinstance(v, bool):

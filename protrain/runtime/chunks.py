@@ -380,26 +380,34 @@ class ChunkManager:
                 total += sum(t.numel() * t.element_size() for t in tensors.values())
         return total
 
-    def gathered(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Each offloaded parameter's full current value on the host, when shards hold them
-        (several ranks; empty with one: every parameter's tensor holds its value then). A
-        collective: every rank must call it. The layout is left as it is."""
-        world = self.dp.world
+    def gathered(self, chunks: list[Chunk] | None = None, *, what: str = "state_dict",
+                 timeout_s: float | None = None, fix: str = "") -> dict[nn.Parameter, torch.Tensor]:
+        """The full current value of each parameter of the offloaded ``chunks`` (default: all),
+        when shards hold them (several ranks; empty with one: every parameter's tensor holds its
+        value then), each in a tensor of its own on the host, in the training dtype. A
+        collective: every rank must call it, with the same chunks (``what`` names the call, and
+        ``fix`` the way out, in the error a call on some ranks only gets after ``timeout_s``:
+        DataParallel.rendezvous). The layout is left as it is."""
         out: dict[nn.Parameter, torch.Tensor] = {}
-        if world == 1:
+        if self.dp.world == 1:
             return out
+        self.dp.rendezvous(what, timeout_s, fix)
         self.host_sync()
-        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
-        for c in self.chunks:
+        for c in (self.chunks if chunks is None else chunks):
             if c.persistent:
                 continue
-            full = torch.empty(world * c.shard_size, dtype=self.dtype, device=dev)
-            full[self.dp.rank * c.shard_size:(self.dp.rank + 1) * c.shard_size].copy_(self.host_params(c))
-            self.dp.all_gather_(full, c.shard_size)
-            full = full.cpu()
+            full = self._full_values(c)
             for s in c.slots:
-                out[s.param] = full[s.offset:s.stop].view(s.shape)
+                out[s.param] = full[s.offset:s.stop].view(s.shape).clone()
         return out
+
+    def _full_values(self, c: Chunk) -> torch.Tensor:
+        """An offloaded chunk's host values, all shards (an all-gather; on the host)."""
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        full = torch.empty(self.dp.world * c.shard_size, dtype=self.dtype, device=dev)
+        full[self.dp.rank * c.shard_size:(self.dp.rank + 1) * c.shard_size].copy_(self.host_params(c))
+        self.dp.all_gather_(full, c.shard_size)
+        return full.cpu()
 
     def close(self, to_host: bool = False, gather: bool = True) -> None:
         """Leave every parameter as a standalone tensor holding its current value (persistent
@@ -412,17 +420,15 @@ class ChunkManager:
         if world > 1 and not gather:
             self._drop()
             return
+        if world > 1 and self.offloaded():
+            self.dp.rendezvous("closing the runtime (engine.destroy() gathers the shards)")
         self.evict_all()
         for c in self.chunks:
             if c.persistent or world == 1:
                 for s in c.slots:
                     s.param.data = s.param.data.to("cpu", copy=True) if to_host else s.param.data.clone()
                 continue
-            dev = self.device if self.device.type == "cuda" else torch.device("cpu")
-            full = torch.empty(world * c.shard_size, dtype=self.dtype, device=dev)
-            full[self.dp.rank * c.shard_size:(self.dp.rank + 1) * c.shard_size].copy_(self.host_params(c))
-            self.dp.all_gather_(full, c.shard_size)
-            full = full.cpu()
+            full = self._full_values(c)
             for s in c.slots:
                 s.param.data = full[s.offset:s.stop].clone().view(s.shape)
         self._drop()

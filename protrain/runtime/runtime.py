@@ -35,6 +35,7 @@ from .adam import AdamHyper, CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
 from .boundaries import part_boundaries
 from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
+from .full_state import FullStateDict
 from .optimizer import ChunkOptimizer
 from .streams import Streams
 
@@ -72,7 +73,8 @@ class ProTrainRuntime:
                  setup: OptimizerSetup, *, swap_bytes: Sequence[int],
                  is_boundary: Callable[[], bool] = lambda: True, accounting: bool = False,
                  dp: DataParallel | None = None, ssd_root=None, ssd_verify: bool = False,
-                 ssd_min_bytes: int = 2**20, trace_file: str | None = None):
+                 ssd_min_bytes: int = 2**20, trace_file: str | None = None,
+                 gather_timeout_s: float | None = None, save_fix: str = ""):
         self.model = model
         self.blocks = list(blocks)
         self.plan = plan
@@ -127,9 +129,10 @@ class ProTrainRuntime:
         for _, p in params:
             self._hooks.callback(p.register_post_accumulate_grad_hook(self.optimizer.on_grad).remove)
         # The module's weights read through state_dict wait for the last step's host updates
-        # (offloaded parameters are views of host memory CPU Adam may still be writing).
-        self._hooks.callback(model.register_state_dict_pre_hook(
-            lambda *a, **k: self.optimizer.sync()).remove)
+        # (offloaded parameters are views of host memory CPU Adam may still be writing) and,
+        # sharded over ranks, are gathered (every rank calls it; full_state.py).
+        self.full_state = FullStateDict(model, self.chunks, timeout_s=gather_timeout_s, fix=save_fix)
+        self._hooks.callback(self.full_state.remove)
         self._part_chunks = [[self.chunks.chunks[c] for c in cs] for cs in layout.part_chunks]
         self._in_backward = False
         self.tracer = None
