@@ -63,8 +63,8 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     for i in range(start, start + spec["steps"]):
         x, y = synthetic_batch(cfg, global_batch, seed=i)
         x, y = x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb]
-        if spec.get("kind") == "branch":
-            model.branch = i % 2 == 0            # taken every other (micro-)step
+        if spec.get("kind") == "branch":        # taken every other optimizer step
+            model.branch = i // engine.gradient_accumulation_steps() % 2 == 0
         loss = engine(x, y)
         engine.backward(loss * factor if factor != 1.0 else loss)
         boundary = engine.is_gradient_accumulation_boundary()
