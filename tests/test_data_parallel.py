@@ -74,7 +74,7 @@ def two_ranks(tmp_path_factory):
     runs["accumulation, waiting"] = dict(gas, protrain=dict(SPECULATING, speculate_chunks=0))
     runs["accumulation, speculating"] = dict(gas, deferred_streams=True, protrain=SPECULATING)
     runs["branch, deepspeed"] = dict(BRANCH, protrain=None)
-    runs["branch, offloaded"] = dict(BRANCH, protrain=BRANCH_CACHED)
+    runs["branch, offloaded"] = dict(BRANCH, protrain=dict(BRANCH_CACHED))
     runs["branch, speculating"] = dict(BRANCH, deferred_streams=True,
                                        protrain=dict(BRANCH_CACHED, n_buffer=8, speculate_chunks=99))
     runs["moe, deepspeed"] = dict(MOE, protrain=None)
@@ -84,6 +84,8 @@ def two_ranks(tmp_path_factory):
     runs["saves"] = dict(saves=True, steps=3, model=LLAMA,
                          protrain=dict(chunk_size="32KiB", n_persist=1, gather_timeout=3))
     out = tmp_path_factory.mktemp("two_ranks")
+    for name in ("branch, offloaded", "branch, speculating", "moe, first", "moe, again"):
+        runs[name]["protrain"]["profile_cache_dir"] = str(out / "profiles")   # once per model
     return out, launch_runs(2, runs, str(out))
 
 

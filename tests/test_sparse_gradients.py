@@ -39,6 +39,8 @@ def runs(tmp_path_factory):
     for name, spec in RUNS.items():
         d = out / name.replace(", ", "-")
         d.mkdir()
+        if spec["protrain"] is not None:       # profiled once per model
+            spec = dict(spec, protrain=dict(spec["protrain"], profile_cache_dir=str(out / "profiles")))
         result, _ = train_run(0, 1, spec, str(d))
         done[name] = (result, torch.load(d / "weights.pt"))
     return done

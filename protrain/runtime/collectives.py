@@ -82,18 +82,21 @@ class DataParallel:
         tag = f"protrain/{what}/{'-'.join(map(str, ranks))}"
         n = _RENDEZVOUS.get(tag, 0)
         key = f"{tag}/{n}"
-        if n >= 2:      # every rank passed it: each set its key of n - 1 after passing n - 2
-            store.delete_key(f"{tag}/{n - 2}/{self.rank}")
-        store.set(f"{key}/{self.rank}", "1")
+        if n >= 2:      # every rank passed it: each arrived at n - 1 after passing n - 2
+            _forget(store, f"{tag}/{n - 2}/{self.rank}")
+            if self.rank == 0:
+                _forget(store, f"{tag}/{n - 2}")
+        store.set(f"{key}/{self.rank}", "1")          # who came (for the message)
+        store.add(key, 1)                             # how many came (what is polled)
         limit = timeout_s if timeout_s is not None else dist.default_pg_timeout.total_seconds()
         start, pause, warned = time.monotonic(), 0.001, False
-        while True:
-            missing = [r for r in range(self.world) if not store.check([f"{key}/{r}"])]
-            if not missing:
-                break
+        while store.add(key, 0) < self.world:
             waited = time.monotonic() - start
+            if waited > limit or (waited > 30 and not warned):
+                missing = [r for r in range(self.world) if not store.check([f"{key}/{r}"])]
             if waited > limit:
-                store.delete_key(f"{key}/{self.rank}")   # not arrived: the next call is this one
+                store.add(key, -1)                    # not arrived: the next call is this one
+                _forget(store, f"{key}/{self.rank}")
                 raise RuntimeError(
                     f"ProTrain: {what} is a collective over the {self.world} data-parallel ranks "
                     f"(their parameters are sharded), and rank(s) {missing} did not call it within "
@@ -127,3 +130,10 @@ def _store():
         return dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
         return None
+
+
+def _forget(store, key: str) -> None:
+    try:
+        store.delete_key(key)
+    except (RuntimeError, NotImplementedError):   # a store without deletion keeps a few bytes
+        pass
