@@ -22,6 +22,9 @@
   holds the updates past each of these points.
 - With gradient accumulation, each micro-batch's gradients are added into an fp32 host
   accumulator; Adam runs on the accumulation boundary.
+- Adam steps every parameter at every step, on a zero gradient where none arrived (a branch
+  not taken, an expert no token reached), as DeepSpeed ZeRO-0 does on one rank and on many
+  (its boundary all-reduce fills a missing gradient with zeros): ``_update``, ``_settle``.
 
 Gradient clipping reproduces DeepSpeed's ``clip_grad_norm_`` exactly (per-parameter norms in
 module order, stacked, combined, ``max_norm / (norm + 1e-6)`` capped at 1), so fp32 runs match
