@@ -23,7 +23,7 @@ import numpy as np
 
 from .block_mode import CKPT, SEL, BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
 from .config import ALL, KNOB_NAMES, PlannerConfig
-from .cost.layout import ChunkLayout, build_layout, chunk_capacities
+from .cost.layout import ChunkLayout, build_layout, chunk_capacities, why_persistent
 from .cost.predicted_timeline import predicted_timeline
 from .cost.memory import (activation_walk, buffer_numel, norm_scratch_bytes, offload_bytes, predict_memory,
                           state_bytes)
@@ -280,9 +280,12 @@ def _grid(profile, hw, config, acts: _ActivationConfigs, chunk_numel: int, budge
                                   f"{fmt_bytes(layout.chunk_bytes)}; use at most {nch}, or \"all\" "
                                   f"to keep every chunk on the device")
         if pins.n_persist < lo:
-            raise InfeasibleError(f"pinned n_persist={pins.n_persist} is below {lo}: the first {lo} "
-                                  f"chunk(s) hold parameters shared by non-adjacent parts (tied "
-                                  f"embeddings) and must stay on the device")
+            why = why_persistent(profile.params, layout, tuple(p.name for p in profile.parts))
+            raise InfeasibleError(f"pinned n_persist={pins.n_persist} is below {lo}: {why}. A chunk "
+                                  f"used by parts that are not adjacent must stay on the device "
+                                  f"(reloading it in between would split its gradient), and so "
+                                  f"must the chunks before it; pin n_persist >= {lo}, or leave it "
+                                  f"on auto")
         nps = np.array([pins.n_persist])
     else:
         # Persistent chunks alone must fit, which bounds the range long before n_chunks.

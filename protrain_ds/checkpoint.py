@@ -132,7 +132,7 @@ def _meta(engine, tag: str, world: int, client_state) -> dict:
         "format": FORMAT, "world": world, "tag": tag,
         "plan": engine.protrain_plan.to_dict(),
         "params": _param_shapes(engine),
-        "extra_state": _extra_state(engine.module),
+        "extra_state": _extra_state(engine),
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -485,11 +485,14 @@ def _param_shapes(engine) -> dict[str, list[int]]:
     return {n: list(p.shape) for n, p in engine.module.named_parameters() if p.requires_grad}
 
 
-def _extra_state(module) -> dict:
+def _extra_state(engine) -> dict:
     """What the module's state_dict holds besides trainable parameters (buffers, frozen
-    parameters)."""
+    parameters). Rank 0 alone reads it: the sharded parameters, left out, are not gathered."""
+    module = engine.module
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
-    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if k not in trainable}
+    with engine.protrain_runtime.full_state.local():
+        state = module.state_dict()
+    return {k: v.detach().cpu().clone() for k, v in state.items() if k not in trainable}
 
 
 def main(argv=None) -> int:

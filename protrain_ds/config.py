@@ -38,6 +38,9 @@ _OWN_KEYS = {
                        "batch's length (linear parts by s, attention by s^2)",
     "max_seq_len": "the longest sequence the job trains on (or \"auto\": the model's own maximum): "
                    "the first forward plans for it, so no longer batch re-plans later",
+    "gather_timeout": "seconds a rank waits for the others in a collective save (state_dict with "
+                      "sharded parameters, destroy) before failing with the reason (default: the "
+                      "process group's timeout)",
 }
 _PLANNER_KEYS = {f.name for f in dataclasses.fields(PlannerConfig)} | set(KNOB_NAMES)
 _DERIVED = {"grad_accumulation_steps": "gradient_accumulation_steps",
@@ -118,6 +121,12 @@ class ProTrainDSConfig:
     sequence_parallel_key: str = "protrain.sequence_parallel"
     """The setting a pinned sequence-parallel degree came from (DeepSpeed's own
     ``sequence_parallel_size`` pins it too), named when the degree is refused."""
+    gather_timeout: float | None = None
+    """Seconds a rank waits for the other ranks before a collective that gathers sharded
+    parameters (the model's state_dict with several ranks, as every weight save reads it;
+    destroy), then fails naming the ranks that never came and what to do (a save called on
+    one rank only). None: the default process group's timeout (30 minutes), what the
+    collective itself would wait."""
 
     @classmethod
     def from_ds_config(cls, ds_config: dict | None) -> "ProTrainDSConfig":
@@ -181,6 +190,11 @@ class ProTrainDSConfig:
                               f"(the longest sequence the job trains on), \"auto\" (the model's "
                               f"own maximum) or null (plan for the batches as they come)")
         kwargs["max_seq_len"] = v
+        v = data.pop("gather_timeout", None)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise ConfigError(f"{SECTION}.gather_timeout = {v!r}: must be a number of seconds > 0 "
+                              f"(or null for the process group's timeout)")
+        kwargs["gather_timeout"] = None if v is None else float(v)
         for key in ("progress", "accounting", "ssd_verify"):
             v = data.pop(key, cls.__dataclass_fields__[key].default)
             if not isinstance(v, bool):

@@ -55,6 +55,13 @@ from .sequence_parallel import SequenceParallelForward, model_takes, unsupported
 
 log = logging.getLogger("protrain")
 
+SAVE_ON_EVERY_RANK = (
+    "Call it on every rank and write on one: trainer.save_model(), accelerator.get_state_dict("
+    "model), engine.save_16bit_model(dir) and model.save_pretrained(dir, is_main_process=rank == 0) "
+    "on every rank do; or save a checkpoint on every rank (engine.save_checkpoint(DIR)) and export "
+    "its weights anywhere later: python -m protrain_ds.checkpoint DIR OUT.pt")
+"""What to do when a state_dict of sharded parameters is called on some ranks only."""
+
 
 class ProTrainEngine(DeepSpeedEngine):
     def __init__(self, *args, protrain_config: ProTrainDSConfig, overridden: list[str],
@@ -350,19 +357,6 @@ class ProTrainEngine(DeepSpeedEngine):
         if self.protrain_runtime is not None:
             self.protrain_runtime.optimizer.sync()
 
-    def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
-        """DeepSpeed's, with the full values of parameters whose chunks are sharded over ranks
-        (what save_16bit_model writes): every rank must call it, as with ZeRO-3."""
-        sd = super().module_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars,
-                                       exclude_frozen_parameters=exclude_frozen_parameters)
-        if self.protrain_runtime is None:
-            return sd
-        full = self.protrain_runtime.chunks.gathered()
-        for name, p in self.module.named_parameters():
-            if p in full and prefix + name in sd:
-                sd[prefix + name] = full[p]
-        return sd
-
     def destroy(self):
         """Give the parameters back as plain tensors with their trained values (with several
         ranks, every rank must call it: the shards are gathered)."""
@@ -571,7 +565,8 @@ class ProTrainEngine(DeepSpeedEngine):
             accounting=self.protrain_config.accounting, dp=dp or DataParallel(),
             ssd_root=self.protrain_config.ssd_path, ssd_verify=self.protrain_config.ssd_verify,
             ssd_min_bytes=self.protrain_config.ssd_min_bytes,
-            trace_file=self.protrain_config.trace_file, compile=self.protrain_compile)
+            trace_file=self.protrain_config.trace_file, compile=self.protrain_compile,
+            gather_timeout_s=self.protrain_config.gather_timeout, save_fix=SAVE_ON_EVERY_RANK)
         protrain_compile.announce(self)
         self.optimizer.runtime = self.protrain_runtime
         self._protrain_covered = BatchShape(plan.micro_batch, plan.seq_len) \

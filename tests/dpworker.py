@@ -17,7 +17,11 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
     for name, one in runs.items():
         out = os.path.join(out_dir, name)
         os.makedirs(out, exist_ok=True)
-        result, engine = train_run(rank, world, one, out)
+        if one.get("saves"):
+            import saveworker
+            result, engine = saveworker.run(rank, world, one, out)
+        else:
+            result, engine = train_run(rank, world, one, out)
         if name == list(runs)[-1]:
             result["process_groups_left"] = leave(engine)
         del engine
@@ -30,7 +34,7 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     import torch
     import deepspeed
     import protrain.runtime.runtime as rt_mod
-    from protrain.models import GPT, GPTConfig, synthetic_batch
+    from protrain.models import GPTConfig, synthetic_batch
     from protrain.runtime.streams import Streams
 
     if spec.get("deferred_streams"):       # copies as late as CUDA may run them
@@ -56,7 +60,7 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
                                                              *spec["budget_between"])
     factor = spec.get("loss_factor", 1.0)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = _model(spec.get("kind", "gpt"), cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     if spec.get("load"):
         path, client = engine.load_checkpoint(spec["load"])
@@ -70,6 +74,8 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         if spec.get("batches"):                # (micro-batch, tokens) of each rank's batch
             m, s = spec["batches"][i - start][rank]
             x, y = x[:m, :s].contiguous(), y[:m, :s].contiguous()
+        if spec.get("kind") == "branch":        # taken every other optimizer step
+            model.branch = i // engine.gradient_accumulation_steps() % 2 == 0
         loss = engine(x, y)
         engine.backward(loss * factor if factor != 1.0 else loss)
         boundary = engine.is_gradient_accumulation_boundary()
@@ -159,6 +165,15 @@ def budget_between(cfg, mb: int, world: int, pins: dict, short: int, long: int) 
     except InfeasibleError as e:
         assert e.device_needed < budget < need[1], (e.device_needed, budget, need)
     return budget
+
+
+def _model(kind: str, cfg):
+    """The model a run trains: the built-in GPT, or one of tests/sparse_models.py's."""
+    from protrain.models import GPT
+    if kind == "gpt":
+        return GPT(cfg)
+    import sparse_models
+    return {"branch": sparse_models.BranchGPT, "moe": sparse_models.MoEGPT}[kind](cfg)
 
 
 def leave(engine) -> list[str]:

@@ -56,6 +56,7 @@ def test_the_wrapper_is_installed_at_import_in_a_fresh_interpreter():
     ({"enabled": False, "typo": 1}, ["protrain.typo"]),
     ({"enabled": True, **json.loads('{"device_memory": Infinity}')}, ["protrain.device_memory", "finite"]),
     ({"enabled": True, "pins": "x"}, ["protrain.pins", "mapping"]),
+    ({"enabled": True, "gather_timeout": 0}, ["protrain.gather_timeout = 0", "seconds > 0"]),
 ])
 def test_bad_protrain_settings_fail_at_initialize_naming_the_key(section, words):
     cfg = base_config()

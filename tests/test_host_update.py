@@ -128,10 +128,13 @@ def test_the_measured_time_per_chunk_excludes_the_kernel(monkeypatch):
     assert measure_update_overhead(reps=3) < 3e-3
 
 
-def test_a_chunk_without_gradients_in_a_step_reads_zeros_there():
+def test_a_chunk_without_gradients_in_a_step_is_stepped_on_zeros():
     """fp32 without accumulation: the update leaves its gradient region as it is (the next
     copy overwrites it whole); a chunk that gets no gradient in the next step is zeroed at
-    that step, so every reader (norm, overflow test, update) sees zeros as before."""
+    that step and stepped on zeros (DeepSpeed ZeRO-0 fills a missing gradient with zeros and
+    steps it, on one rank as on several), its cached device copy dropped (the next forward
+    uploads it after the update); a late gradient onto a region holding an earlier step's
+    gradients is added onto zeros."""
     from torch import nn
 
     from protrain.runtime.adam import AdamHyper, CPUAdamKernel
@@ -155,7 +158,7 @@ def test_a_chunk_without_gradients_in_a_step_reads_zeros_there():
 
     def backward(chunks):
         for c in chunks:                         # what chunk_backward_done's copy leaves
-            opt._stale.discard(c.index)
+            opt._fresh.add(c.index)
             opt._landing(c).fill_(0.5)
             for s in c.slots:
                 s.has_grad = True
@@ -163,25 +166,29 @@ def test_a_chunk_without_gradients_in_a_step_reads_zeros_there():
     a, b = m.chunks
     backward([a, b])
     opt.step()
-    assert opt._stale == {0, 1}
     assert torch.all(opt._landing(b) != 0)      # scaled by the clipping, not zeroed after
-    b_master = b.master.clone()
+    b_master, b_avg = b.master.clone(), b.exp_avg.clone()
+    m.upload(b)
+    m.access(b)
+    m.release(b)                                 # b's parameters cached in the device buffer
     backward([a])                                # chunk b gets no gradient this step
     opt.step()
     assert torch.all(opt._landing(b) == 0)
-    assert torch.equal(b.master, b_master)
+    assert torch.equal(b.exp_avg, b_avg * 0.9)   # its moments decay: stepped on zeros
+    assert not torch.equal(b.master, b_master) and b.slots[0].step == a.slots[0].step == 2
+    assert b.state == ChunkState.HOST and m.pool.owner == [None]     # no stale copy to reuse
     assert opt.global_grad_norm == pytest.approx(0.5 * 64 ** 0.5, rel=1e-6)   # chunk a's only
     # a gradient arriving after its chunk left the device (the host path), onto a region that
     # still holds an earlier step's gradients: added onto zeros, not onto those
     backward([a])
     opt.step()
-    assert 1 in opt._stale and torch.all(opt._landing(b) == 0)
+    assert torch.all(opt._landing(b) == 0)
     opt._landing(b).fill_(7.0)                   # what an earlier step could have left there
     b.state = ChunkState.CACHED                  # its parameters still in a device buffer
     params[1].grad = torch.full((64,), 0.25)
     opt.on_grad(params[1])
     b.state = ChunkState.HOST
-    assert torch.all(opt._landing(b) == 0.25) and 1 not in opt._stale
+    assert torch.all(opt._landing(b) == 0.25) and 1 in opt._fresh
     opt.worker.close()
     m.close()
 

@@ -58,3 +58,22 @@ def test_chunk_capacities_skip_sizes_below_the_largest_parameter():
     assert chunk_capacities(big, (2**20,)) == (3 * 2**20, 6 * 2**20)
     with pytest.raises(ValueError, match="largest parameter"):
         build_layout(prof, 999)
+
+
+def test_why_a_chunk_must_persist_names_its_parameters_and_parts():
+    """Tied embeddings are one reason; parameters of parts far apart packed side by side (an
+    unused expert at the tail, next to the head) are another: the note names what it sees."""
+    from protrain.cost.layout import why_persistent
+    prof = chain_profile(block_params=(100, 100), pre_params=100, tied=True)
+    names = tuple(p.name for p in prof.parts)
+    layout = build_layout(prof, 100)
+    assert why_persistent(prof.params, layout, names) == (
+        "chunk 0 is used by <pre>, <post> but not by h.0, h.1 in between: it holds pre.w (used "
+        "by <pre> and <post>)")
+    params = prof.params[:3] + (ParamRecord("post.w", 50, (3,)), ParamRecord("h.0.expert.w", 50, (1,)))
+    params = (ParamRecord("pre.w", 100, (0,)),) + params[1:]
+    layout = build_layout(ModelProfile("x", "measured", "cpu", 4, params, prof.parts), 100)
+    assert layout.min_persist == 4
+    assert why_persistent(params, layout, names) == (
+        "chunk 3 is used by h.0, <post> but not by h.1 in between: it holds h.0.expert.w (used by "
+        "h.0), post.w (used by <post>)")

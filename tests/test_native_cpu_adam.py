@@ -179,3 +179,42 @@ def test_a_stale_build_lock_is_named_within_seconds_instead_of_a_silent_wait(tmp
     if ds_jit:
         theirs = next(ln for ln in said if "DeepSpeed's CPU Adam" in ln)
         assert str(tmp_path / CPUAdamBuilder.NAME / "lock") in theirs
+
+
+@pytest.mark.parametrize("kind", ["deepspeed", "native"])
+def test_runs_and_split_pieces_update_like_deepspeeds_per_tensor_calls(op, kind):
+    """DeepSpeed's CPU Adam runs a call's last n % 16 elements in scalar code (other rounding)
+    and DeepSpeed calls it per tensor. A run of parameters (a bias of 8 first: a router's)
+    and the two pieces of a parameter cut by a shard boundary, updated as the chunk runtime
+    splits them (optimizer._segments, adam.update_as_per_tensor, with a backup and a scale),
+    give DeepSpeed's per-tensor bits; one plain call over the run does not."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from protrain.runtime.adam import AdamHyper, CPUAdamKernel, NativeCPUAdamKernel, update_as_per_tensor
+    ds = DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))], adamw_mode=True)
+    kernel = CPUAdamKernel(True) if kind == "deepspeed" else NativeCPUAdamKernel(True, threads=2)
+    h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
+    torch.manual_seed(0)
+    sizes = (8, 64, 100, 48)
+    states = [[torch.randn(n), torch.randn(n), torch.rand(n) * 0.01, torch.rand(n) * 1e-3] for n in sizes]
+    scale = torch.tensor([0.37])
+    ref = [[t.clone() for t in st] for st in states]
+    for step in (1, 2):
+        for p, g, m, v in ref:
+            ds.ds_opt_adam.adam_update(ds.opt_id, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, p, g * scale, m, v)
+    flat = [torch.cat([st[i] for st in states]) for i in range(4)]
+    plain = [t.clone() for t in flat]
+    for step in (1, 2):
+        kernel.update(*plain[:1], plain[1].clone(), *plain[2:], step, h, scale=scale, grad_writable=True)
+        # the chunk runtime's calls: the bias alone (its scalar tail), 64 + 100 (100's tail:
+        # its last 4), and 48 cut at 21 by a shard boundary (two pieces, each padded/split)
+        backup = [torch.empty_like(flat[0]) for _ in range(3)]
+        before = [flat[0].clone(), flat[2].clone(), flat[3].clone()]
+        for lo, hi, scalar_from in ((0, 8, 0), (8, 172, 160), (172, 193, 21), (193, 220, 27)):
+            g = flat[1][lo:hi].clone()
+            update_as_per_tensor(kernel, flat[0][lo:hi], g, flat[2][lo:hi], flat[3][lo:hi], step, h,
+                                 scalar_from=scalar_from, scale=scale, grad_writable=False,
+                                 backup=[b[lo:hi] for b in backup])
+        assert all(torch.equal(a, b) for a, b in zip(backup, before))
+    want = [torch.cat([st[i] for st in ref]) for i in (0, 2, 3)]
+    assert all(torch.equal(a, b) for a, b in zip((flat[0], flat[2], flat[3]), want))
+    assert not all(torch.equal(a, b) for a, b in zip((plain[0], plain[2], plain[3]), want))

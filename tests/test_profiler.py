@@ -222,3 +222,26 @@ def test_streaming_gives_the_parameters_back_and_its_pinned_memory(monkeypatch):
     for n, p in model.named_parameters():
         assert torch.equal(p.data, before[n]), n
         assert p.data.untyped_storage().nbytes() == p.numel() * p.element_size(), n
+
+
+def test_parameters_forward_never_used_are_packed_with_their_block():
+    """Experts no token reached in the profiled batch are placed with their block (before the
+    next block's parameters), not at the tail beside the head: no chunk is then used by parts
+    that are not adjacent, and none has to persist."""
+    from protrain.cost.layout import build_layout
+    from sparse_models import MoEGPT
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = MoEGPT(cfg, n_experts=8)
+    x, y = synthetic_batch(cfg, 1)
+    prof = profile_model(model, lambda m: m(x, y), progress=False, micro_batch=1, seq_len=16)
+    names = [rec.name for rec in prof.params]
+    model(x, y).backward()
+    unused = [n for n, p in model.named_parameters() if p.grad is None]
+    assert any(n.startswith("transformer.h.0.mlp.experts.") for n in unused)
+    homes = [rec.parts[0] for rec in prof.params]
+    assert homes == sorted(homes)                        # in order of their parts, tail included
+    block0 = [n for n in names if n.startswith("transformer.h.0.")]
+    assert names.index(block0[-1]) < names.index("transformer.h.1.ln_1.weight")
+    layout = build_layout(prof, max(rec.numel for rec in prof.params))
+    assert layout.min_persist == 0

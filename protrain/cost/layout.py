@@ -145,3 +145,30 @@ def layout_of(params: tuple[ParamRecord, ...], n_parts: int, param_bytes: int,
         chunk_last_part=tuple(max(u) if u else n_parts - 1 for u in users),
         min_persist=min_persist,
     )
+
+
+def why_persistent(params: tuple[ParamRecord, ...], layout: ChunkLayout,
+                   part_names: tuple[str, ...] = ()) -> str:
+    """Why the first ``layout.min_persist`` chunks must stay on the device, in words: the
+    last of them is used by parts that are not adjacent, and by which of its parameters (a
+    parameter several parts share, such as tied embeddings; or parameters of parts far apart
+    packed side by side)."""
+    c = layout.min_persist - 1
+    if c < 0:
+        return "no chunk has to"
+
+    def name(p: int) -> str:
+        return part_names[p] if p < len(part_names) else f"part {p}"
+    mine = [rec for rec, ch in zip(params, layout.param_chunk) if ch == c]
+    users = sorted({p for rec in mine for p in rec.parts})
+    gaps = [p for p in range(users[0], users[-1] + 1) if p not in users]
+    shared = [rec for rec in mine if len(rec.parts) > 1 and
+              max(rec.parts) - min(rec.parts) + 1 != len(rec.parts)]
+    # Else parameters of parts far apart packed side by side: one from each end.
+    named = shared or [next(r for r in mine if users[0] in r.parts),
+                       next(r for r in mine if users[-1] in r.parts)]
+    which = ", ".join(f"{rec.name} (used by {' and '.join(name(p) for p in rec.parts)})"
+                      for rec in named[:3])
+    return (f"chunk {c} is used by {', '.join(name(p) for p in users)} but not by "
+            f"{', '.join(name(p) for p in gaps[:3])}{' ...' if len(gaps) > 3 else ''} in between: "
+            f"it holds {which}")

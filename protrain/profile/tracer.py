@@ -532,16 +532,26 @@ class _Tracer:
     def _param_records(self, order: list[int], uses: dict[int, list[int]]) -> list[ParamRecord]:
         names = {p: n for n, p in self.model.named_parameters()}
         post = self.n_parts - 1
+
+        def parts_of(i: int) -> tuple[int, ...]:
+            if uses.get(i):
+                return tuple(uses[i])
+            b = self.block_of_param.get(self.params[i])     # never used: its block, else the tail
+            return (b + 1,) if b is not None else (post,)
+        # A parameter this forward never used (an expert no token reached in the profiled
+        # batch, a pooler) is packed with its block, before the first parameter of a later
+        # part: at the tail it would share a chunk with the head, a chunk then used by parts
+        # that are not adjacent (kept persistent, with every chunk before it) and far from
+        # the rest of its block (whose part must then hold every chunk in between at once).
+        placed = list(order)
         seen = set(order)
-        records = []
-        for i in order + [i for i in range(len(self.params)) if i not in seen]:
-            p = self.params[i]
-            parts = tuple(uses.get(i) or ())
-            if not parts:  # never used in forward: keep it with its block, else the tail
-                b = self.block_of_param.get(p)
-                parts = (b + 1,) if b is not None else (post,)
-            records.append(ParamRecord(name=names.get(p, f"param{i}"), numel=p.numel(), parts=parts))
-        return records
+        for i in range(len(self.params)):
+            if i not in seen:
+                home = parts_of(i)[0]
+                at = next((k for k, j in enumerate(placed) if parts_of(j)[0] > home), len(placed))
+                placed.insert(at, i)
+        return [ParamRecord(name=names.get(self.params[i], f"param{i}"), numel=self.params[i].numel(),
+                            parts=parts_of(i)) for i in placed]
 
 
 def storage_bytes(t: torch.Tensor) -> int:

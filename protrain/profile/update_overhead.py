@@ -61,6 +61,7 @@ class _Timed:
 
     def __init__(self, kernel):
         self.kernel = kernel
+        self.simd, self.pad = kernel.simd, getattr(kernel, "pad", None)
         self.busy_s = 0.0
 
     def update(self, *args, **kwargs) -> None:
@@ -104,7 +105,7 @@ class _Steps:
         for c in self.m.chunks:
             grads = opt._landing(c)
             grads.fill_(1e-3)
-            opt._stale.discard(c.index)
+            opt._fresh.add(c.index)
             for s in c.slots:
                 s.has_grad = True
             opt._host_check(c, grads)

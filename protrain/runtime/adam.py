@@ -4,6 +4,12 @@ Reused, not rewritten: DeepSpeed's CPU Adam (the C++ kernel behind DeepSpeedCPUA
 behind FusedAdam on DeepSpeed's CPU accelerator, so on CPU both give identical bits) for the
 host; torch's fused AdamW for the device; torch's own single-tensor Adam/AdamW when the user
 asked DeepSpeed for ``"torch_adam": true``.
+
+DeepSpeed's CPU Adam computes a call's elements in SIMD blocks and its last few (fewer than a
+block's width) in scalar code, whose rounding differs (no fused multiply-add). DeepSpeed calls
+it once per parameter tensor; the chunk runtime calls it on runs of parameters and on the
+pieces of a parameter a shard boundary splits. ``update_as_per_tensor`` gives every element
+the code path DeepSpeed's own call gives it, whatever the run.
 """
 from __future__ import annotations
 
@@ -14,6 +20,11 @@ from torch.optim import adam as _torch_adam
 from torch.optim import adamw as _torch_adamw
 
 from .host_threads import omp_threads
+
+
+SIMD_ELEMENTS = 16
+"""Widest SIMD block of DeepSpeed's CPU Adam, in fp32 elements (AVX-512; AVX2 has 8, NEON 4:
+all divide it). A call's elements from ``n - n % width`` on run its scalar loop."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +42,11 @@ class AdamHyper:
 class CPUAdamKernel:
     """DeepSpeed's vectorised CPU Adam on fp32 host tensors."""
 
+    simd = True
+    """SIMD blocks and a scalar tail (see the module docstring)."""
+
     def __init__(self, adamw: bool, threads: int = 0):
+        self.pad = _pad_scratch()
         from ..native import deepspeed_cpu_adam
         # One tiny instance owns the C++ optimizer id (and builds the op once per machine).
         self._owner = deepspeed_cpu_adam([torch.nn.Parameter(torch.zeros(1))], adamw_mode=adamw)
@@ -74,8 +89,11 @@ class NativeCPUAdamKernel:
     backs up master / exp_avg / exp_avg_sq in the same pass (a speculative update)."""
 
     _next_id = 1
+    simd = True
+    """SIMD blocks and a scalar tail, as DeepSpeed's (thread shares start on whole blocks)."""
 
     def __init__(self, adamw: bool, threads: int = 0):
+        self.pad = _pad_scratch()
         from ..native import cpu_adam
         self._op = cpu_adam()
         self._id = NativeCPUAdamKernel._next_id
@@ -110,6 +128,9 @@ class TorchAdamKernel:
     """torch's Adam/AdamW: fused on CUDA, single-tensor elsewhere (what torch.optim picks for
     CPU tensors, so results match a plain torch optimizer bit for bit)."""
 
+    simd = False
+    """Every element the same arithmetic, however a segment is split."""
+
     def __init__(self, fused: bool):
         self.fused = fused
 
@@ -131,6 +152,47 @@ class TorchAdamKernel:
 
     def prime(self, steps_done: int, h: AdamHyper) -> None:
         """Stateless between calls: nothing to restore."""
+
+
+def update_as_per_tensor(kernel, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper, *,
+                         scalar_from: int, scale=None, grad_writable: bool = True, backup=()) -> None:
+    """``kernel.update`` on a segment whose elements DeepSpeed's per-tensor calls compute in
+    SIMD code before ``scalar_from`` and in scalar code from there (the tail of one parameter:
+    fewer than SIMD_ELEMENTS). Split so that each element takes that path: the SIMD part in
+    whole blocks, its remainder (a piece a shard boundary cut) padded to one block in the
+    kernel's scratch, the scalar part alone (fewer elements than a block: all scalar)."""
+    n = master.numel()
+    whole = scalar_from - scalar_from % SIMD_ELEMENTS
+    if not kernel.simd or n - n % SIMD_ELEMENTS == scalar_from:     # the call's own split
+        kernel.update(master, grad, exp_avg, exp_avg_sq, step, h, scale=scale,
+                      grad_writable=grad_writable, backup=backup)
+        return
+
+    def part(a: int, b: int):
+        return (master[a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b]), [x[a:b] for x in backup]
+    for a, b in ((0, whole), (scalar_from, n)):
+        if a < b:
+            states, bk = part(a, b)
+            kernel.update(*states, step, h, scale=scale, grad_writable=grad_writable, backup=bk)
+    if whole < scalar_from:
+        (m, g, ea, eas), bk = part(whole, scalar_from)
+        r = scalar_from - whole
+        pad = kernel.pad                      # rows: master, grad, m, v, 3 backups; zero padded
+        pad.zero_()
+        for row, src in zip(pad, (m, g, ea, eas)):
+            row[:r].copy_(src)
+        kernel.update(pad[0], pad[1], pad[2], pad[3], step, h, scale=scale, grad_writable=True,
+                      backup=list(pad[4:]) if bk else ())
+        for dst, row in zip((m, ea, eas), (pad[0], pad[2], pad[3])):
+            dst.copy_(row[:r])
+        for dst, row in zip(bk, pad[4:]):
+            dst.copy_(row[:r])
+
+
+def _pad_scratch() -> torch.Tensor:
+    """One SIMD block of master, gradient, exp_avg, exp_avg_sq and three backups (a kernel is
+    called by one thread only: the worker's, or the main thread's)."""
+    return torch.zeros(7, SIMD_ELEMENTS, dtype=torch.float32)
 
 
 def _prepared_grad(master, grad, exp_avg, exp_avg_sq, scale, grad_writable: bool, backup):

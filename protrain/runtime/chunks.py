@@ -69,10 +69,12 @@ class Slot:
     shape: torch.Size = torch.Size()
     """The parameter's shape (its ``.data`` may be an empty placeholder while sharded)."""
     has_grad: bool = False
-    """A gradient arrived for it in this optimizer step (parameters without one are skipped by
-    Adam, as torch and DeepSpeed optimizers skip ``grad is None``)."""
+    """A gradient arrived for it in this optimizer step. Adam steps it either way (on a zero
+    gradient without one, as DeepSpeed ZeRO-0 does: ChunkOptimizer._update); without one its
+    place in a device buffer still holds its values and is zeroed before the buffer's
+    gradients are offloaded."""
     step: int = 0
-    """Adam steps taken (per parameter, as torch keeps them)."""
+    """Adam steps taken (kept per parameter for checkpoints; all parameters step together)."""
 
     @property
     def stop(self) -> int:
@@ -341,20 +343,25 @@ class ChunkManager:
         c.move(ChunkState.HOST)
         self._point_params(c)
 
+    def evict(self, c: Chunk) -> None:
+        """Drop the buffered copy of an offloaded chunk (its host states are about to change):
+        its next use uploads it again, after its update (``upload`` waits for it)."""
+        if c.state == ChunkState.UPLOADING:
+            self.access(c)
+        if c.state == ChunkState.RESIDENT:
+            self.release(c)
+        if c.state == ChunkState.CACHED:
+            self.pool.owner[c.buffer] = None
+            c.buffer = None
+            c.move(ChunkState.HOST)
+            self._point_params(c)
+        elif c.state == ChunkState.GRADS:
+            raise RuntimeError(f"chunk {c.index} still has gradients in flight; finish the step first")
+
     def evict_all(self) -> None:
         """Drop every buffered copy (their host states are about to change)."""
         for c in self.offloaded():
-            if c.state == ChunkState.UPLOADING:
-                self.access(c)
-            if c.state == ChunkState.RESIDENT:
-                self.release(c)
-            if c.state == ChunkState.CACHED:
-                self.pool.owner[c.buffer] = None
-                c.buffer = None
-                c.move(ChunkState.HOST)
-                self._point_params(c)
-            elif c.state == ChunkState.GRADS:
-                raise RuntimeError(f"chunk {c.index} still has gradients in flight; finish the step first")
+            self.evict(c)
 
     # ---- accounting ------------------------------------------------------------------------
     def device_bytes(self) -> int:
@@ -375,26 +382,34 @@ class ChunkManager:
                 total += sum(t.numel() * t.element_size() for t in tensors.values())
         return total
 
-    def gathered(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Each offloaded parameter's full current value on the host, when shards hold them
-        (several ranks; empty with one: every parameter's tensor holds its value then). A
-        collective: every rank must call it. The layout is left as it is."""
-        world = self.dp.world
+    def gathered(self, chunks: list[Chunk] | None = None, *, what: str = "state_dict",
+                 timeout_s: float | None = None, fix: str = "") -> dict[nn.Parameter, torch.Tensor]:
+        """The full current value of each parameter of the offloaded ``chunks`` (default: all),
+        when shards hold them (several ranks; empty with one: every parameter's tensor holds its
+        value then), each in a tensor of its own on the host, in the training dtype. A
+        collective: every rank must call it, with the same chunks (``what`` names the call, and
+        ``fix`` the way out, in the error a call on some ranks only gets after ``timeout_s``:
+        DataParallel.rendezvous). The layout is left as it is."""
         out: dict[nn.Parameter, torch.Tensor] = {}
-        if world == 1:
+        if self.dp.world == 1:
             return out
+        self.dp.rendezvous(what, timeout_s, fix)
         self.host_sync()
-        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
-        for c in self.chunks:
+        for c in (self.chunks if chunks is None else chunks):
             if c.persistent:
                 continue
-            full = torch.empty(world * c.shard_size, dtype=self.dtype, device=dev)
-            full[self.dp.rank * c.shard_size:(self.dp.rank + 1) * c.shard_size].copy_(self.host_params(c))
-            self.dp.all_gather_(full, c.shard_size)
-            full = full.cpu()
+            full = self._full_values(c)
             for s in c.slots:
-                out[s.param] = full[s.offset:s.stop].view(s.shape)
+                out[s.param] = full[s.offset:s.stop].view(s.shape).clone()
         return out
+
+    def _full_values(self, c: Chunk) -> torch.Tensor:
+        """An offloaded chunk's host values, all shards (an all-gather; on the host)."""
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        full = torch.empty(self.dp.world * c.shard_size, dtype=self.dtype, device=dev)
+        full[self.dp.rank * c.shard_size:(self.dp.rank + 1) * c.shard_size].copy_(self.host_params(c))
+        self.dp.all_gather_(full, c.shard_size)
+        return full.cpu()
 
     def close(self, to_host: bool = False, gather: bool = True) -> None:
         """Leave every parameter as a standalone tensor holding its current value (persistent
@@ -407,17 +422,15 @@ class ChunkManager:
         if world > 1 and not gather:
             self._drop()
             return
+        if world > 1 and self.offloaded():
+            self.dp.rendezvous("closing the runtime (engine.destroy() gathers the shards)")
         self.evict_all()
         for c in self.chunks:
             if c.persistent or world == 1:
                 for s in c.slots:
                     s.param.data = s.param.data.to("cpu", copy=True) if to_host else s.param.data.clone()
                 continue
-            dev = self.device if self.device.type == "cuda" else torch.device("cpu")
-            full = torch.empty(world * c.shard_size, dtype=self.dtype, device=dev)
-            full[self.dp.rank * c.shard_size:(self.dp.rank + 1) * c.shard_size].copy_(self.host_params(c))
-            self.dp.all_gather_(full, c.shard_size)
-            full = full.cpu()
+            full = self._full_values(c)
             for s in c.slots:
                 s.param.data = full[s.offset:s.stop].clone().view(s.shape)
         self._drop()

@@ -8,6 +8,8 @@ the chunk buffer on the copy streams; gloo (CPU tests) gets a copy of the input.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -64,13 +66,50 @@ class DataParallel:
             dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
         return t
 
-    def all_gather_object(self, obj) -> list:
-        """Every rank's ``obj``, in rank order."""
+    def rendezvous(self, what: str, timeout_s: float | None = None, fix: str = "") -> None:
+        """Return once every rank of the group has called this (with the same ``what``), before a
+        collective only some ranks might enter: a call made on some ranks only fails after
+        ``timeout_s`` (None: the process group's own timeout, what the collective itself would
+        wait) with the ranks that never came and ``fix``, instead of hanging in the collective
+        (or pairing with another one). The ranks meet in the process group's key-value store;
+        a rank that waits 30 s says so once. Without a store to meet in: nothing to wait for."""
         if self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+            return
+        store = _store()
+        if store is None:
+            return
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world))
+        tag = f"protrain/{what}/{'-'.join(map(str, ranks))}"
+        n = _RENDEZVOUS.get(tag, 0)
+        key = f"{tag}/{n}"
+        if n >= 2:      # every rank passed it: each arrived at n - 1 after passing n - 2
+            _forget(store, f"{tag}/{n - 2}/{self.rank}")
+            if self.rank == 0:
+                _forget(store, f"{tag}/{n - 2}")
+        store.set(f"{key}/{self.rank}", "1")          # who came (for the message)
+        store.add(key, 1)                             # how many came (what is polled)
+        limit = timeout_s if timeout_s is not None else dist.default_pg_timeout.total_seconds()
+        start, pause, warned = time.monotonic(), 0.001, False
+        while store.add(key, 0) < self.world:
+            waited = time.monotonic() - start
+            if waited > limit or (waited > 30 and not warned):
+                missing = [r for r in range(self.world) if not store.check([f"{key}/{r}"])]
+            if waited > limit:
+                store.add(key, -1)                    # not arrived: the next call is this one
+                _forget(store, f"{key}/{self.rank}")
+                raise RuntimeError(
+                    f"ProTrain: {what} is a collective over the {self.world} data-parallel ranks "
+                    f"(their parameters are sharded), and rank(s) {missing} did not call it within "
+                    f"{limit:.0f} s of rank {self.rank}. Every rank must call it, as with "
+                    f"ZeRO-3. {fix}")
+            if waited > 30 and not warned:
+                warned = True
+                print(f"ProTrain: rank {self.rank} has waited {waited:.0f} s in {what} for rank(s) "
+                      f"{missing}: every rank must call it (it fails after {limit:.0f} s). {fix}",
+                      flush=True)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
+        _RENDEZVOUS[tag] = n + 1
 
     def broadcast_object(self, obj, src: int = 0):
         if self.world == 1:
@@ -117,3 +156,22 @@ def host_side(dp: DataParallel) -> DataParallel:
 
 
 _HOST_GROUPS: dict = {}
+
+_RENDEZVOUS: dict[str, int] = {}
+"""Rendezvous made so far per (what, group): every rank counts the same sequence."""
+
+
+def _store():
+    """The default process group's key-value store (torch has no public accessor for it), or
+    None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _forget(store, key: str) -> None:
+    try:
+        store.delete_key(key)
+    except (RuntimeError, NotImplementedError):   # a store without deletion keeps a few bytes
+        pass

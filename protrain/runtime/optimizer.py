@@ -22,6 +22,9 @@
   holds the updates past each of these points.
 - With gradient accumulation, each micro-batch's gradients are added into an fp32 host
   accumulator; Adam runs on the accumulation boundary.
+- Adam steps every parameter at every step, on a zero gradient where none arrived (a branch
+  not taken, an expert no token reached), as DeepSpeed ZeRO-0 does on one rank and on many
+  (its boundary all-reduce fills a missing gradient with zeros): ``_update``, ``_settle``.
 
 Gradient clipping reproduces DeepSpeed's ``clip_grad_norm_`` exactly (per-parameter norms in
 module order, stacked, combined, ``max_norm / (norm + 1e-6)`` capped at 1), so fp32 runs match
@@ -36,6 +39,7 @@ host, without a synchronisation of its own.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
@@ -46,7 +50,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .adam import AdamHyper
+from .adam import SIMD_ELEMENTS, AdamHyper, update_as_per_tensor
 from .chunks import Chunk, ChunkManager
 from .streams import Streams
 
@@ -227,14 +231,14 @@ class ChunkOptimizer:
         self._verdict_room = self._verdict_regions(offloaded)
         """Per offloaded chunk, pinned host memory its device check is copied into."""
         self._param_index = {p: i for i, p in enumerate(params_in_order)}
-        self._stale: set[int] = set()
-        """Offloaded chunks whose fp32 gradient region still holds an earlier step's gradients.
-        Without accumulation the next backward's copy overwrites the region whole, so the
-        reset after an update leaves it (a pass over 4 bytes per parameter saved); a chunk that
-        gets no gradient before the next step is zeroed there (``_settle``), one whose late
-        gradient comes first before it is added. Added by the worker after the update; removed
-        on the main thread when the chunk's gradients are copied (``chunk_backward_done``: its
-        upload waited for that update first) or after a drain."""
+        self._offsets = {c.index: [s.offset for s in c.slots] for c in self.m.chunks}
+        self._fresh: set[int] = set()
+        """Offloaded chunks whose gradient region holds this optimizer step's gradients (copied
+        from the device, or added there by a late gradient). Main thread only. Every other
+        offloaded chunk is settled at the step (``_settle``): its region still holds an earlier
+        step's gradients (without accumulation an update leaves them there, since the next copy
+        overwrites the region whole: a pass over 4 bytes per parameter saved) or, in 16-bit
+        training without accumulation, the parameters themselves."""
 
     # ---- backward ------------------------------------------------------------------------
     def on_grad(self, p: nn.Parameter) -> None:
@@ -273,11 +277,11 @@ class ChunkOptimizer:
                 self.worker.drain()
                 self.streams.host_wait(c.grads_on_host)
                 target = self._landing(c)
-                if c.index in self._stale:
-                    # An earlier step's gradients (no copy this step yet): zeroed first, and
-                    # from now on this region is this step's (a later copy overwrites it).
+                if c.index not in self._fresh:
+                    # An earlier step's gradients or the parameters (no copy this step yet):
+                    # zeroed first; from now on the region is this step's.
                     target.zero_()
-                    self._stale.discard(c.index)
+                    self._fresh.add(c.index)
                 target[s.offset:s.stop].add_(g.reshape(-1).to(target.device, target.dtype))
                 self._checks.pop(c.index, None)       # taken before this gradient: redone in step
         s.has_grad = True
@@ -293,8 +297,8 @@ class ChunkOptimizer:
             return
         verdict = (boundary and not self.probation and c.index not in self._late
                    and (self.clip > 0 or self.loss_scaler is not None))
+        self._fresh.add(c.index)                  # the copy below lands this step's gradients
         if self.gas == 1:
-            self._stale.discard(c.index)          # the copy below overwrites the region whole
             # The chunk's part of the step's verdict (norms, overflow) taken on the device,
             # where the gradients are, as DeepSpeed does for offloaded gradients.
             self.m.offload_grads(c, self._landing(c), check=self._device_check if verdict else None)
@@ -353,9 +357,14 @@ class ChunkOptimizer:
         self.worker.drain()
         for c in self.m.offloaded():
             self.streams.host_wait(c.grads_on_host)
-        self._settle()
         self.overflow = False
         self.global_grad_norm = None
+        if not self._dirty:
+            # No gradient since the last step (no backward ran): DeepSpeed's optimizer finds
+            # every grad None and moves nothing; neither does this one.
+            self._reset()
+            return
+        self._settle()
         inv_scale = self._inv_scale()
         coef = None
         clip_coef = None
@@ -425,6 +434,7 @@ class ChunkOptimizer:
             self.spec_enabled = not clipped
         self._queued.clear()
         self._checks.clear()
+        self._fresh.clear()
         self._dirty = False
         self.probation = False
         self.stats.exposed_s = time.perf_counter() - t0
@@ -464,21 +474,22 @@ class ChunkOptimizer:
     def _reset_chunk(self, c: Chunk) -> None:
         if c.persistent:
             c.grad.zero_()
-        elif c.grad_acc is not None:
-            if self.gas == 1:
-                self._stale.add(c.index)          # overwritten by the next copy (see _stale)
-            else:
-                c.grad_acc.zero_()
+        elif c.grad_acc is not None and self.gas > 1:
+            c.grad_acc.zero_()              # without accumulation: left (see _fresh)
         for s in c.slots:
             s.has_grad = False
 
     def _settle(self) -> None:
-        """Zero the gradient regions no copy overwrote since their last update (chunks that got
-        no gradient in this step): everything after reads zeros there, as before."""
+        """The offloaded chunks that got no gradient copy in this step (no parameter of theirs
+        was used, or their part's backward never ran): Adam steps them all the same, on zero
+        gradients, as DeepSpeed does (see ``_update``). Their gradient regions are zeroed, so
+        every reader (norm, overflow test, update) sees zeros there; and their device copies
+        are dropped: a chunk still cached in a buffer would be reused by the next forward
+        without waiting for this update (``upload`` waits for it; reuse does not)."""
         for c in self.m.offloaded():
-            if c.index in self._stale:
+            if c.index not in self._fresh:
+                self.m.evict(c)
                 self._landing(c).zero_()
-        self._stale.clear()
 
     def _reset(self) -> None:
         self._queued.clear()
@@ -487,7 +498,7 @@ class ChunkOptimizer:
         if not self._dirty:
             return
         self._dirty = False
-        self._stale.clear()                       # zeroed below
+        self._fresh.clear()                       # zeroed below
         for c in self.m.chunks:
             if c.persistent:
                 c.grad.zero_()
@@ -506,42 +517,58 @@ class ChunkOptimizer:
         self._reset()
 
     def _segments(self, c: Chunk):
-        """Contiguous runs of parameters (their part in this rank's shard) with a gradient, one
-        param group and one step count, in the coordinates of the chunk's local tensors."""
+        """Contiguous runs of parameters (their part in this rank's shard) of one param group and
+        one step count, in the coordinates of the chunk's local tensors, each one kernel call
+        computing what DeepSpeed's per-tensor calls compute (``update_as_per_tensor``): a run
+        goes on past a parameter only while it is whole SIMD blocks."""
         lo, hi = (0, c.numel) if c.persistent else (c.shard_lo, c.shard_hi)
-        run = None
+        run, extensible = None, False
         for s in c.slots:
             a, b = max(s.offset, lo) - lo, min(s.stop, hi) - lo
             if a >= b:
                 continue
-            if not (s.has_grad or self.m.dp.world > 1):
-                if run:
-                    yield run
-                run = None
-                continue
-            if run and run[2] == s.group and run[3] == s.step and run[1] == a:
+            if extensible and run[2] == s.group and run[3] == s.step and run[1] == a:
                 run[1] = b
             else:
                 if run:
-                    yield run
+                    yield tuple(run)
                 run = [a, b, s.group, s.step]
+            extensible = (b - run[0]) % SIMD_ELEMENTS == 0 and s.numel % SIMD_ELEMENTS == 0
         if run:
-            yield run
+            yield tuple(run)
+
+    def _scalar_from(self, c: Chunk, lo: int, hi: int) -> int:
+        """Where, in a segment [lo, hi) of ``c``'s local tensors, DeepSpeed's per-tensor call
+        starts its scalar tail (the last parameter's last numel % SIMD_ELEMENTS elements; the
+        segment's length when they lie beyond it)."""
+        base = 0 if c.persistent else c.shard_lo
+        s = c.slots[bisect.bisect_right(self._offsets[c.index], hi - 1 + base) - 1]
+        tail = s.stop - s.numel % SIMD_ELEMENTS - base
+        return min(max(tail, lo), hi) - lo
 
     def _update(self, c: Chunk, grads: torch.Tensor, kernel, coef, keep_grads: bool = False,
                 backup=None, segments=None) -> None:
-        """Adam on every segment of ``c`` with a gradient. ``backup`` (three tensors like the
-        chunk's master): receives each segment's master, exp_avg and exp_avg_sq first.
-        ``segments``: (lo, hi, step, hyperparameters) taken earlier (``_hypers``), else now."""
+        """Adam on every parameter of ``c``, those without a gradient in this step on zeros
+        (their regions hold zeros: ``offload_grads``, ``_settle``). DeepSpeed ZeRO-0 does the
+        same on one rank as on several: at the boundary its all-reduce gives every parameter
+        whose ``grad`` is None a zero one (engine._get_gradients_for_reduction), so its
+        optimizer steps them all (moments decay, weight decay applies, the step count
+        advances); Megatron's gradient buffers do too. Every parameter therefore has the same
+        step count, which also keeps the CPU Adam kernel's cached beta^t independent of the
+        order in which the chunks are updated (the worker's and the main thread's updates
+        interleave by timing). ``backup`` (three tensors like the chunk's master): receives
+        each segment's master, exp_avg and exp_avg_sq first. ``segments``: (lo, hi, step,
+        hyperparameters) taken earlier (``_hypers``), else now."""
         for lo, hi, step, h in (segments if segments is not None else self._hypers(c)):
             # fp32 gradient regions are ours to scale in place (they are overwritten or zeroed
             # before the next step) unless a speculative update may have to be redone from them.
-            kernel.update(c.master[lo:hi], grads[lo:hi], c.exp_avg[lo:hi], c.exp_avg_sq[lo:hi],
-                          step + 1, h, scale=coef, grad_writable=not keep_grads,
-                          backup=() if backup is None else [b[lo:hi] for b in backup])
+            update_as_per_tensor(kernel, c.master[lo:hi], grads[lo:hi], c.exp_avg[lo:hi],
+                                 c.exp_avg_sq[lo:hi], step + 1, h,
+                                 scalar_from=self._scalar_from(c, lo, hi), scale=coef,
+                                 grad_writable=not keep_grads,
+                                 backup=() if backup is None else [b[lo:hi] for b in backup])
         for s in c.slots:
-            if s.has_grad or self.m.dp.world > 1:
-                s.step += 1
+            s.step += 1
 
     def _hypers(self, c: Chunk, steps: list[int] | None = None) -> list:
         """(segment, step, hyperparameters) of each update of the chunk as it would run now
@@ -606,9 +633,8 @@ class ChunkOptimizer:
         each parameter's norm is in it (module index -> position)."""
         at, terms = {}, []
         if self.clip > 0:
-            whole = self.m.dp.world > 1
-            for s in c.slots:
-                if (s.has_grad or whole) and c.shard_lo <= s.offset and s.stop <= c.shard_hi:
+            for s in c.slots:       # zeros too: DeepSpeed's norm has a term for every parameter
+                if c.shard_lo <= s.offset and s.stop <= c.shard_hi:
                     at[self._param_index[s.param]] = 1 + len(terms)
                     terms.append(grads[s.offset - c.shard_lo:s.stop - c.shard_lo].float().norm(2))
         if self.loss_scaler is not None:
@@ -674,10 +700,9 @@ class ChunkOptimizer:
             c.data.copy_(c.master)
 
     # ---- clipping and overflow ----------------------------------------------------------------
-    def _grad_view(self, p: nn.Parameter) -> torch.Tensor | None:
+    def _grad_view(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s gradient in its chunk (zeros where none arrived, as DeepSpeed fills them)."""
         c, s = self.m.slot_of[p]
-        if not s.has_grad:
-            return None
         src = c.grad if c.persistent else self._landing(c)
         return src[s.offset:s.stop].view(s.shape)
 

@@ -36,6 +36,7 @@ from .boundaries import part_boundaries
 from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
 from .compile import CompiledBlocks, CompileRequest
+from .full_state import FullStateDict
 from .optimizer import ChunkOptimizer
 from .streams import Streams
 
@@ -78,7 +79,8 @@ class ProTrainRuntime:
                  is_boundary: Callable[[], bool] = lambda: True, accounting: bool = False,
                  dp: DataParallel | None = None, ssd_root=None, ssd_verify: bool = False,
                  ssd_min_bytes: int = 2**20, trace_file: str | None = None,
-                 compile: CompileRequest | None = None):
+                 compile: CompileRequest | None = None,
+                 gather_timeout_s: float | None = None, save_fix: str = ""):
         self.model = model
         self.blocks = list(blocks)
         self.plan = plan
@@ -141,9 +143,10 @@ class ProTrainRuntime:
         for _, p in params:
             self._hooks.callback(p.register_post_accumulate_grad_hook(self.optimizer.on_grad).remove)
         # The module's weights read through state_dict wait for the last step's host updates
-        # (offloaded parameters are views of host memory CPU Adam may still be writing).
-        self._hooks.callback(model.register_state_dict_pre_hook(
-            lambda *a, **k: self.optimizer.sync()).remove)
+        # (offloaded parameters are views of host memory CPU Adam may still be writing) and,
+        # sharded over ranks, are gathered (every rank calls it; full_state.py).
+        self.full_state = FullStateDict(model, self.chunks, timeout_s=gather_timeout_s, fix=save_fix)
+        self._hooks.callback(self.full_state.remove)
         self._part_chunks = [[self.chunks.chunks[c] for c in cs] for cs in layout.part_chunks]
         self._in_backward = False
         self.tracer = None
@@ -225,7 +228,10 @@ class ProTrainRuntime:
         if self.tracer is not None:
             self.tracer.end_backward()
         for c in self.chunks.offloaded():
-            if c.state == ChunkState.RESIDENT and any(s.has_grad for s in c.slots):
+            # After a backward every resident chunk is done, gradients or not (zeros then: Adam
+            # steps every parameter); the same on every rank, whose reduce-scatters must pair
+            # up. Outside one (no part boundary was crossed) only chunks that got gradients.
+            if c.state == ChunkState.RESIDENT and (self._in_backward or any(s.has_grad for s in c.slots)):
                 self.optimizer.chunk_backward_done(c, boundary)
         if self._in_backward:
             self.activations.reset()
@@ -341,8 +347,11 @@ def adam_kernels(device: torch.device, setup: OptimizerSetup, offloaded: bool):
     host kernel, so a machine without a compiler trains all the same."""
     if device.type == "cuda":
         return (host_kernel(device, setup) if offloaded else None), TorchAdamKernel(fused=True)
-    host = host_kernel(device, setup)
-    return host, host
+    # Two instances of the host kernel: the persistent chunks' updates (main thread) and the
+    # offloaded ones' (the worker, a thread with ``host_thread``) interleave by timing, and the
+    # C++ kernel keeps state per instance (step, beta^t; DeepSpeed's binding lr and bias
+    # corrections too). Each follows DeepSpeed's own beta^t chain step by step: same bits.
+    return host_kernel(device, setup), host_kernel(device, setup)
 
 
 def uses_native_kernel(device: torch.device, setup: OptimizerSetup) -> bool:
