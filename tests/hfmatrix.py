@@ -123,7 +123,8 @@ def train(case: dict, out_dir: str) -> dict:
             task_type="CAUSAL_LM"))
     if case.get("protrain") and case.get("offload", True):
         case = dict(case, protrain_section={**offloading(model), **case.get("protrain_section", {})})
-    path = os.path.join(out, "ds.json")
+    # one file per rank: ranks writing one file race (a rank read it while another truncated it)
+    path = os.path.join(out, f"ds-rank{os.environ.get('RANK', '0')}.json")
     with open(path, "w") as f:
         json.dump(ds_json(case), f)
     seq, steps, batch = case.get("seq", 16), case.get("steps", 6), case.get("batch", 2)

@@ -285,9 +285,6 @@ def test_two_ranks_with_accumulation_train_like_plain_deepspeed_within_rounding(
 
 
 @matrix
-@pytest.mark.xfail(strict=True, reason="issue 25 §2 (helper 'saves'): with several ranks the Trainer's "
-                   "save_model writes empty tensors for parameters sharded over the ranks (unless "
-                   "an evaluation ran just before)")
 def test_two_ranks_the_trainer_saves_the_whole_model(two_ranks_matrix):
     out, _ = two_ranks_matrix
     pt = torch.load(out / "weights-llama, saves every 2 steps protrain.pt")
