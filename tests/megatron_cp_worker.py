@@ -119,7 +119,8 @@ def _probe_at_parsing(rank: int, world: int, out_dir: str) -> dict:
 
 def main(rank: int, world: int, port: str, out_dir: str, config: str) -> None:
     cfg = json.loads(config)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))   # as a launcher sets it (not inherited from the test process)
     probed = _probe_at_parsing(rank, world, out_dir)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     from megatron.core import parallel_state as ps

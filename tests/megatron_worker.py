@@ -42,7 +42,8 @@ def _pp_model():
 
 
 def main(rank: int, world: int, port: str, out_dir: str, pins: str, mode: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))   # as a launcher sets it (not inherited from the test process)
     from datetime import timedelta
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     from megatron.core import parallel_state

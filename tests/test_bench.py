@@ -1,6 +1,7 @@
 """The GPU benchmarks' harness works end to end (CPU smoke shapes), so a GPU session spends its
 minutes measuring, not debugging scripts. No timing is asserted here."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +10,12 @@ BENCH = Path(__file__).parent.parent / "bench"
 
 
 def _run(script, *args):
+    # A benchmark run stands alone: not in this process's distributed environment (an earlier
+    # test may have set it, its port held by this process's store).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     r = subprocess.run([sys.executable, str(BENCH / script), "--smoke", *args],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     return r.stdout
 
