@@ -84,9 +84,16 @@ def deepspeed_cpu_adam(*args, **kwargs):
     ``watch_build_lock`` (a DeepSpeed install without prebuilt ops compiles it on first use with
     ``torch.utils.cpp_extension.load``, in torch's default build directory for the op's name)."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+    deepspeed_cpu_adam_op()
+    return DeepSpeedCPUAdam(*args, **kwargs)
+
+
+def deepspeed_cpu_adam_op():
+    """DeepSpeed's CPU Adam op (``CPUAdamBuilder().load()``, kept by DeepSpeed once loaded),
+    built or loaded under ``watch_build_lock``."""
     from deepspeed.ops.op_builder import CPUAdamBuilder
     with watch_build_lock(_torch_build_dir(CPUAdamBuilder.NAME), "DeepSpeed's CPU Adam op"):
-        return DeepSpeedCPUAdam(*args, **kwargs)
+        return CPUAdamBuilder().load()
 
 
 @contextlib.contextmanager

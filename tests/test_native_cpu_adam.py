@@ -131,8 +131,7 @@ def killed_build_left_its_lock(*args):
 native._build_dir = killed_build_left_its_lock
 threading.Thread(target=native.cpu_adam, daemon=True).start()
 if sys.argv[1] == "deepspeed-too":
-    threading.Thread(target=native.deepspeed_cpu_adam, args=([torch.nn.Parameter(torch.zeros(1))],),
-                     daemon=True).start()
+    threading.Thread(target=native.deepspeed_cpu_adam_op, daemon=True).start()
 threading.Event().wait()
 """
 

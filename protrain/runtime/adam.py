@@ -47,11 +47,17 @@ class CPUAdamKernel:
 
     def __init__(self, adamw: bool, threads: int = 0):
         self.pad = _pad_scratch()
-        from ..native import deepspeed_cpu_adam
-        # One tiny instance owns the C++ optimizer id (and builds the op once per machine).
-        self._owner = deepspeed_cpu_adam([torch.nn.Parameter(torch.zeros(1))], adamw_mode=adamw)
-        self._op = self._owner.ds_opt_adam
-        self._id = self._owner.opt_id
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        from ..native import deepspeed_cpu_adam_op
+        self._op = deepspeed_cpu_adam_op()           # built once per machine, loaded once
+        # An optimizer of the C++ op under an id from DeepSpeedCPUAdam's own counter, without
+        # a DeepSpeedCPUAdam: its constructor runs cpuinfo in a subprocess (about 1 s, for a
+        # warning about fp16 parameters on AMD CPUs) at every runtime build and re-plan. The
+        # hyperparameters given here are replaced by each update's.
+        self._id = DeepSpeedCPUAdam.optimizer_id
+        DeepSpeedCPUAdam.optimizer_id += 1
+        self._op.create_adam(self._id, 1e-3, 0.9, 0.999, 1e-8, 0.0, adamw, False)
         self.threads = threads
         """OpenMP threads of an update (the rank's share of the node's cores,
         ``runtime.node``); 0: the calling thread's. DeepSpeed's kernel forks as many as the
@@ -69,6 +75,12 @@ class CPUAdamKernel:
             g = _prepared_grad(master, grad, exp_avg, exp_avg_sq, scale, grad_writable, backup)
             self._op.adam_update(self._id, step, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
                                  h.bias_correction, master, g, exp_avg, exp_avg_sq)
+
+    def __del__(self):
+        try:
+            self._op.destroy_adam(self._id)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def prime(self, steps_done: int, h: AdamHyper) -> None:
         """Put a fresh kernel in the state a long-running one has after ``steps_done`` steps.
