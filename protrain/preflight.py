@@ -72,9 +72,12 @@ class ModelFacts:
 
 def check_settings(config: PlannerConfig, facts: ModelFacts, *, world: int, ssd_path: str | None,
                    sp_unsupported: str | None = None, profile_seq_len: int | None = None,
+                   max_seq_len: int | str | None = None, model_max: int | None = None,
                    where: str = "protrain", sp_key: str | None = None) -> None:
     """Refuse, with a ConfigError naming the key, every setting of ``config`` (and the
-    adapter's ``profile_seq_len``) that this model on ``world`` ranks cannot run.
+    adapter's ``profile_seq_len`` and ``max_seq_len``; ``model_max``: the longest sequence the
+    model's config gives, batch_shape.model_max_seq_len) that this model on ``world`` ranks
+    cannot run.
     ``sp_unsupported``: why the runtime cannot split this model's sequences (None: it can);
     ``sp_key``: the setting the sequence-parallel pin came from (default
     ``<where>.sequence_parallel``)."""
@@ -92,6 +95,28 @@ def check_settings(config: PlannerConfig, facts: ModelFacts, *, world: int, ssd_
         raise ConfigError(f"{where}.profile_seq_len = {profile_seq_len}: the model's position table "
                           f"holds {facts.max_positions} positions, so no batch is that long; use "
                           f"1 to {facts.max_positions}, or remove it to profile the whole sequence")
+    _check_max_seq_len(max_seq_len, profile_seq_len, facts, model_max, where)
+
+
+def _check_max_seq_len(max_seq_len, profile_seq_len, facts: ModelFacts, model_max, where: str) -> None:
+    if max_seq_len == "auto":
+        if model_max is None:
+            raise ConfigError(f"{where}.max_seq_len = \"auto\": the model's config gives no maximum "
+                              f"length (max_position_embeddings, n_positions, block_size); give the "
+                              f"longest sequence the job trains on as a number of tokens, or remove "
+                              f"it to plan for the batches as they come")
+        return
+    if max_seq_len is None:
+        return
+    if facts.max_positions and max_seq_len > facts.max_positions:
+        raise ConfigError(f"{where}.max_seq_len = {max_seq_len}: the model's position table holds "
+                          f"{facts.max_positions} positions, so no batch is that long; use 1 to "
+                          f"{facts.max_positions} (or \"auto\")")
+    if profile_seq_len is not None and profile_seq_len > max_seq_len:
+        raise ConfigError(f"{where}.profile_seq_len = {profile_seq_len} is longer than "
+                          f"{where}.max_seq_len = {max_seq_len}, the longest sequence the job "
+                          f"trains on: it profiles the first N tokens of a batch; use 1 to "
+                          f"{max_seq_len}, or remove it to profile the whole sequence")
 
 
 def check_profile_length(profile_seq_len: int | None, seq_len: int | None,

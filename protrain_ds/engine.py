@@ -123,7 +123,8 @@ class ProTrainEngine(DeepSpeedEngine):
         try:
             check_settings(cfg.planner, ModelFacts.of(self.module), world=DataParallel().world,
                            ssd_path=cfg.ssd_path, sp_unsupported=unsupported_reason(self.module),
-                           profile_seq_len=cfg.profile_seq_len, sp_key=cfg.sequence_parallel_key)
+                           profile_seq_len=cfg.profile_seq_len, max_seq_len=cfg.max_seq_len,
+                           model_max=model_max_seq_len(self.module), sp_key=cfg.sequence_parallel_key)
             if cfg.ssd_path:
                 _check_ssd_path(cfg.ssd_path)
             if cfg.trace_file:
@@ -397,11 +398,7 @@ class ProTrainEngine(DeepSpeedEngine):
             return None
         longest = self.protrain_config.max_seq_len
         if longest == "auto":
-            longest = model_max_seq_len(self.module)
-            if longest is None:
-                raise ConfigError(f"protrain.max_seq_len = \"auto\": the model's config "
-                                  f"({type(self.module).__name__}) gives no maximum length "
-                                  f"(max_position_embeddings, n_positions); give the number of tokens")
+            longest = model_max_seq_len(self.module)     # one there: checked at initialize
         return shape.union(BatchShape(self.train_micro_batch_size_per_gpu(), longest or 0))
 
     def _protrain_setup(self, inputs, kwargs, shape: BatchShape | None) -> None:

@@ -94,6 +94,9 @@ REFUSED_AT_INITIALIZE = [
     ({"n_buffer": 40}, ["protrain.n_buffer = 40", "use 0 to 15"]),
     ({"trace_file": "/proc/no/such/trace.json"}, ["protrain.trace_file /proc/no/such/trace.json",
                                                   "writable directory"]),
+    ({"max_seq_len": 128}, ["protrain.max_seq_len = 128", "64 positions", "use 1 to 64"]),
+    ({"max_seq_len": 32, "profile_seq_len": 48}, ["protrain.profile_seq_len = 48 is longer than "
+                                                  "protrain.max_seq_len = 32", "use 1 to 32"]),
 ]
 
 
@@ -116,7 +119,8 @@ def test_pins_at_their_limits_are_accepted():
     """The bounds refuse only what no layout can run: the limits themselves pass initialize."""
     for section in ({"n_selective": 4}, {"n_checkpoint": 2, "n_swap": 2}, {"chunk_size": 65536},
                     {"n_persist": "all"}, {"profile_seq_len": 64}, {"ssd_min_bytes": "1.5KiB"},
-                    {"sequence_parallel": 1}):
+                    {"sequence_parallel": 1}, {"max_seq_len": 64, "profile_seq_len": 64},
+                    {"max_seq_len": "auto"}):
         engine, *_ = init(with_protrain(base_config(), **section))
         engine.destroy()
 
@@ -257,3 +261,17 @@ def test_hugging_face_trainer_trains_with_the_protrain_key(tmp_path):
     assert len(losses) == 20
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3     # it learns
     trainer.model_wrapped.destroy()
+
+
+def test_max_seq_len_auto_without_a_maximum_in_the_model_config_is_refused_at_initialize():
+    class NoConfig(torch.nn.Module):           # the built-in GPT, its config hidden
+        def __init__(self):
+            super().__init__()
+            self.gpt = GPT(TINY)
+
+        def forward(self, x, y=None):
+            return self.gpt(x, y)
+    cfg = with_protrain(base_config(), max_seq_len="auto")
+    with pytest.raises(ConfigError, match=r'protrain.max_seq_len = "auto": the model\'s config gives no '
+                                          r'maximum length.*as a number of tokens'):
+        init(cfg, NoConfig())
