@@ -24,7 +24,6 @@ compiled against DeepSpeed compiled, and ProTrain eager against DeepSpeed eager.
 """
 from __future__ import annotations
 
-from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 import argparse
 import json
 import os
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 
 SYSTEMS = ("protrain_eager", "protrain_compiled", "ds_eager", "ds_compiled")
 

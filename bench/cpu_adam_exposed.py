@@ -16,7 +16,6 @@ median over rounds.
 """
 from __future__ import annotations
 
-from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 import argparse
 import json
 import platform
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 
 
 def main(argv=None) -> dict:

@@ -25,7 +25,6 @@ the results; the error reported is the median over rounds and ranks.
 """
 from __future__ import annotations
 
-from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 import argparse
 import json
 import os
@@ -40,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 
 
 def main(argv=None) -> dict:

@@ -26,7 +26,6 @@ bench/results/ds_compare-<device>-<tag>.json.
 """
 from __future__ import annotations
 
-from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 import argparse
 import json
 import os
@@ -34,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 
 SYSTEMS = {
     "protrain": {"protrain": {"enabled": True, "progress": False}},

@@ -16,7 +16,6 @@ Writes bench/results/megatron_accuracy-<device>.json and prints a table.
 """
 from __future__ import annotations
 
-from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 import argparse
 import json
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from free_port import free_port  # noqa: E402 - bench/ is on the path of its scripts
 
 PLANS = {
     "keep": ({"n_checkpoint": 0, "n_swap": 0}, True),

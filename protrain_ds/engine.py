@@ -587,7 +587,6 @@ class ProTrainEngine(DeepSpeedEngine):
         """``plan`` with a sequence-parallel degree this launch can run: a loaded plan (plan
         file, checkpoint) may come from another world size; a pinned degree wins. The other
         knobs are kept (delete the plan file to re-plan them)."""
-        from protrain.sp.degree import broken_constraints
         world = DataParallel().world
         p = plan.knobs.sequence_parallel
         pin = self.protrain_config.planner.pins.sequence_parallel

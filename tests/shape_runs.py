@@ -10,7 +10,7 @@ import torch
 
 from protrain.block_mode import BlockMode
 from protrain.block_shapes import ShapeConfig, ShapeNet, shape_batch
-from protrain.config import KnobPins, PlannerConfig
+from protrain.config import PlannerConfig
 from protrain.plan import Knobs, Plan
 from protrain.profile.hardware import HardwareProfile
 from protrain.profile.meter import HeapPeak

@@ -1,6 +1,5 @@
 """Turning ProTrain on and off, strict config, refusals, reporting, and the Hugging Face Trainer."""
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -9,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstrain import TINY, base_config, train, with_protrain
+from dstrain import TINY, base_config, with_protrain
 
 import deepspeed
 from protrain.config import ConfigError

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from protrain.block_mode import BlockMode, layout_block_modes
+from protrain.block_mode import BlockMode
 from protrain.config import KnobPins, PlannerConfig
 from protrain.cost.memory import activation_walk
 from protrain.models import GPT, GPTConfig, synthetic_batch

@@ -7,7 +7,6 @@ import sys
 import textwrap
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import pytest

@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 from typing import Callable
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
