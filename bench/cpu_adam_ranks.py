@@ -106,7 +106,8 @@ def _rank(args) -> None:
     from protrain.models import GPT, GPTConfig, synthetic_batch
     from protrain.runtime.optimizer import ChunkOptimizer
     from protrain.search import evaluate
-    from protrain_ds.engine import _planner_config, _probe_links
+    from protrain.session.machine import probe_links
+    from protrain_ds.engine import _planner_config
 
     marks = {}
     real_norm, real_dev = ChunkOptimizer._global_norm, ChunkOptimizer._device_update
@@ -160,7 +161,7 @@ def _rank(args) -> None:
     for r in range(args.rounds):
         torch.distributed.barrier()
         hw = engine._hardware(refresh=True)           # the node measured now, once
-        coll, a2a = _probe_links(dp, engine.device)   # as planned (measured once per process)
+        coll, a2a = probe_links(dp, engine.device)   # as planned (measured once per process)
         hw = replace(hw, collective_bandwidth=coll, alltoall_bandwidth=a2a)
         predicted = alone = None
         if dp.rank == 0:           # the profile is rank 0's (it planned); the shards are equal

@@ -7,13 +7,13 @@ integration. What changes:
 - the model stays where the user put it (``dont_change_device``): ProTrain places every
   parameter itself, in chunks;
 - the optimizer DeepSpeed builds is a ProTrainOptimizer (``_configure_optimizer``);
-- the first forward profiles the model on its first batch (or loads a saved plan), searches
-  the plan, prints it, and builds the runtime; every forward then runs inside the runtime's
-  forward context;
+- the first forward plans (the planning session, protrain.session: profile the model on its
+  first batch or load a saved plan, search, print, share over the ranks) and builds the
+  runtime; every forward then runs inside the runtime's forward context;
 - a batch beyond the shape the plan covers (more samples or tokens: a pad-to-longest collator,
   a curriculum) is planned for before its forward (``_protrain_longer_batch``), all ranks
-  together; an out-of-memory error re-plans with a larger margin. Both move every state into
-  the new plan's chunks (``_protrain_move``).
+  together; an out-of-memory error re-plans with a larger margin. The session decides the new
+  plan; ``_protrain_move`` moves every state into its chunks.
 
 - ``engine.compile()`` (and a model compiled before initialize) compiles the blocks once the
   plan is made, not the whole module (``compile.py``).
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,19 +33,22 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from protrain.batch_shape import BatchShape, model_max_seq_len, replan_shape
+from protrain.batch_shape import BatchShape, model_max_seq_len
 from protrain.config import ConfigError
 from protrain.plan import Plan
 from protrain.preflight import ModelFacts, check_profile_length, check_settings
 from protrain.profile.blocks import find_blocks
 from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
-from protrain.profile.probe import probe_alltoall, probe_collective
 from protrain.runtime.collectives import DataParallel, host_side
 from protrain.runtime.node import NodeShare, node_share
 from protrain.runtime.runtime import ProTrainRuntime
-from protrain.search import InfeasibleError, check_budgets, search
-from protrain.units import fmt_bytes
+from protrain.search import InfeasibleError, check_budgets
+from protrain.session import PlanFailure, PlanningSession, PlanningSteps, PlanRanks
+from protrain.session.machine import probe_links, with_storage_and_links
+from protrain.session.plan_file import check_plan_file, load_plan_file
+from protrain.session.profiling import profile_batch
+from protrain.session.session import first_target, longer_target, search_for_batches
 
 from . import compile as protrain_compile
 from .config import ProTrainDSConfig
@@ -73,8 +75,7 @@ class ProTrainEngine(DeepSpeedEngine):
         self.protrain_runtime: ProTrainRuntime | None = None
         self._protrain_overlap = None   # OverlapStats, kept across re-plans
         self.protrain_plan: Plan | None = None
-        self.protrain_profile: ModelProfile | None = None
-        self._protrain_margin = 0.0
+        self.protrain_session: PlanningSession | None = None
         self._protrain_redo = None
         self._protrain_sp: SequenceParallelForward | None = None
         self._protrain_node = NodeShare(ranks_per_node=1, local_rank=0, cores=1)
@@ -84,7 +85,7 @@ class ProTrainEngine(DeepSpeedEngine):
         """The largest batch the plan in force was made for (None: not known yet)."""
         self._protrain_second: ModelProfile | None = None   # the profile at half the sequence
         self._protrain_ce_calls = 1
-        self._protrain_hw = None
+        self._protrain_links = (0.0, 0.0)     # (all-gather, all-to-all) bandwidth between the ranks
         super().__init__(*args, dont_change_device=True, **kwargs)
         # Every forward agrees on the batch shape over the ranks, in host memory (see host_side).
         self._protrain_host = host_side(DataParallel())
@@ -98,6 +99,8 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_cache = ProfileCache(
             protrain_config.profile_cache_dir if self.global_rank == 0 else None,
             key_name="protrain.profile_cache_dir")
+        self.protrain_session = PlanningSession(PlanRanks(DataParallel()), self._protrain_steps(),
+                                                plan_file=protrain_config.plan_file)
         params = [p for p in self.module.parameters() if p.requires_grad]
         if params:
             try:
@@ -130,7 +133,7 @@ class ProTrainEngine(DeepSpeedEngine):
             if cfg.trace_file:
                 _check_trace_file(cfg.trace_file)
             if cfg.plan_file and self.global_rank == 0:    # rank 0 plans: reads and writes it
-                _check_plan_file(cfg.plan_file)
+                check_plan_file(cfg.plan_file)
         except ConfigError as e:
             error = str(e)
         errors = DataParallel().all_gather_object(error)
@@ -223,29 +226,15 @@ class ProTrainEngine(DeepSpeedEngine):
     def _protrain_out_of_memory(self, where: str, error: BaseException) -> None:
         """An out-of-memory error in this micro-batch: plan again with a larger memory margin
         and let the caller redo the micro-batch. Gradients of the failed micro-batch are
-        dropped; those accumulated before it are kept."""
-        dp = self.protrain_runtime.chunks.dp
-        if dp.world > 1:
-            # The error happened on this rank alone: the others are inside a collective.
-            raise RuntimeError("ProTrain: out of device memory with several ranks: re-planning "
-                               "needs every rank; restart from the last checkpoint with a larger "
-                               "protrain.memory_margin") from error
-        margin = max(self.protrain_config.planner.memory_margin, self._protrain_margin) + 0.1
-        if margin >= 1.0:
-            raise InfeasibleError(f"ProTrain: out of device memory again at a {margin - 0.1:.0%} "
-                                  f"margin; no plan is safe on this device. Lower the micro-batch "
-                                  f"or the sequence length, or use a device with more memory") from error
-        self._protrain_margin = margin
+        dropped; those accumulated before it are kept. With several ranks it raises: the error
+        happened on this rank alone, the others are inside a collective."""
+        margin = self.protrain_session.margin_after_oom(self.protrain_config.planner.memory_margin, error)
         opt = self.protrain_runtime.optimizer
         keep = where == "forward" and opt.gas > 1 and opt._dirty_before_forward
         inputs, kwargs, _ = self._protrain_redo
         old, plan = self._protrain_move(self._protrain_covered, inputs, kwargs, margin=margin,
                                         keep_grads=keep)
-        if self.global_rank == 0:
-            print(f"ProTrain: out of device memory in {where} ({str(error).splitlines()[0][:120]}); "
-                  f"re-planned with a {margin:.0%} margin: {old.knobs.as_tuple()} -> "
-                  f"{plan.knobs.as_tuple()}, predicted peak {plan.prediction.peak_device_bytes / 2**30:.2f} "
-                  f"GiB; redoing the micro-batch", flush=True)
+        self.protrain_session.say_out_of_memory(where, error, old, plan)
 
     def _protrain_longer_batch(self, shape: BatchShape, inputs, kwargs) -> None:
         """A batch beyond the shape the plan covers, on some rank (``shape``: the largest over
@@ -253,21 +242,14 @@ class ProTrainEngine(DeepSpeedEngine):
         so that growing lengths re-plan a handful of times - keeping the gradients accumulated
         so far in this optimizer step."""
         covered = self._protrain_covered
-        target = replan_shape(shape, micro_batch=self.train_micro_batch_size_per_gpu(),
-                              model_max=model_max_seq_len(self.module)).union(covered)
+        target = longer_target(shape, covered, micro_batch=self.train_micro_batch_size_per_gpu(),
+                               model_max=model_max_seq_len(self.module))
         opt = self.protrain_runtime.optimizer
-        margin = max(self.protrain_config.planner.memory_margin, self._protrain_margin)
+        margin = max(self.protrain_config.planner.memory_margin, self.protrain_session.margin)
         old, plan = self._protrain_move(target, inputs, kwargs, margin=margin,
                                         keep_grads=opt.gas > 1 and opt._dirty)
-        if self.global_rank == 0:
-            ranks = f" (the largest of {self._protrain_host.world} ranks')" if self._protrain_host.world > 1 else ""
-            p0, p1 = old.knobs.sequence_parallel, plan.knobs.sequence_parallel
-            sp = f", sequence_parallel {p0} -> {p1}" if p1 != p0 else ""
-            print(f"ProTrain: batch {shape}{ranks} is beyond the plan's {covered}; re-planned for "
-                  f"{target}: {old.knobs.as_tuple()} -> {plan.knobs.as_tuple()}{sp}, predicted peak "
-                  f"{fmt_bytes(plan.prediction.peak_device_bytes)}"
-                  + (f"; saved to {self.protrain_config.plan_file}" if self.protrain_config.plan_file else ""),
-                  flush=True)
+        self.protrain_session.say_longer_batch(shape, covered, target, old, plan,
+                                               world=self._protrain_host.world)
 
     def _protrain_move(self, target: BatchShape | None, inputs, kwargs, *, margin: float,
                        keep_grads: bool) -> tuple[Plan, Plan]:
@@ -300,13 +282,8 @@ class ProTrainEngine(DeepSpeedEngine):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         planner = replace(_planner_config(self, dp), memory_margin=margin)
-        if keep_grads and dp.world > 1 and old.knobs.sequence_parallel == 1 and \
-                planner.pins.sequence_parallel is None:
-            # A plan at P > 1 learns the script's loss factor (sequence_parallel.py) on its
-            # first micro-step by rescaling what was accumulated, which would rescale the
-            # gradients carried over from P = 1 too: the degree stays for this re-plan.
-            planner = replace(planner, pins=replace(planner.pins, sequence_parallel=1))
-        plan = self._protrain_choose(inputs, kwargs, dp, planner, target, load=False)[0]
+        plan = self.protrain_session.replan(planner, target, old=old, keep_grads=keep_grads,
+                                            batch=(inputs, kwargs))
         self._protrain_build_runtime(plan, dp)
         chunks = self.protrain_runtime.chunks
         if dp.world > 1:       # another layout or sharding: each rank gets what it holds now
@@ -391,16 +368,6 @@ class ProTrainEngine(DeepSpeedEngine):
             micro_batch, seq = int(t[0]), int(t[1])
         return BatchShape(micro_batch, seq) if micro_batch and seq else None
 
-    def _protrain_first_shape(self, shape: BatchShape | None) -> BatchShape | None:
-        """What the first plan covers: this batch, the configured micro-batch, and
-        ``max_seq_len`` when given (then longer batches never re-plan)."""
-        if shape is None:
-            return None
-        longest = self.protrain_config.max_seq_len
-        if longest == "auto":
-            longest = model_max_seq_len(self.module)     # one there: checked at initialize
-        return shape.union(BatchShape(self.train_micro_batch_size_per_gpu(), longest or 0))
-
     def _protrain_setup(self, inputs, kwargs, shape: BatchShape | None) -> None:
         cfg = self.protrain_config
         verbose = self.global_rank == 0 and cfg.verbosity >= 1
@@ -420,120 +387,64 @@ class ProTrainEngine(DeepSpeedEngine):
         dp = DataParallel()
         # The ranks on this host: the launcher's variables, else one all-gather of host names.
         self._protrain_node = node_share(dp)
-        if dp.world > 1 and not (cfg.plan_file and Path(cfg.plan_file).exists()):
-            # Every rank takes part in the probe rank 0 plans with: one process per node
-            # measures while the node's others sleep on the probe's lock (waiting in the plan's
-            # broadcast instead, NCCL ranks would spin a core each under the measurement).
-            self._hardware()
-        target = self._protrain_first_shape(shape)
-        plan, loaded, profile_seconds = self._protrain_choose(inputs, kwargs, dp, _planner_config(self, dp),
-                                                              target, load=True)
-        if verbose:
-            print(plan.explain(), flush=True)
-            if loaded:
-                print(f"ProTrain: plan loaded from {cfg.plan_file} (no profiling or search)", flush=True)
-            else:
-                beyond = f"; planned for batches up to {target}" if target != shape else ""
-                print(f"ProTrain: profiling took {profile_seconds:.2f} s, search "
-                      f"{plan.search_seconds:.3f} s{beyond}" + (f"; plan saved to {cfg.plan_file}"
-                                                               if cfg.plan_file else ""), flush=True)
-        elif self.global_rank == 0 and cfg.verbosity == 0:
-            k = plan.knobs
-            sp = f", sequence_parallel={k.sequence_parallel}" if k.sequence_parallel > 1 else ""
-            print(f"ProTrain: plan {k.as_tuple()}{sp} predicted {plan.prediction.iter_time:.3f} s/iter, "
-                  f"peak {plan.prediction.peak_device_bytes / 2**30:.2f} GiB", flush=True)
+        # The first plan covers ``max_seq_len`` too when given (then longer batches never re-plan).
+        longest = cfg.max_seq_len
+        if longest == "auto":
+            longest = model_max_seq_len(self.module)     # one there: checked at initialize
+        target = first_target(shape, self.train_micro_batch_size_per_gpu(), longest)
+        plan = self.protrain_session.first_plan(_planner_config(self, dp), shape, target,
+                                                verbosity=cfg.verbosity, probe=self._hardware,
+                                                batch=(inputs, kwargs))
         self._protrain_build_runtime(plan, dp)
         self._protrain_covered = self._protrain_covered or target
 
-    def _protrain_choose(self, inputs, kwargs, dp: DataParallel, planner, target: BatchShape | None,
-                         *, load: bool) -> tuple[Plan, bool, float]:
-        """The plan every rank runs, for batches up to ``target``: rank 0 loads it from
-        ``plan_file`` (with ``load``, if one there covers ``target``) or searches it - from
-        its profile, taken now from ``inputs`` if it has none, scaled to ``target`` - and
-        saves it; every rank gets it (a collective). Returns (plan, loaded, profiling seconds)."""
+    # ---- the planning session's steps, as DeepSpeed runs them (protrain.session) -------------
+    def _protrain_steps(self) -> PlanningSteps:
         cfg = self.protrain_config
-        _, blocks = find_blocks(self.module)
-        links = _probe_links(dp, self.device)       # every rank measures
-        t0 = time.perf_counter()
-        profile_seconds = 0.0
-        plan, loaded, error, failure = None, False, None, None
-        if dp.rank == 0:
-            # One rank measures and decides; every rank runs the same plan.
-            try:
-                plan = self._load_plan(planner, blocks, target) if load else None
-                loaded = plan is not None
-                if plan is None:
-                    if self.protrain_profile is None:
-                        check_profile_length(cfg.profile_seq_len, _batch_shape(inputs, kwargs)[1])
-                        self.protrain_profile, self._protrain_ce_calls = self._profile(blocks, inputs, kwargs)
-                        profile = self.protrain_profile
-                        if dp.world > 1 and profile.seq_len and profile.seq_len >= 2:
-                            # Degrees that split the sequence below the profiled length: a
-                            # second, shorter profile separates what grows with it from what
-                            # does not (protrain.sp.scaling).
-                            self._protrain_second = self._profile(blocks, inputs, kwargs,
-                                                                  length=profile.seq_len // 2)[0]
-                        profile_seconds = time.perf_counter() - t0
-                    plan = self._protrain_search(planner, dp, links, target)
-                    if cfg.plan_file:
-                        plan.save(cfg.plan_file)
-            except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast below
-                error = (type(e).__name__, str(e))
-                failure = e
-        shared = dp.broadcast_object((plan.to_dict() if plan is not None else None, loaded, error))
-        if shared[2] is not None:          # rank 0 could not plan: every rank stops, saying why
-            kind, msg = shared[2]
-            if failure is not None and not isinstance(failure, (InfeasibleError, ConfigError)):
-                raise failure              # rank 0: its own error, traceback and all
-            if kind not in ("InfeasibleError", "ConfigError"):
-                raise RuntimeError(f"ProTrain: rank 0 failed while profiling and planning "
-                                   f"({kind}: {msg}); see rank 0's traceback")
-            if kind == "InfeasibleError":
-                e = failure if dp.rank == 0 else None
-                raise InfeasibleError(f"ProTrain: no plan fits: {msg}",
-                                      device_needed=getattr(e, "device_needed", None),
-                                      host_needed=getattr(e, "host_needed", None),
-                                      micro_batch_fit=getattr(e, "micro_batch_fit", None)) from None
-            raise ConfigError(msg)
-        plan = plan if dp.rank == 0 else Plan.from_dict(shared[0])
-        return plan, shared[1], profile_seconds
+        return PlanningSteps(
+            load=lambda planner, target: load_plan_file(
+                cfg.plan_file, self.module, len(find_blocks(self.module)[1]), planner, target,
+                verbose=cfg.verbosity >= 1),
+            measure=self._protrain_measure, machine=self._protrain_machine,
+            search=self._protrain_search, word=_rank0_failure, together=self._protrain_probe_links)
 
-    def _protrain_search(self, planner, dp: DataParallel, links, target: BatchShape | None) -> Plan:
-        """Rank 0: the plan for batches up to ``target`` from this engine's profile (scaled to
-        ``target`` when it was taken at another shape, and per sequence-parallel degree)."""
-        profile = self.protrain_profile
-        hw = self._protrain_machine(dp, links)
-        if target is None or (dp.world == 1 and (target.micro_batch, target.seq_len) ==
-                              (profile.micro_batch, profile.seq_len)):
-            return search(profile, hw, planner)
-        from protrain.sp.planner import search_sequence_parallel
+    @property
+    def protrain_profile(self) -> ModelProfile | None:
+        """The profile the plan was searched from (rank 0; None before planning or for a loaded plan)."""
+        return self.protrain_session.profile if self.protrain_session is not None else None
+
+    def _protrain_probe_links(self) -> None:
+        """Every rank: the links between the ranks, measured once per process (the machine's)."""
+        self._protrain_links = probe_links(DataParallel(), self.device)
+
+    def _protrain_measure(self, batch) -> ModelProfile:
+        """Rank 0: the profile of the batch (``(inputs, kwargs)``), and with several ranks a
+        second one at half its sequence: degrees that split the sequence below the profiled
+        length need it to separate what grows with the sequence from what does not
+        (protrain.sp.scaling)."""
+        inputs, kwargs = batch
+        _, blocks = find_blocks(self.module)
+        check_profile_length(self.protrain_config.profile_seq_len, _batch_shape(inputs, kwargs)[1])
+        profile, self._protrain_ce_calls = self._profile(blocks, inputs, kwargs)
+        if DataParallel().world > 1 and profile.seq_len and profile.seq_len >= 2:
+            self._protrain_second = self._profile(blocks, inputs, kwargs, length=profile.seq_len // 2)[0]
+        return profile
+
+    def _protrain_machine(self):
+        """Rank 0: the hardware the plans are made for (the session asks once)."""
+        cfg = self.protrain_config
+        return with_storage_and_links(self._hardware(), device=self.device, ssd_path=cfg.ssd_path,
+                                      world=DataParallel().world, links=self._protrain_links,
+                                      verbose=cfg.verbosity >= 1)
+
+    def _protrain_search(self, profile: ModelProfile, hw, planner, target: BatchShape | None) -> Plan:
+        """Rank 0: the plan for batches up to ``target`` (per sequence-parallel degree with
+        several ranks, as far as the model can be split over the sequence)."""
         why = unsupported_reason(self.module) or (
             None if self._protrain_ce_calls else "the model computes no cross_entropy loss in "
             "forward (pass the labels), which sequence shards need")
-        return search_sequence_parallel(profile, hw, planner, seq_len=target.seq_len,
-                                        micro_batch=target.micro_batch, unsupported=why,
-                                        second=self._protrain_second)
-
-    def _protrain_machine(self, dp: DataParallel, links: tuple[float, float]):
-        """Rank 0: the hardware the plans are made for (measured once per engine)."""
-        if self._protrain_hw is not None:
-            return self._protrain_hw
-        cfg = self.protrain_config
-        hw = self._hardware()
-        if cfg.ssd_path:
-            from protrain.profile.probe import probe_storage
-            ssd = probe_storage(cfg.ssd_path, self.device)
-            if cfg.verbosity >= 1:
-                print(f"ProTrain: SSD tier at {cfg.ssd_path} via {ssd['backend']}: write "
-                      f"{ssd['nvme_write_bandwidth'] / 1e9:.2f} GB/s, read "
-                      f"{ssd['nvme_read_bandwidth'] / 1e9:.2f} GB/s, "
-                      f"{fmt_bytes(ssd['nvme_free_bytes'])} free", flush=True)
-            hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
-        if dp.world > 1:
-            hw = replace(hw, collective_bandwidth=links[0], alltoall_bandwidth=links[1],
-                         host_memory=hw.host_memory // hw.ranks_per_node)
-        self._protrain_hw = hw
-        return hw
+        return search_for_batches(profile, hw, planner, target, world=DataParallel().world,
+                                  second=self._protrain_second, unsupported=why)
 
     def _protrain_build_runtime(self, plan: Plan, dp: DataParallel | None = None) -> None:
         """Put the model's parameters into the plan's chunks and hook up the runtime (and, with
@@ -615,110 +526,17 @@ class ProTrainEngine(DeepSpeedEngine):
                     load_lr_scheduler_states=load_lr_scheduler_states,
                     load_module_only=load_module_only)
 
-    def _load_plan(self, planner, blocks, target: BatchShape | None) -> Plan | None:
-        """The plan in ``plan_file`` if there is one and it was made for this run: the same
-        trainable parameters, blocks and dtype (its predictions hold for nothing else),
-        otherwise say what changed; and for batches up to ``target`` at least, otherwise None
-        (planned again for this run's batches, and saved there)."""
-        path = self.protrain_config.plan_file
-        if not path or not Path(path).exists():
-            return None
-        try:
-            plan = Plan.load(path)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"protrain.plan_file {path}: cannot read it ({e}); delete it to re-plan") from None
-        if not plan.params:
-            raise ConfigError(f"protrain.plan_file {path} has no parameter layout (it was made from "
-                              f"an analytic profile); delete it to plan from a measured profile")
-
-        def stale(why: str) -> ConfigError:
-            return ConfigError(f"protrain.plan_file {path} does not fit this run: {why}; delete it "
-                               f"(or point plan_file at a new path) to re-plan")
-        named = dict(self.module.named_parameters())
-        trainable = [n for n, p in named.items() if p.requires_grad]
-        why = plan.differs_from(
-            n_blocks=len(blocks), micro_batch=None, seq_len=None,
-            param_bytes=named[trainable[0]].element_size() if trainable else plan.param_bytes)
-        if why is not None:
-            raise stale(why)
-        why = _pins_disagree(plan, planner.pins)
-        if why is not None:
-            raise stale(why)
-        for rec in plan.params:
-            p = named.get(rec.name)
-            if p is None or p.numel() != rec.numel:
-                raise stale(f"it was made for another model (parameter {rec.name} "
-                            + ("is not in this one)" if p is None else
-                               f"has {rec.numel} elements there, {p.numel()} here)"))
-            if not p.requires_grad:
-                raise stale(f"parameter {rec.name} is trainable in the plan but frozen in this run "
-                            f"(requires_grad=False)")
-        planned = {rec.name for rec in plan.params}
-        extra = [n for n in trainable if n not in planned]
-        if extra:
-            raise stale(f"parameters {extra[:3]} are trainable in this run but not in the plan")
-        need = plan.prediction.peak_device_bytes * (1 + planner.memory_margin)
-        if planner.device_memory and need > planner.device_memory:
-            raise ConfigError(f"protrain.plan_file {path} needs {need / 2**30:.2f} GiB of device "
-                              f"memory, above protrain.device_memory; delete it to re-plan")
-        if target is not None and plan.micro_batch and plan.seq_len and \
-                not BatchShape(plan.micro_batch, plan.seq_len).covers(target):
-            if self.protrain_config.verbosity >= 1:
-                print(f"ProTrain: the plan in {path} was made for batches up to {plan.micro_batch} x "
-                      f"{plan.seq_len}, this run's need {target}: planning again (saved there)",
-                      flush=True)
-            return None
-        return plan
-
     def _profile(self, blocks, inputs, kwargs, length: int | None = None) -> tuple[ModelProfile, int]:
         """The measured profile on this batch, and how many cross_entropy calls its forward
-        made (sequence shards need the loss inside the model). At ``length`` or
-        ``profile_seq_len`` (or, when the batch's sequence runs out of device memory, at halves
-        of it) the first tokens are profiled and protrain.sp.scaling rescales the profile to
-        the full sequence."""
-        from protrain.profile.tracer import profile_model
-        from protrain.sp.batch import LossProbe, truncate
+        made; at ``length`` or ``profile_seq_len`` the first tokens only (protrain.session.profiling)."""
         cfg = self.protrain_config
-        micro_batch, seq = _batch_shape(inputs, kwargs)
-        length = min(length or cfg.profile_seq_len or seq, seq) if seq else None
-        cache = self._protrain_cache.path(self.module, inputs, kwargs, self.device, length)
-        cached = self._protrain_cache.load(cache)
-        if cached is not None:
-            return cached, 1
         gas = self.gradient_accumulation_steps()
-        probe = LossProbe()
-        while True:
-            a, k = truncate(inputs, kwargs, length) if length and length != seq else (inputs, kwargs)
-            held = []
-
-            def step(m):
-                # What a training step does with the output: the script keeps it (logits
-                # included) through backward, engine.backward divides the loss by the
-                # accumulation steps and applies the loss scale; so the profiled iteration
-                # allocates what a training iteration does.
-                with probe:
-                    held[:] = [m(*a, **k)]
-                return self.optimizer.scale_if_loss(_loss_of(held[0]) / gas)
-
-            try:
-                with protrain_compile.eager_profiling(self.protrain_compile):
-                    profile = profile_model(
-                        self.module, step, blocks=blocks,
-                        device=self.device, name=type(self.module).__name__, micro_batch=micro_batch,
-                        seq_len=length, progress=cfg.progress and self.global_rank == 0)
-                break
-            except torch.OutOfMemoryError:
-                held.clear()
-                if not length or length < 256:
-                    raise
-                length //= 2
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                print(f"ProTrain: profiling at sequence {length * 2} ran out of device memory; "
-                      f"profiling at {length} and scaling to {seq}", flush=True)
-        held.clear()
-        self._protrain_cache.save(cache, profile)
-        return profile, probe.calls
+        # engine.backward divides the loss by the accumulation steps and applies the loss scale.
+        return profile_batch(
+            self.module, blocks, inputs, kwargs, shape=_batch_shape(inputs, kwargs), device=self.device,
+            cache=self._protrain_cache, loss_of=lambda out: self.optimizer.scale_if_loss(_loss_of(out) / gas),
+            length=length or cfg.profile_seq_len, progress=cfg.progress and self.global_rank == 0,
+            eager=lambda: protrain_compile.eager_profiling(self.protrain_compile))
 
     def _hardware(self, refresh: bool = False):
         """This machine as the planner prices it (``refresh``: measured now, not cached): the
@@ -743,22 +561,6 @@ class ProTrainEngine(DeepSpeedEngine):
         return runtime_update_rate(hw, passes)
 
 
-def _pins_disagree(plan: Plan, pins) -> str | None:
-    """A knob the config pins that the saved plan set otherwise (the loaded plan would run,
-    the pin silently ignored). The sequence-parallel degree is left out: a pinned degree is
-    applied to a loaded plan (_protrain_launchable)."""
-    from protrain.config import ALL
-    for key, want in pins.pinned().items():
-        if key == "sequence_parallel":
-            continue
-        have = getattr(plan.knobs, key)
-        if want == ALL:
-            want = plan.chunks.n_chunks
-        if have != want:
-            return f"it was made with {key}={have} and protrain.{key} pins {want}"
-    return None
-
-
 def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821
     cfg = engine.protrain_config.planner
     clip = engine.gradient_clipping() or 0.0
@@ -768,18 +570,18 @@ def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821
                    gradient_clipping=clip > 0, data_parallel_size=dp.world)
 
 
-_LINKS: dict = {}
-
-
-def _probe_links(dp: DataParallel, device) -> tuple[float, float]:
-    """(all-gather, all-to-all) bandwidth between the ranks, measured once per process and
-    world (every rank takes part: an engine built again in the same job does not re-measure)."""
-    if dp.world == 1:
-        return 0.0, 0.0
-    key = (dp.world, str(device))
-    if key not in _LINKS:
-        _LINKS[key] = (probe_collective(dp, device), probe_alltoall(dp, device))
-    return _LINKS[key]
+def _rank0_failure(failure: PlanFailure) -> BaseException:
+    """Rank 0's error while profiling and planning, as every rank raises it: no plan fits or
+    a setting cannot work, said on every rank; anything else raised on rank 0 with its
+    traceback, and named on the others."""
+    if failure.own is not None and not isinstance(failure.own, (InfeasibleError, ConfigError)):
+        return failure.own
+    if failure.kind not in ("InfeasibleError", "ConfigError"):
+        return RuntimeError(f"ProTrain: rank 0 failed while profiling and planning "
+                            f"({failure.kind}: {failure.message}); see rank 0's traceback")
+    if failure.kind == "InfeasibleError":
+        return failure.infeasible(f"ProTrain: no plan fits: {failure.message}")
+    return ConfigError(failure.message)
 
 
 def _loss_of(out) -> torch.Tensor:
@@ -844,28 +646,6 @@ def _check_trace_file(path: str) -> None:
     if why is not None:
         raise ConfigError(f"protrain.trace_file {path}: the timeline could not be written there "
                           f"({why}); point trace_file at a file in a writable directory")
-
-
-def _check_plan_file(path: str) -> None:
-    """Refuse at initialize a plan file that can be neither read nor saved (after profiling
-    would be too late to say so)."""
-    from protrain.serde import unwritable
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"protrain.plan_file {path} is a directory; give a file path such as "
-                          f"{p / 'plan.json'}")
-    if p.exists():
-        try:
-            with open(p, "rb"):
-                pass
-        except OSError as e:
-            raise ConfigError(f"protrain.plan_file {path}: cannot read it ({e.strerror or e}); fix its "
-                              f"permissions or point plan_file at another path") from None
-        return
-    why = unwritable(p.parent)
-    if why is not None:
-        raise ConfigError(f"protrain.plan_file {path}: the plan chosen at the first forward could "
-                          f"not be saved there ({why}); point plan_file at a writable directory")
 
 
 def _rng_state():

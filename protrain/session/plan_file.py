@@ -1,0 +1,116 @@
+"""The plan file (``protrain.plan_file``): a saved plan reused instead of profiling and
+searching again, if it was made for this run - else the run is refused saying what changed,
+or, for batches longer than it covers, planned again and saved there.
+
+Checked at initialize (``check_plan_file``: it can be read, or saved when the first plan is
+made) and when read (``load_plan_file``: the same trainable parameters, blocks, dtype and
+pins; the device memory it needs).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from ..batch_shape import BatchShape
+from ..config import ALL, ConfigError, PlannerConfig
+from ..plan import Plan
+from ..serde import unwritable
+
+
+def check_plan_file(path: str) -> None:
+    """Refuse at initialize a plan file that can be neither read nor saved (after profiling
+    would be too late to say so)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"protrain.plan_file {path} is a directory; give a file path such as "
+                          f"{p / 'plan.json'}")
+    if p.exists():
+        try:
+            with open(p, "rb"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"protrain.plan_file {path}: cannot read it ({e.strerror or e}); fix its "
+                              f"permissions or point plan_file at another path") from None
+        return
+    why = unwritable(p.parent)
+    if why is not None:
+        raise ConfigError(f"protrain.plan_file {path}: the plan chosen at the first forward could "
+                          f"not be saved there ({why}); point plan_file at a writable directory")
+
+
+def load_plan_file(path: str | None, module: nn.Module, n_blocks: int, planner: PlannerConfig,
+                   target: BatchShape | None, *, verbose: bool) -> Plan | None:
+    """The plan in ``path`` if there is one and it was made for this run: the same trainable
+    parameters of ``module``, ``n_blocks`` blocks and dtype (its predictions hold for nothing
+    else), otherwise say what changed; and for batches up to ``target`` at least, otherwise
+    None (planned again for this run's batches, and saved there)."""
+    if not path or not Path(path).exists():
+        return None
+    try:
+        plan = Plan.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"protrain.plan_file {path}: cannot read it ({e}); delete it to re-plan") from None
+    if not plan.params:
+        raise ConfigError(f"protrain.plan_file {path} has no parameter layout (it was made from "
+                          f"an analytic profile); delete it to plan from a measured profile")
+    why = _made_for_another_run(plan, module, n_blocks, planner)
+    if why is not None:
+        raise ConfigError(f"protrain.plan_file {path} does not fit this run: {why}; delete it "
+                          f"(or point plan_file at a new path) to re-plan")
+    need = plan.prediction.peak_device_bytes * (1 + planner.memory_margin)
+    if planner.device_memory and need > planner.device_memory:
+        raise ConfigError(f"protrain.plan_file {path} needs {need / 2**30:.2f} GiB of device "
+                          f"memory, above protrain.device_memory; delete it to re-plan")
+    if target is not None and plan.micro_batch and plan.seq_len and \
+            not BatchShape(plan.micro_batch, plan.seq_len).covers(target):
+        if verbose:
+            print(f"ProTrain: the plan in {path} was made for batches up to {plan.micro_batch} x "
+                  f"{plan.seq_len}, this run's need {target}: planning again (saved there)",
+                  flush=True)
+        return None
+    return plan
+
+
+def _made_for_another_run(plan: Plan, module: nn.Module, n_blocks: int,
+                          planner: PlannerConfig) -> str | None:
+    """What differs between the run ``plan`` was made for and this one (None: nothing)."""
+    named = dict(module.named_parameters())
+    trainable = [n for n, p in named.items() if p.requires_grad]
+    why = plan.differs_from(
+        n_blocks=n_blocks, micro_batch=None, seq_len=None,
+        param_bytes=named[trainable[0]].element_size() if trainable else plan.param_bytes)
+    if why is not None:
+        return why
+    why = pins_disagree(plan, planner.pins)
+    if why is not None:
+        return why
+    for rec in plan.params:
+        p = named.get(rec.name)
+        if p is None or p.numel() != rec.numel:
+            return (f"it was made for another model (parameter {rec.name} "
+                    + ("is not in this one)" if p is None else
+                       f"has {rec.numel} elements there, {p.numel()} here)"))
+        if not p.requires_grad:
+            return (f"parameter {rec.name} is trainable in the plan but frozen in this run "
+                    f"(requires_grad=False)")
+    planned = {rec.name for rec in plan.params}
+    extra = [n for n in trainable if n not in planned]
+    if extra:
+        return f"parameters {extra[:3]} are trainable in this run but not in the plan"
+    return None
+
+
+def pins_disagree(plan: Plan, pins) -> str | None:
+    """A knob the config pins that the saved plan set otherwise (the loaded plan would run,
+    the pin silently ignored). The sequence-parallel degree is left out: a pinned degree is
+    applied to a loaded plan (the adapter's launchable plan)."""
+    for key, want in pins.pinned().items():
+        if key == "sequence_parallel":
+            continue
+        have = getattr(plan.knobs, key)
+        if want == ALL:
+            want = plan.chunks.n_chunks
+        if have != want:
+            return f"it was made with {key}={have} and protrain.{key} pins {want}"
+    return None

@@ -1,0 +1,230 @@
+"""PlanningSession: how the plan every rank of a group runs is decided, and decided again.
+
+The decider loads the plan file, or profiles the model, probes the machine, searches and saves
+the plan there; every rank of the group gets the plan or the same error (ranks.py). An adapter
+says how each step is done for its framework (``PlanningSteps``); the session runs them in
+order, holds what was measured, and plans again for a training loop's two surprises:
+
+- an out-of-memory error (one rank): plan again with a 10-point larger memory margin;
+- a batch beyond the shape the plan covers (more samples or tokens): plan for it, rounded up
+  (batch_shape.replan_shape), from the profile taken at the first batch and rescaled
+  (protrain.sp.scaling).
+
+The adapter moves the training state into the new plan's runtime; the session only decides.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ..batch_shape import BatchShape, replan_shape
+from ..config import PlannerConfig
+from ..plan import Plan
+from ..profile.hardware import HardwareProfile
+from ..profile.model_profile import ModelProfile
+from ..search import InfeasibleError, search
+from ..units import fmt_bytes
+from .ranks import PlanRanks, Wording, share_decision
+
+
+@dataclass(frozen=True, slots=True)
+class PlanningSteps:
+    """How an adapter does each step of deciding a plan."""
+
+    load: Callable[[PlannerConfig, BatchShape | None], Plan | None]
+    """The decider: the plan file's plan, if it was made for this run and covers batches up to
+    the shape; None: plan it (an unusable file raises, saying why)."""
+    measure: Callable[[object], ModelProfile]
+    """Profile the model on the batch given to ``decide`` (once per session; on the decider,
+    or every rank: ``measured_together``)."""
+    machine: Callable[[], HardwareProfile]
+    """The decider: the machine to plan for (asked once per session)."""
+    search: Callable[[ModelProfile, HardwareProfile, PlannerConfig, BatchShape | None], Plan]
+    """The decider: the plan for the profile and batches up to the shape."""
+    word: Wording
+    """How the decider's error is worded on every rank."""
+    measured_together: bool = False
+    """Every rank of the group profiles (tensor-parallel ranks run the forward together)."""
+    together: Callable[[], None] | None = None
+    """What every rank measures together before each decision (the links between them)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A plan decided for a group of ranks."""
+
+    plan: Plan
+    loaded: bool
+    """Read from the plan file (no profiling or search)."""
+    profile_seconds: float
+    """Spent profiling for it (0: the profile was held, given, or not needed)."""
+
+
+class PlanningSession:
+    """One model's planning over a run: the first plan, and the plans made again."""
+
+    def __init__(self, ranks: PlanRanks, steps: PlanningSteps, *, plan_file: str | None,
+                 profile: ModelProfile | None = None):
+        self.ranks = ranks
+        self.steps = steps
+        self.plan_file = plan_file
+        """Where the decider loads the plan from and saves the plans it makes."""
+        self.profile = profile
+        """The measured profile, held for re-plans (None: not measured, or a loaded plan)."""
+        self.margin = 0.0
+        """The memory margin the out-of-memory re-plans reached (0: none yet)."""
+        self._machine: HardwareProfile | None = None
+
+    def machine(self) -> HardwareProfile:
+        """The decider: the hardware the plans are made for (measured once per session)."""
+        if self._machine is None:
+            self._machine = self.steps.machine()
+        return self._machine
+
+    def decide(self, planner: PlannerConfig, target: BatchShape | None, *, load: bool = True,
+               batch=None) -> Decision:
+        """The plan every rank of the group runs for batches up to ``target``: the decider
+        loads it from the plan file (with ``load``) or searches it from the profile (measured
+        now on ``batch`` if none is held) and saves it; every rank gets it or the same error
+        (a collective)."""
+        steps = self.steps
+        if steps.together is not None:
+            steps.together()
+        t0 = time.perf_counter()
+        profile_seconds = 0.0
+        plan, failure = None, None
+        if self.ranks.decides and load:
+            try:
+                plan = steps.load(planner, target)
+            except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast below
+                failure = e
+        loaded = plan is not None
+        if steps.measured_together:
+            # Whether the group profiles, or stops: the decider's verdict on its plan file.
+            _, loaded = share_decision(self.ranks, None, loaded, failure, steps.word)
+            if not loaded and self.profile is None:
+                self.profile = steps.measure(batch)
+                profile_seconds = time.perf_counter() - t0
+        if self.ranks.decides and not loaded and failure is None:
+            # One rank measures and decides; every rank runs the same plan.
+            try:
+                if self.profile is None:
+                    self.profile = steps.measure(batch)
+                    profile_seconds = time.perf_counter() - t0
+                plan = steps.search(self.profile, self.machine(), planner, target)
+                if self.plan_file:
+                    plan.save(self.plan_file)
+            except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast below
+                failure = e
+        plan, loaded = share_decision(self.ranks, plan, loaded, failure, steps.word)
+        return Decision(plan, loaded, profile_seconds)
+
+    def first_plan(self, planner: PlannerConfig, shape: BatchShape | None, target: BatchShape | None,
+                   *, verbosity: int, probe: Callable[[], object], batch=None) -> Plan:
+        """The plan for the first batch (``shape``) and batches up to ``target``, printed.
+        ``probe()``: the node's probe, which every rank takes part in when the decider will
+        plan (one process per node measures while the node's others sleep on the probe's lock;
+        waiting in the plan's broadcast instead, NCCL ranks would spin a core each under the
+        measurement)."""
+        from pathlib import Path
+        if self.ranks.dp.world > 1 and not (self.plan_file and Path(self.plan_file).exists()):
+            probe()
+        decision = self.decide(planner, target, load=True, batch=batch)
+        plan = decision.plan
+        if self.ranks.decides and verbosity >= 1:
+            print(plan.explain(), flush=True)
+            if decision.loaded:
+                print(f"ProTrain: plan loaded from {self.plan_file} (no profiling or search)", flush=True)
+            else:
+                beyond = f"; planned for batches up to {target}" if target != shape else ""
+                print(f"ProTrain: profiling took {decision.profile_seconds:.2f} s, search "
+                      f"{plan.search_seconds:.3f} s{beyond}" + (f"; plan saved to {self.plan_file}"
+                                                               if self.plan_file else ""), flush=True)
+        elif self.ranks.decides and verbosity == 0:
+            k = plan.knobs
+            sp = f", sequence_parallel={k.sequence_parallel}" if k.sequence_parallel > 1 else ""
+            print(f"ProTrain: plan {k.as_tuple()}{sp} predicted {plan.prediction.iter_time:.3f} s/iter, "
+                  f"peak {plan.prediction.peak_device_bytes / 2**30:.2f} GiB", flush=True)
+        return plan
+
+    # ---- planning again ----------------------------------------------------------------------
+    def replan(self, planner: PlannerConfig, target: BatchShape | None, *, old: Plan,
+               keep_grads: bool, batch=None) -> Plan:
+        """The plan for batches up to ``target`` with ``planner`` (its margin the re-plan's),
+        made now from the held profile (or one of ``batch``: after a loaded plan; a
+        collective). ``keep_grads``: the gradients accumulated under ``old`` are carried into
+        the new plan."""
+        if keep_grads and self.ranks.dp.world > 1 and old.knobs.sequence_parallel == 1 and \
+                planner.pins.sequence_parallel is None:
+            # A plan at P > 1 learns the script's loss factor (sequence_parallel.py) on its
+            # first micro-step by rescaling what was accumulated, which would rescale the
+            # gradients carried over from P = 1 too: the degree stays for this re-plan.
+            planner = replace(planner, pins=replace(planner.pins, sequence_parallel=1))
+        return self.decide(planner, target, load=False, batch=batch).plan
+
+    def margin_after_oom(self, configured: float, error: BaseException) -> float:
+        """The memory margin to plan again with after an out-of-memory error on this rank:
+        10 points above the last; refused with several ranks (the others are inside a
+        collective) and once no margin is left."""
+        if self.ranks.dp.world > 1:
+            raise RuntimeError("ProTrain: out of device memory with several ranks: re-planning "
+                               "needs every rank; restart from the last checkpoint with a larger "
+                               "protrain.memory_margin") from error
+        margin = max(configured, self.margin) + 0.1
+        if margin >= 1.0:
+            raise InfeasibleError(f"ProTrain: out of device memory again at a {margin - 0.1:.0%} "
+                                  f"margin; no plan is safe on this device. Lower the micro-batch "
+                                  f"or the sequence length, or use a device with more memory") from error
+        self.margin = margin
+        return margin
+
+    def say_out_of_memory(self, where: str, error: BaseException, old: Plan, plan: Plan) -> None:
+        if self.ranks.decides:
+            print(f"ProTrain: out of device memory in {where} ({str(error).splitlines()[0][:120]}); "
+                  f"re-planned with a {self.margin:.0%} margin: {old.knobs.as_tuple()} -> "
+                  f"{plan.knobs.as_tuple()}, predicted peak {plan.prediction.peak_device_bytes / 2**30:.2f} "
+                  f"GiB; redoing the micro-batch", flush=True)
+
+    def say_longer_batch(self, shape: BatchShape, covered: BatchShape, target: BatchShape,
+                         old: Plan, plan: Plan, *, world: int) -> None:
+        """``world``: the ranks whose largest batch ``shape`` is."""
+        if self.ranks.decides:
+            ranks = f" (the largest of {world} ranks')" if world > 1 else ""
+            p0, p1 = old.knobs.sequence_parallel, plan.knobs.sequence_parallel
+            sp = f", sequence_parallel {p0} -> {p1}" if p1 != p0 else ""
+            print(f"ProTrain: batch {shape}{ranks} is beyond the plan's {covered}; re-planned for "
+                  f"{target}: {old.knobs.as_tuple()} -> {plan.knobs.as_tuple()}{sp}, predicted peak "
+                  f"{fmt_bytes(plan.prediction.peak_device_bytes)}"
+                  + (f"; saved to {self.plan_file}" if self.plan_file else ""), flush=True)
+
+
+def first_target(shape: BatchShape | None, micro_batch: int, longest: int | None) -> BatchShape | None:
+    """What the first plan covers: the first batch, the configured micro-batch, and the
+    longest sequence when given (then longer batches never re-plan)."""
+    if shape is None:
+        return None
+    return shape.union(BatchShape(micro_batch, longest or 0))
+
+
+def longer_target(shape: BatchShape, covered: BatchShape, *, micro_batch: int,
+                  model_max: int | None) -> BatchShape:
+    """What to plan for when a batch of ``shape`` goes beyond ``covered``: rounded up
+    (batch_shape.replan_shape) so that growing lengths re-plan a handful of times."""
+    return replan_shape(shape, micro_batch=micro_batch, model_max=model_max).union(covered)
+
+
+def search_for_batches(profile: ModelProfile, hw: HardwareProfile, planner: PlannerConfig,
+                       target: BatchShape | None, *, world: int, second: ModelProfile | None,
+                       unsupported: str | None) -> Plan:
+    """The plan for batches up to ``target`` from ``profile`` (scaled to ``target`` when it
+    was taken at another shape, and per sequence-parallel degree over ``world`` ranks;
+    ``second``: the profile at a shorter sequence; ``unsupported``: why the model cannot be
+    split over the sequence, None if it can)."""
+    if target is None or (world == 1 and (target.micro_batch, target.seq_len) ==
+                          (profile.micro_batch, profile.seq_len)):
+        return search(profile, hw, planner)
+    from ..sp.planner import search_sequence_parallel
+    return search_sequence_parallel(profile, hw, planner, seq_len=target.seq_len,
+                                    micro_batch=target.micro_batch, unsupported=unsupported,
+                                    second=second)
