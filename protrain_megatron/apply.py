@@ -12,7 +12,6 @@ in flight).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
@@ -24,7 +23,10 @@ from protrain.config import KnobPins, PlannerConfig
 from protrain.plan import Plan
 from protrain.profile.hardware import HardwareProfile
 from protrain.profile.model_profile import ModelProfile
+from protrain.profile.transforms import scale_figures
+from protrain.runtime.collectives import DataParallel
 from protrain.search import InfeasibleError, evaluate, search
+from protrain.session import PlanFailure, PlanningSession, PlanningSteps, PlanRanks
 from protrain.units import fmt_bytes, fmt_seconds
 
 from .model import decoder_layers, model_device, parallel_sizes, unwrap
@@ -112,20 +114,62 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
     when nothing does.
     """
     core = unwrap(model)
-    layers = decoder_layers(core)
-    device = model_device(core)
     sizes = parallel_sizes()
     pins = _pins(pins)
     if in_flight_microbatches < 1:
         raise ValueError(f"in_flight_microbatches must be >= 1, got {in_flight_microbatches}")
+    allowed = _allowed_modes(core, pins, pipelined=in_flight_microbatches > 1 or sizes["pp"] > 1,
+                             in_flight=in_flight_microbatches, ssd_path=ssd_path)
+    prefer_native = prefer_native or allowed.native_only is not None
+    if states is None:
+        states = _own_states(core)
+    config = PlannerConfig(device_memory=device_memory, host_memory=host_memory,
+                           memory_margin=memory_margin, pins=allowed.pins,
+                           model_states_fixed=states.total_bytes, cpu_optim_overlap=False)
+    ranks = _plan_ranks()
+    steps = _MegatronSteps(core, sample, allowed, ranks, states=states, device_memory=device_memory,
+                           plan_file=plan_file, ssd_path=ssd_path, hardware=hardware,
+                           in_flight=in_flight_microbatches, prefer_native=prefer_native,
+                           verbose=verbose, progress=progress, fallback_profile=fallback_profile)
+    session = PlanningSession(ranks, steps.steps(), plan_file=plan_file, profile=profile)
+    decision = session.decide(config, None)
+    policy = ActivationPolicy(model, decision.plan, ssd_path=ssd_path, ssd_verify=ssd_verify,
+                              ssd_min_bytes=ssd_min_bytes, accounting=accounting, native=prefer_native,
+                              pipeline_parallel=max(sizes["pp"], in_flight_microbatches))
+    applied = AppliedPlan(decision.plan, policy, states, session.profile, decision.profile_seconds)
+    if verbose and ranks.decides:
+        print(applied.explain(), flush=True)
+        if decision.loaded:
+            print(f"ProTrain: plan loaded from {plan_file} (no profiling or search)", flush=True)
+        if policy.storage_backend:
+            print(f"ProTrain: NVMe layers via {policy.storage_backend} in "
+                  f"{policy.activations.rundir.path}", flush=True)
+    return applied
+
+
+@dataclass(frozen=True, slots=True)
+class _AllowedModes:
+    """What the model and the launch allow the search, and why (the plan's notes)."""
+
+    pins: KnobPins
+    notes: tuple[str, ...]
+    native_only: str | None
+    """Why only Megatron's own recompute can run this model (None: the layer hooks can)."""
+
+
+def _allowed_modes(core: nn.Module, pins: KnobPins, *, pipelined: bool, in_flight: int,
+                   ssd_path: str | None) -> _AllowedModes:
+    """``pins`` with the modes this model and launch cannot run pinned to 0 (a pin the user
+    set to more is refused): swap and NVMe with several micro-batches in flight, every hook
+    mode where only Megatron's own recompute runs, NVMe without an SSD path."""
     notes = []
-    if in_flight_microbatches > 1 or sizes["pp"] > 1:
+    if pipelined:
         if (pins.n_swap or 0) > 0 or (pins.n_ssd or 0) > 0:
             raise ValueError(f"pins n_swap={pins.n_swap}, n_ssd={pins.n_ssd}: swap and NVMe need one "
                              f"micro-batch in flight; pipeline parallelism keeps "
-                             f"{in_flight_microbatches}; pin them to 0")
+                             f"{in_flight}; pin them to 0")
         pins = replace(pins, n_swap=0, n_ssd=0)
-        n = in_flight_microbatches
+        n = in_flight
         notes.append(f"pipeline parallel: {n} micro-batch{'es' if n != 1 else ''} in flight on this "
                      f"stage; swap and NVMe off, activation memory counted per micro-batch in flight")
     native_only = native_only_reason(core)
@@ -134,9 +178,7 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
             raise ValueError(f"pins n_swap={pins.n_swap}, n_ssd={pins.n_ssd}: {native_only}; only keep / "
                              f"recompute are supported there - pin them to 0")
         pins = replace(pins, n_swap=0, n_ssd=0)
-        prefer_native = True
         notes.append(f"{native_only}: swap and NVMe off, recompute through Megatron's own (first layers)")
-    if native_only:
         # The selective mode runs through ProTrain's layer hooks (protrain.runtime.selective).
         if (pins.n_selective or 0) > 0:
             raise ValueError(f"pin n_selective={pins.n_selective}: {native_only}; pin it to 0")
@@ -145,90 +187,108 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
         if (pins.n_ssd or 0) > 0:
             raise ValueError(f"pin n_ssd={pins.n_ssd} needs an SSD path (ssd_path / --protrain-ssd-path)")
         pins = replace(pins, n_ssd=0)
-    if states is None:
-        params = sum(p.numel() for p in core.parameters())
-        half = next(core.parameters()).element_size() == 2
-        states = MegatronStates(params=params, param_bytes=2 if half else 4,
-                                optimizer_bytes=12 if half else 8)
-    t0 = time.perf_counter()
-    # The decider's plan file decides for its group (the file may exist on its disk only).
-    decider = decides_plan()
-    plan = _load(plan_file, len(layers), states, device_memory, _sample_shape(sample)) if decider else None
-    loaded = _from_decider(plan is not None)
-    profile_seconds = 0.0
-    failure = None
-    if not loaded and profile is None:
-        # Every rank profiles (tensor-parallel ranks run the forward together); one decides.
-        if sample is None:
+    return _AllowedModes(pins, tuple(notes), native_only or None)
+
+
+def _own_states(core: nn.Module) -> MegatronStates:
+    """This rank's parameters with Megatron's mixed-precision Adam, not distributed."""
+    params = sum(p.numel() for p in core.parameters())
+    half = next(core.parameters()).element_size() == 2
+    return MegatronStates(params=params, param_bytes=2 if half else 4, optimizer_bytes=12 if half else 8)
+
+
+class _MegatronSteps:
+    """The planning session's steps for a Megatron model (protrain.session): the decider's
+    plan file decides for its group (the file may exist on its disk only); every rank of the
+    group profiles (tensor-parallel ranks run the forward together); the decider searches the
+    activation modes (Megatron keeps its model states, a fixed part of the peak)."""
+
+    def __init__(self, core: nn.Module, sample: Sample | None, allowed: _AllowedModes, ranks: PlanRanks,
+                 *, states: MegatronStates, device_memory: int | None, plan_file: str | None,
+                 ssd_path: str | None, hardware: HardwareProfile | None, in_flight: int,
+                 prefer_native: bool, verbose: bool, progress: bool,
+                 fallback_profile: Callable[[], ModelProfile] | None):
+        self.core, self.sample, self.allowed, self.ranks = core, sample, allowed, ranks
+        self.n_layers = len(decoder_layers(core))
+        self.device = model_device(core)
+        self.states, self.device_memory, self.plan_file = states, device_memory, plan_file
+        self.ssd_path, self.hardware, self.in_flight = ssd_path, hardware, in_flight
+        self.prefer_native, self.verbose, self.progress = prefer_native, verbose, progress
+        self.fallback_profile = fallback_profile
+        self.notes = list(allowed.notes)
+        """The plan's notes: what the model and launch allowed, and what the steps met."""
+
+    def steps(self) -> PlanningSteps:
+        return PlanningSteps(
+            load=lambda planner, target: _load(self.plan_file, self.n_layers, self.states,
+                                               self.device_memory, _sample_shape(self.sample)),
+            measure=self.measure, machine=self.machine, search=self.search, word=self.word,
+            measured_together=True)
+
+    def measure(self, _batch) -> ModelProfile:
+        """Every rank: the profile of ``sample``; the analytic one (``fallback_profile``) on
+        every rank when profiling runs out of memory on any."""
+        if self.sample is None:
             raise ValueError("plan_activations needs a sample batch (or a profile) to measure the model")
         oom = None
         try:
-            profile = profile_megatron(core, sample, device=device, progress=progress and verbose)
+            profile = profile_megatron(self.core, self.sample, device=self.device,
+                                       progress=self.progress and self.verbose)
         except torch.OutOfMemoryError as e:
             oom = str(e).splitlines()[0]
         # The ranks of the group profile together and must plan from the same kind of
         # profile: if one ran out of memory (an asymmetric case: after its last collective),
         # every one falls back, or every one stops - never one alone, which would leave its
         # peers waiting in the next collective.
-        if _any_in_group(oom is not None, device):
-            if fallback_profile is None:
+        if self.ranks.any(oom is not None, self.device):
+            if self.fallback_profile is None:
                 raise torch.OutOfMemoryError(oom or "a tensor-parallel peer ran out of device "
                                              "memory while profiling")
-            if verbose:
+            if self.verbose:
                 print(f"ProTrain: profiling ran out of device memory ({oom or 'on a peer rank'}); "
                       f"planning from the analytic profile instead", flush=True)
-            _empty_cache(device)
-            profile = fallback_profile()
-            notes.append("profiled analytically: the keep-all profiling iteration did not fit")
-        profile_seconds = time.perf_counter() - t0
-    if plan is None and decider:
-        try:
-            if profile.n_blocks != len(layers):
-                raise ValueError(f"the profile has {profile.n_blocks} blocks but the model runs "
-                                 f"{len(layers)} layers on this rank")
-            planned = scale_in_flight(profile, in_flight_microbatches) if in_flight_microbatches > 1 \
-                else profile
-            hw = hardware or _probe(device, verbose)
-            if ssd_path:
-                from protrain.profile.probe import probe_storage
-                ssd = probe_storage(ssd_path, device)
-                hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
-            local = _ranks_per_node()
-            if local > 1:
-                # Every rank on this host swaps to the same memory and writes to the same drive,
-                # and shares its cores and memory bus (cost.host_share).
-                hw = replace(hw, host_memory=hw.host_memory // local,
-                             nvme_free_bytes=hw.nvme_free_bytes // local, ranks_per_node=local)
-                notes.append(f"host memory and NVMe space shared by {local} ranks on this host")
-            config = PlannerConfig(device_memory=device_memory, host_memory=host_memory,
-                                   memory_margin=memory_margin, pins=pins,
-                                   model_states_fixed=states.total_bytes, cpu_optim_overlap=False)
-            plan = search(planned, hw, config)
-            if prefer_native:
-                plan = _prefer_native(plan, planned, hw, config, required=bool(native_only))
-            if notes:
-                plan = replace(plan, notes=plan.notes + tuple(notes))
-            if plan_file:
-                plan.save(plan_file)
-        except (InfeasibleError, ValueError) as e:
-            failure = e
-    plan, error = _share(plan, failure)
-    if error is not None:
-        if failure is not None:
-            raise failure
-        raise InfeasibleError(f"protrain (rank {_group()[1]}, which plans for this rank): {error}")
-    policy = ActivationPolicy(model, plan, ssd_path=ssd_path, ssd_verify=ssd_verify,
-                              ssd_min_bytes=ssd_min_bytes, accounting=accounting, native=prefer_native,
-                              pipeline_parallel=max(sizes["pp"], in_flight_microbatches))
-    applied = AppliedPlan(plan, policy, states, profile, profile_seconds)
-    if verbose and decider:
-        print(applied.explain(), flush=True)
-        if loaded:
-            print(f"ProTrain: plan loaded from {plan_file} (no profiling or search)", flush=True)
-        if policy.storage_backend:
-            print(f"ProTrain: NVMe layers via {policy.storage_backend} in "
-                  f"{policy.activations.rundir.path}", flush=True)
-    return applied
+            _empty_cache(self.device)
+            profile = self.fallback_profile()
+            self.notes.append("profiled analytically: the keep-all profiling iteration did not fit")
+        return profile
+
+    def machine(self) -> HardwareProfile:
+        """The decider: the node's figures (or those given), the SSD tier's, and this rank's
+        share of the host."""
+        hw = self.hardware or _probe(self.device, self.verbose)
+        if self.ssd_path:
+            from protrain.profile.probe import probe_storage
+            ssd = probe_storage(self.ssd_path, self.device)
+            hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
+        local = _ranks_per_node()
+        if local > 1:
+            # Every rank on this host swaps to the same memory and writes to the same drive,
+            # and shares its cores and memory bus (cost.host_share).
+            hw = replace(hw, host_memory=hw.host_memory // local,
+                         nvme_free_bytes=hw.nvme_free_bytes // local, ranks_per_node=local)
+            self.notes.append(f"host memory and NVMe space shared by {local} ranks on this host")
+        return hw
+
+    def search(self, profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig, _target) -> Plan:
+        """The decider: the fastest activation plan that fits, run through Megatron's own
+        recompute when that is as good."""
+        if profile.n_blocks != self.n_layers:
+            raise ValueError(f"the profile has {profile.n_blocks} blocks but the model runs "
+                             f"{self.n_layers} layers on this rank")
+        planned = scale_in_flight(profile, self.in_flight) if self.in_flight > 1 else profile
+        plan = search(planned, hw, config)
+        if self.prefer_native:
+            plan = _prefer_native(plan, planned, hw, config, required=self.allowed.native_only is not None)
+        if self.notes:
+            plan = replace(plan, notes=plan.notes + tuple(self.notes))
+        return plan
+
+    def word(self, failure: PlanFailure) -> BaseException:
+        """The decider's error: its own on the decider, named on the others."""
+        if failure.own is not None:
+            return failure.own
+        return InfeasibleError(f"protrain (rank {self.ranks.decider}, which plans for this rank): "
+                               f"{failure.message}")
 
 
 def profile_megatron(core: nn.Module, sample: Sample, *, device: torch.device,
@@ -266,25 +326,7 @@ def profile_megatron(core: nn.Module, sample: Sample, *, device: torch.device,
 def scale_in_flight(profile: ModelProfile, k: int) -> ModelProfile:
     """A pipeline stage keeps up to ``k`` micro-batches' activations (1F1B): every activation
     figure times ``k``. Conservative: one micro-batch's transients are counted k times."""
-    return scale_profile(profile, memory=k, io=1.0)
-
-
-def scale_profile(profile: ModelProfile, *, memory: float = 1.0, time: float = 1.0,
-                  io: float | None = None) -> ModelProfile:
-    """Every activation figure times ``memory``, every compute time times ``time``, the
-    attention operator's input/output bytes (what context parallelism's all-to-alls move)
-    times ``io`` (default ``memory``)."""
-    m = lambda x: int(round(x * memory))  # noqa: E731
-    io = memory if io is None else io
-    parts = tuple(replace(p, in_bytes=m(p.in_bytes), saved_bytes=m(p.saved_bytes),
-                          kept_bytes=m(p.kept_bytes), resaved_bytes=m(p.resaved_bytes),
-                          in_shared_bytes=m(p.in_shared_bytes), sel_saved_bytes=m(p.sel_saved_bytes),
-                          fwd_start=m(p.fwd_start), fwd_peak=m(p.fwd_peak), bwd_start=m(p.bwd_start),
-                          bwd_peak=m(p.bwd_peak), fwd_time=p.fwd_time * time, bwd_time=p.bwd_time * time,
-                          attn_fwd_time=p.attn_fwd_time * time, attn_bwd_time=p.attn_bwd_time * time,
-                          attn_io_bytes=int(round(p.attn_io_bytes * io)))
-                  for p in profile.parts)
-    return replace(profile, parts=parts, ops=())
+    return scale_figures(profile, memory=k, io=1.0)
 
 
 def _prefer_native(plan: Plan, profile, hw, config, required: bool = False) -> Plan:
@@ -393,37 +435,16 @@ def _group():
     return None, 0, dist.get_world_size()
 
 
+def _plan_ranks() -> PlanRanks:
+    """The ranks that run one plan and their decider (see ``_group``)."""
+    group, decider, _ = _group()
+    return PlanRanks(DataParallel(group), decider)
+
+
 def decides_plan() -> bool:
     """Whether this rank searches the plan for its group (see ``_group``)."""
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == _group()[1]
-
-
-def _any_in_group(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` is set on any rank of this rank's group (every rank must call it)."""
-    group, _, size = _group()
-    if size == 1:
-        return flag
-    dev = device if torch.distributed.get_backend(group) == "nccl" else torch.device("cpu")
-    t = torch.tensor([float(flag)], device=dev)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-    return bool(t.item() > 0)
-
-
-def _from_decider(value):
-    group, src, size = _group()
-    if size == 1:
-        return value
-    obj = [value]
-    torch.distributed.broadcast_object_list(obj, src=src, group=group)
-    return obj[0]
-
-
-def _share(plan: Plan | None, failure: BaseException | None):
-    """The decider's plan (or its error) on every rank of its group."""
-    mine = (plan.to_dict() if plan is not None else None, str(failure) if failure is not None else None)
-    d, err = _from_decider(mine)
-    return (plan if decides_plan() else (Plan.from_dict(d) if d is not None else None)), err
 
 
 def _sample_shape(sample) -> tuple[int | None, int | None]:

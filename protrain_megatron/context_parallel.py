@@ -36,7 +36,9 @@ from protrain.search import InfeasibleError
 from protrain.sp.degree import SPShape
 from protrain.sp.planner import search_sequence_parallel
 
+from .apply import scale_in_flight
 from .arguments import MegatronOptions
+from .stage_profile import DEFAULT_VOCAB, analytic_stage_profile, model_shape
 from .state_bytes import MegatronStates
 
 FLAG = "--context-parallel-size"
@@ -101,9 +103,6 @@ def choose_context_parallel(args, opts: MegatronOptions, *, world: int, pinned: 
     """The CP for ``args`` (parsed, not yet validated) on ``world`` ranks. ``pinned``: the
     user gave ``args.context_parallel_size``. Raises ConfigError for a pin that breaks a
     constraint and InfeasibleError when no degree fits."""
-    from .apply import scale_in_flight
-    from .training import analytic_stage_profile, model_shape
-
     te = transformer_engine_used(args)
     tp = args.tensor_model_parallel_size or 1
     pp = args.pipeline_model_parallel_size or 1
@@ -149,7 +148,6 @@ def choose_context_parallel(args, opts: MegatronOptions, *, world: int, pinned: 
                                     per_rank=per_rank, where=FLAG, auto=AUTO)
     degree = plan.knobs.sequence_parallel or 1
     if getattr(args, "vocab_size", None) is None and getattr(args, "padded_vocab_size", None) is None:
-        from .training import DEFAULT_VOCAB
         notes.append(f"vocabulary size not known before the tokenizer loads: {DEFAULT_VOCAB} assumed "
                      f"(--vocab-size gives it)")
     notes.append(f"analytic profile of {layers} layers per stage and tensor-parallel rank; the "
