@@ -114,6 +114,15 @@ def main(rank: int, world: int, port: str, out_dir: str, pins: str, mode: str) -
         again.close()
         result.update(reloaded_modes="".join(m.letter for m in again.plan.block_modes),
                       reprofiled=again.profile is not None)
+        # Rank 0's plan file does not fit this run (other model states): every rank stops,
+        # rank 1 too, which would otherwise wait for rank 0's plan in the broadcast.
+        from protrain_megatron import MegatronStates
+        try:
+            plan_activations(model, sample, hardware=hw, progress=False, verbose=False,
+                             plan_file=plan_file, states=MegatronStates(params=1))
+            result.update(refused=None)
+        except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+            result.update(refused=f"{type(e).__name__}: {e}")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

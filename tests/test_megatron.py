@@ -367,6 +367,10 @@ def test_tensor_parallel_ranks_profile_together_and_apply_rank0s_plan(tmp_path, 
         assert r["reloaded_modes"] == "SSCN" and not r["reprofiled"]
         assert r["loss_equal"] and r["grads_equal"]
         assert r["state_params"] == r["params"] < full     # model states counted per rank
+    # Rank 0's plan file refused: rank 0 raises its error, rank 1 the same, naming its decider.
+    mine, peer = (r["refused"] for r in sorted(results, key=lambda r: r["rank"]))
+    assert mine.startswith("ValueError: plan file ") and "model states per rank" in mine
+    assert peer == f"InfeasibleError: protrain (rank 0, which plans for this rank): {mine[len('ValueError: '):]}"
 
 
 def test_an_out_of_memory_on_one_tensor_parallel_rank_makes_every_rank_fall_back(tmp_path):
