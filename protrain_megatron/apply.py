@@ -152,7 +152,9 @@ class _AllowedModes:
     """What the model and the launch allow the search, and why (the plan's notes)."""
 
     pins: KnobPins
+    """The user's pins, with what cannot run here pinned to 0."""
     notes: tuple[str, ...]
+    """Why modes are off (the plan's first notes)."""
     native_only: str | None
     """Why only Megatron's own recompute can run this model (None: the layer hooks can)."""
 

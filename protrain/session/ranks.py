@@ -56,9 +56,11 @@ class PlanFailure:
     own: BaseException | None = None
     """The exception itself, on the decider only (its traceback and type)."""
     device_needed: int | None = None
-    """``InfeasibleError``'s figures of what would fit (None: not given)."""
+    """``InfeasibleError``'s device bytes the smallest plan needs (None: not given)."""
     host_needed: int | None = None
+    """``InfeasibleError``'s host bytes the smallest plan needs (None: not given)."""
     micro_batch_fit: int | None = None
+    """``InfeasibleError``'s largest micro-batch that would fit (None: not given)."""
 
     @classmethod
     def of(cls, e: BaseException) -> "PlanFailure":
@@ -66,6 +68,7 @@ class PlanFailure:
                    getattr(e, "host_needed", None), getattr(e, "micro_batch_fit", None))
 
     def sendable(self) -> tuple:
+        """What the broadcast carries (everything but the exception itself)."""
         return (self.kind, self.message, self.device_needed, self.host_needed, self.micro_batch_fit)
 
     def infeasible(self, message: str) -> InfeasibleError:

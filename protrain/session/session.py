@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 from ..batch_shape import BatchShape, replan_shape
@@ -127,7 +128,6 @@ class PlanningSession:
         plan (one process per node measures while the node's others sleep on the probe's lock;
         waiting in the plan's broadcast instead, NCCL ranks would spin a core each under the
         measurement)."""
-        from pathlib import Path
         if self.ranks.dp.world > 1 and not (self.plan_file and Path(self.plan_file).exists()):
             probe()
         decision = self.decide(planner, target, load=True, batch=batch)
@@ -180,6 +180,7 @@ class PlanningSession:
         return margin
 
     def say_out_of_memory(self, where: str, error: BaseException, old: Plan, plan: Plan) -> None:
+        """The decider: the re-plan after an out-of-memory error in ``where``, from ``old`` to ``plan``."""
         if self.ranks.decides:
             print(f"ProTrain: out of device memory in {where} ({str(error).splitlines()[0][:120]}); "
                   f"re-planned with a {self.margin:.0%} margin: {old.knobs.as_tuple()} -> "
@@ -188,7 +189,8 @@ class PlanningSession:
 
     def say_longer_batch(self, shape: BatchShape, covered: BatchShape, target: BatchShape,
                          old: Plan, plan: Plan, *, world: int) -> None:
-        """``world``: the ranks whose largest batch ``shape`` is."""
+        """The decider: the re-plan for a batch of ``shape`` beyond ``covered`` (the largest
+        over ``world`` ranks), from ``old`` to ``plan`` for batches up to ``target``."""
         if self.ranks.decides:
             ranks = f" (the largest of {world} ranks')" if world > 1 else ""
             p0, p1 = old.knobs.sequence_parallel, plan.knobs.sequence_parallel
