@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from conftest import chain_profile, slow_link
+from protrain.cost.chunk_times import backup_times, check_times, chunk_transfer_times
 from protrain.cost.layout import build_layout
-from protrain.cost.time_model import backup_times, check_times, chunk_transfer_times, simulate
+from protrain.cost.time_model import simulate
 from protrain.plan import Plan
 from protrain.runtime import host_threads
 from protrain.runtime.node import NodeShare, from_launcher, node_share
