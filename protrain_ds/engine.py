@@ -542,7 +542,7 @@ class ProTrainEngine(DeepSpeedEngine):
         """This machine as the planner prices it (``refresh``: measured now, not cached): the
         node's rates, shared by this host's ranks (``HardwareProfile.ranks_per_node``)."""
         from protrain.cost.host_update import host_update_passes, runtime_update_rate
-        from protrain.profile.probe import probe_hardware
+        from protrain.measure.probe import probe_hardware
         from protrain.runtime.runtime import uses_native_kernel
         cfg = self.protrain_config
         hw = probe_hardware(self.device, progress=cfg.verbosity >= 2, refresh=refresh,

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from protrain.block_mode import CKPT, NONE, SWAP
-from protrain.cost.layout import build_layout
-from protrain.cost.runtime import CHECK_PER_ADAM, simulate
+from protrain.layout import build_layout
+from protrain.cost.chunk_times import CHECK_PER_ADAM
+from protrain.cost.time_model import simulate
 
 from conftest import chain_profile, slow_link
 

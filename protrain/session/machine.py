@@ -20,7 +20,7 @@ _LINKS: dict = {}
 def probe_links(dp: DataParallel, device: torch.device) -> tuple[float, float]:
     """(all-gather, all-to-all) bandwidth between the ranks, measured once per process and
     world (every rank takes part: an engine built again in the same job does not re-measure)."""
-    from ..profile.probe import probe_alltoall, probe_collective
+    from ..measure.probe import probe_alltoall, probe_collective
     if dp.world == 1:
         return 0.0, 0.0
     key = (dp.world, str(device))
@@ -35,7 +35,7 @@ def with_storage_and_links(hw: HardwareProfile, *, device: torch.device, ssd_pat
     several ranks the links between them (``probe_links``) and this rank's share of the
     host's memory."""
     if ssd_path:
-        from ..profile.probe import probe_storage
+        from ..measure.probe import probe_storage
         ssd = probe_storage(ssd_path, device)
         if verbose:
             print(f"ProTrain: SSD tier at {ssd_path} via {ssd['backend']}: write "

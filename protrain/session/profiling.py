@@ -29,7 +29,7 @@ def profile_batch(module: nn.Module, blocks, inputs, kwargs, *, shape: tuple[int
     (micro-batch, sequence), and how many cross_entropy calls its forward made (sequence
     shards need the loss inside the model). ``length``: profile the first tokens only.
     ``eager()``: the context the profiled iteration runs in (compiled blocks run eagerly)."""
-    from ..profile.tracer import profile_model
+    from ..measure.profiler import profile_model
     from ..sp.batch import LossProbe, truncate
     micro_batch, seq = shape
     length = min(length or seq, seq) if seq else None
