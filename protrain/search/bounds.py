@@ -1,7 +1,7 @@
-"""Lower bounds on a plan's step time, the order in which the search simulates candidates and
-the test by which it stops: no remaining bound can beat the best time found. Each is a resource
-alone - compute, each copy queue, the activation writes, the CPU optimizer - or a chain of them
-the time model (cost.runtime) cannot shorten, so each holds for every plan, not only near the
+"""Lower bounds on a plan's step time: the search simulates candidates in their order and
+stops once no remaining bound can beat the best time found. Each is a resource alone -
+compute, each copy queue, the activation writes, the CPU optimizer - or a chain of them the
+time model (cost.runtime) cannot shorten, so each holds for every plan, not only near the
 optimum (tests/test_search.py checks every one against the simulation)."""
 from __future__ import annotations
 
