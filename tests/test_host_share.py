@@ -1,7 +1,7 @@
 """Ranks that share a host: the cost model prices each at its share of the host's rates, each
 rank's CPU Adam takes its share of the cores, the probe's cache entry is one per threads and
 ranks per node, and plans record the ranks per node (cost.host_share, runtime.node,
-runtime.host_threads, profile.probe)."""
+runtime.host_threads, measure.probe)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import chain_profile, slow_link
-from protrain.cost.layout import build_layout
+from protrain.layout import build_layout
 from protrain.cost.runtime import backup_times, check_times, chunk_transfer_times, simulate
 from protrain.plan import Plan
 from protrain.runtime import host_threads
@@ -164,7 +164,7 @@ def test_the_kernels_run_on_the_given_threads_and_give_the_same_bits():
 
 
 def test_the_probe_cache_is_keyed_on_threads_and_ranks_per_node(tmp_path, monkeypatch):
-    from protrain.profile import probe
+    from protrain.measure import probe
     measured = []
 
     def fake(device, size_mib, adam_params, progress, threads, rank_threads):

@@ -1,7 +1,7 @@
 """What one rank gets of its host: the host rates a rank is priced at when several share a node.
 
 ``HardwareProfile`` holds the node's figures, measured by one process with all the node's cores
-while the node's other ranks wait (``profile.probe``), and ``ranks_per_node``. When the ranks
+while the node's other ranks wait (``measure.probe``), and ``ranks_per_node``. When the ranks
 run host work at once - and data-parallel ranks in step do: each updates its shard of the same
 chunk as the same gradients land - each gets about 1/ranks_per_node of it:
 

@@ -1,6 +1,6 @@
 """HardwareProfile: the machine figures the cost models need, measured or published.
 
-Measured by ``protrain.profile.probe.probe_hardware`` (cached on disk), or taken from a named
+Measured by ``protrain.measure.probe.probe_hardware`` (cached on disk), or taken from a named
 machine in ``protrain.profile.machines`` for planning before a GPU is rented.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ class HardwareProfile(JsonValue):
     around the Adam kernel (``cost.host_update``). 0: not measured; not priced then."""
     host_update_overhead: float = 0.0
     """Seconds of the runtime's own work per offloaded chunk update beyond the work per
-    parameter (its bookkeeping in Python, the kernel call, the reset; ``profile.update_overhead``):
+    parameter (its bookkeeping in Python, the kernel call, the reset; ``measure.update_overhead``):
     added to every offloaded chunk's CPU Adam time. 0: not measured (published machines)."""
     cpu_adam_kernel_rate: float = 0.0
     """When ``cpu_adam_rate`` is the runtime's whole update (the kernel and the passes around

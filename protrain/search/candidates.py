@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..block_mode import layout_codes
-from ..cost.layout import ChunkLayout
+from ..layout import ChunkLayout
 
 
 @dataclass

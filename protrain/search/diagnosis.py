@@ -10,8 +10,8 @@ from typing import Callable
 import numpy as np
 
 from ..config import ALL, KNOB_NAMES, KnobPins, PlannerConfig
-from ..cost.layout import build_layout
 from ..cost.memory import buffer_numel
+from ..layout import build_layout
 from ..plan import Knobs, Plan
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile

@@ -10,10 +10,10 @@ import numpy as np
 
 from ..block_mode import BlockMode, layout_block_modes, modes_string, same_counts
 from ..config import PlannerConfig
-from ..cost.layout import build_layout
 from ..cost.memory import MemoryPrediction, offload_bytes, predict_memory
 from ..cost.predicted_timeline import predicted_timeline
 from ..cost.runtime import simulate
+from ..layout import build_layout
 from ..plan import ChunkSummary, Knobs, Plan, Prediction
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile

@@ -9,8 +9,8 @@ import numpy as np
 
 from ..block_mode import CKPT, SEL, layout_codes
 from ..config import ALL, PlannerConfig
-from ..cost.layout import build_layout, chunk_capacities, why_persistent
 from ..cost.memory import activation_walk, buffer_numel, offload_bytes
+from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..units import fmt_bytes

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .hardware import HardwareProfile
+from ..profile.hardware import HardwareProfile
 from .update_overhead import measure_update_overhead
 
 PROBE_VERSION = 7
