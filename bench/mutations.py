@@ -70,7 +70,7 @@ MUTATIONS = (
              (("protrain/cost/memory.py", "    own = saved - kept\n", "    own = saved\n"),),
              REAL_MEMORY),
     Mutation("recompute_time", "drop recompute time: a CKPT block's backward costs no forward",
-             (("protrain/cost/runtime.py",
+             (("protrain/cost/time_backward.py",
                "redo = np.where(m == CKPT, part.fwd_time, np.where(m == SEL, part.sel_recompute_time, 0.0))",
                "redo = np.where(m == SEL, part.sel_recompute_time, 0.0)"),),
              ("tests/test_block_shapes.py::test_predicted_recompute_time_is_the_recompute_the_runtime_runs",),

@@ -9,7 +9,7 @@ from protrain.block_mode import layout_block_modes, layout_codes
 from protrain.config import KnobPins, PlannerConfig
 from protrain.layout import build_layout, chunk_capacities
 from protrain.cost.memory import norm_scratch_bytes, predict_memory, ssd_bytes, state_bytes, swap_host_bytes
-from protrain.cost.runtime import simulate
+from protrain.cost.time_model import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
 from protrain.profile.machines import machine
 from protrain.search import (InfeasibleError, bytes_moved, evaluate, hedged_key, max_ssd_blocks, plan_key,

@@ -1,7 +1,7 @@
 """Lower bounds on a plan's step time: the search simulates candidates in their order and
 stops once no remaining bound can beat the best time found. Each is a resource alone -
 compute, each copy queue, the activation writes, the CPU optimizer - or a chain of them the
-time model (cost.runtime) cannot shorten, so each holds for every plan, not only near the
+time model (cost.time_model) cannot shorten, so each holds for every plan, not only near the
 optimum (tests/test_search.py checks every one against the simulation)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 
 from ..block_mode import CKPT, SEL
 from ..config import PlannerConfig
+from ..cost.chunk_times import backup_times, check_times, chunk_transfer_times, persistent_allreduce_time
 from ..cost.host_share import rank_rates
-from ..cost.runtime import backup_times, check_times, chunk_transfer_times, persistent_allreduce_time
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from .candidates import ActivationConfigs, CandidateGrid
@@ -19,7 +19,7 @@ from .policy import checks_on_host, speculation_max, weak_cpu_bound
 
 def forward_write_bound(profile: ModelProfile, hw: HardwareProfile, csum: np.ndarray,
                         n_swap: np.ndarray, n_ssd: np.ndarray) -> np.ndarray:
-    """A lower bound on the end of forward from the activation writes (cost.runtime): part
+    """A lower bound on the end of forward from the activation writes (cost.time_model): part
     p >= 2 waits for the write of block part p - 2, so the post part starts after every write
     queued for the blocks before the last one (writes of one queue run one after another).
     SWAP writes use the D2H queue; SSD writes have their own queue under GPUDirect Storage and
@@ -49,7 +49,7 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
                      acts: ActivationConfigs, layout, a_idx, np_idx, nb, host):
     """A lower bound on the time of an optimizer step for points (activation configuration
     ``a_idx``, ``np_idx`` persistent chunks, ``nb`` buffers, ``host`` bytes of host memory):
-    each resource alone (see cost.runtime for the queues), for the boundary micro-step and for
+    each resource alone (see cost.time_model for the queues), for the boundary micro-step and for
     the (gas - 1) others. Returns (bound, forward's part, the device's backward and optimizer,
     the accumulation micro-steps): the parts ``refine_cpu_bound`` rebuilds it from."""
     world = config.data_parallel_size
@@ -74,7 +74,7 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
     lb = fwd_lb + np.maximum(bwd_lb + gpu, cpu_lb)
     tail = np.zeros(len(lb))
     if config.grad_accumulation_steps > 1:
-        # A micro-step without the optimizer ends with backward's compute (cost.runtime does
+        # A micro-step without the optimizer ends with backward's compute (cost.time_model does
         # not wait for the last gradient copies there), so the D2H queue is no bound on it.
         tail = (config.grad_accumulation_steps - 1) * (fwd_lb + bwd_lb)
         lb = lb + tail
@@ -86,7 +86,7 @@ def _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, 
     offloaded chunks) cannot beat."""
     nch = layout.n_chunks
     if weak_cpu_bound(config, hw):
-        # Updates left for after backward run on into the next forward (cost.runtime's
+        # Updates left for after backward run on into the next forward (cost.time_model's
         # carry_over): the step is at least the device's work and at least CPU Adam's, with
         # the verdict checks when there are (clipping / fp16).
         checks = host_checks(layout, hw, config, np_idx)
@@ -112,7 +112,7 @@ def _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, 
 class SpeculatingIterationBound:
     """A lower bound on the iteration of a plan whose CPU Adam waits for the step's verdict
     (clipping / fp16) and runs on into the next forward, for each count s of speculating
-    chunks (the top s offloaded ones: cost.runtime backs each up, then updates it, during
+    chunks (the top s offloaded ones: cost.time_model backs each up, then updates it, during
     backward). Counted from one forward's end to the next, with c the chunk whose update the
     CPU does last (n - s - 1, the last left for after backward in chunk order; with every
     offloaded chunk speculating, the lowest), and the next forward's upload of c starting

@@ -1,4 +1,4 @@
-"""Evaluation: what a plan costs by the time model (cost.runtime) and the memory model - the
+"""Evaluation: what a plan costs by the time model (cost.time_model) and the memory model - the
 step time of candidate points as the search ranks them (``simulate_points``, with the count of
 speculating chunks chosen by ``boundary_times``), and the full Plan with its predictions for
 given knobs (``evaluate``), one function for both so the two cannot disagree."""
@@ -12,7 +12,7 @@ from ..block_mode import BlockMode, layout_block_modes, modes_string, same_count
 from ..config import PlannerConfig
 from ..cost.memory import MemoryPrediction, offload_bytes, predict_memory
 from ..cost.predicted_timeline import predicted_timeline
-from ..cost.runtime import simulate
+from ..cost.time_model import simulate
 from ..layout import build_layout
 from ..plan import ChunkSummary, Knobs, Plan, Prediction
 from ..profile.hardware import HardwareProfile

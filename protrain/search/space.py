@@ -150,7 +150,7 @@ def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerCo
     lb, fwd_lb, dev_lb, tail_lb = step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nb, host)
     # Bytes per micro-step: offloaded chunks up in forward and their gradients down; chunks
     # not among the last n_buffer up again in backward; swapped and NVMe activations out
-    # and back in (cost.runtime counts the same).
+    # and back in (cost.time_model counts the same).
     ub = chunk_bytes_prefix(layout, profile, config)
     moved = config.grad_accumulation_steps * (
         2.0 * (ub[layout.n_chunks] - ub[np_idx]) + reupload_bytes(layout, profile, config, np_idx, nb) +
