@@ -96,6 +96,7 @@ class _SearchState:
 
     @classmethod
     def over(cls, profile, hw, config, acts, grids: list[CandidateGrid]) -> _SearchState:
+        """Every point of ``grids``, none simulated yet."""
         total = sum(len(g.lower_bound) for g in grids)
         return cls(profile, hw, config, acts, grids,
                    lower_bound=np.concatenate([g.lower_bound for g in grids]),
@@ -119,6 +120,7 @@ class _SearchState:
             yield gi, take[self.owner[take] == gi]
 
     def simulate(self, gi, sel: np.ndarray) -> None:
+        """Simulate points ``sel`` (all of grid ``gi``) with their most buffers."""
         self.times[sel] = simulate_points(self.profile, self.hw, self.config, self.acts, self.grids[gi],
                                           self.local[sel])
         self.simulated[sel] = True
