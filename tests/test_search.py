@@ -366,6 +366,11 @@ def test_impossible_pins_are_named():
     # the reason seen, not a guess: here the head shares the embedding (tied)
     assert "is below 1: chunk 0 is used by <pre>, <post> but not by" in str(e.value)
     assert "(used by <pre> and <post>)" in str(e.value) and "pin n_persist >= 1" in str(e.value)
+    # every knob pinned, n_persist "all": the one plan named with its chunk count
+    every = KnobPins(chunk_size=1 * MiB, n_persist="all", n_buffer=0, n_swap=0, n_checkpoint=0,
+                     n_ssd=0, n_selective=0)
+    with pytest.raises(InfeasibleError, match=r"the pinned plan does not work: plan Knobs\(chunk_size=1048576, n_persist=10,"):
+        search(prof, replace(hw, device_memory=hw.device_memory // 10), PlannerConfig(pins=every))
 
 
 def test_80_block_model_plans():

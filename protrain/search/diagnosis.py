@@ -63,9 +63,9 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
     fixed.setdefault("n_selective", 0)
     if len(fixed) == len(KNOB_NAMES) - 1:
         # Every knob fixed: say which constraint that one plan breaks.
-        if pins["n_persist"] == ALL:
-            pins = dict(pins, n_persist=build_layout(
-                profile, pins["chunk_size"] // profile.param_bytes).n_chunks)
+        if pins["n_persist"] == ALL:     # "all": the chunk count of the pinned chunk size
+            every = build_layout(profile, pins["chunk_size"] // profile.param_bytes).n_chunks
+            pins, fixed = dict(pins, n_persist=every), dict(fixed, n_persist=every)
         try:
             evaluate(profile, hw, Knobs(**fixed), config, check_fit=True)
         except InfeasibleError as e:
