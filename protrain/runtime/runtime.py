@@ -228,7 +228,7 @@ class ProTrainRuntime:
         self.streams.synchronize()                # copies into the gradient regions included
         if not grads:
             self.optimizer.discard_gradients()    # this micro-batch's partial gradients
-        return RuntimeState(export_pieces(self.chunks, grads=grads), grads=grads)
+        return RuntimeState(pieces=export_pieces(self.chunks, grads=grads), grads=grads)
 
     def import_state(self, state: RuntimeState, *, exchange: DataParallel | None = None) -> None:
         """Take ``state`` (another runtime's ``export_state``, or a checkpoint's pieces) into
