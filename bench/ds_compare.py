@@ -140,7 +140,7 @@ def write_record(name: str, tag: str, args, results: list[dict], **extra) -> Pat
     import deepspeed
     import torch
     cuda = torch.cuda.is_available()
-    from protrain.profile.probe import _cpu_model
+    from protrain.measure.probe import _cpu_model
     # Timings compare only on one machine: the CPU model says which (ratios move with its
     # compute-to-copy balance).
     device = torch.cuda.get_device_name(0) if cuda else f"cpu ({_cpu_model()})"

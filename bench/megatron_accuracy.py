@@ -70,7 +70,7 @@ def measure(model, sample, applied, device, reps):
     peak is max_memory_allocated above the level before the step on CUDA, glibc's bytes in use
     (mallinfo2 after every op) above that level on CPU; it runs in an iteration of its own, since
     sampling every op slows it down."""
-    from protrain.profile.meter import HeapPeak
+    from protrain.measure.heap_peak import HeapPeak
 
     def iteration():
         model(**sample).float().mean().backward()

@@ -30,10 +30,11 @@ from protrain.block_mode import layout_block_modes
 from protrain.cost.memory import activation_walk
 from protrain.models import GPT, PRESETS, synthetic_batch
 from protrain.block_shapes import KINDS, ShapeConfig, ShapeNet, shape_batch
+from protrain.measure.heap_peak import HeapPeak
+from protrain.measure.profiler import drop_param_grads, profile_model
 from protrain.profile.blocks import find_blocks
-from protrain.profile.meter import HeapPeak, OpRecorder, StorageMeter, StorageRegistry
-from protrain.profile.tracer import drop_param_grads, profile_model
 from protrain.runtime.activations import checkpointed_blocks
+from protrain.runtime.meter import OpRecorder, StorageMeter, StorageRegistry
 
 
 def run_step(model, blocks, x, y, modes, device, reps=3):

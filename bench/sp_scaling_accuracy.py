@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from protrain.models import GPT, GPTConfig, synthetic_batch
-from protrain.profile.tracer import profile_model
+from protrain.measure.profiler import profile_model
 from protrain.sp import scale_profile
 
 

@@ -1,4 +1,4 @@
-"""Records the measured iteration shown in the README beside its prediction:
+"""Records the measured iteration drawn in docs/how-it-decides.md beside its prediction:
 
     python bench/timeline_example.py && protrain explain /tmp/readme_plan.json --plot docs/timeline-cpu.png --trace /tmp/readme_trace.json
 """

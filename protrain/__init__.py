@@ -25,8 +25,8 @@ _LAZY = {
     "InfeasibleError": "protrain.search",
     "ModelProfile": "protrain.profile.model_profile",
     "HardwareProfile": "protrain.profile.hardware",
-    "profile_model": "protrain.profile.tracer",
-    "probe_hardware": "protrain.profile.probe",
+    "profile_model": "protrain.measure.profiler",
+    "probe_hardware": "protrain.measure.probe",
     "find_blocks": "protrain.profile.blocks",
 }
 

@@ -223,8 +223,8 @@ def _analytic(args):
 def _measured(args):
     import torch
     from .models import GPT, PRESETS, synthetic_batch
-    from .profile.probe import probe_hardware
-    from .profile.tracer import profile_model
+    from .measure.probe import probe_hardware
+    from .measure.profiler import profile_model
     name = args.model or ("gpt-small" if torch.cuda.is_available() else "gpt-tiny")
     if name not in PRESETS:
         raise ValueError(f"--measure profiles the built-in GPT: --model one of {', '.join(PRESETS)}")
@@ -256,7 +256,7 @@ def _measured(args):
 
 
 def _cmd_probe(args) -> int:
-    from .profile.probe import probe_hardware
+    from .measure.probe import probe_hardware
     hw = probe_hardware(refresh=args.refresh)
     print(hw.describe())
     if args.save:

@@ -185,7 +185,7 @@ class Plan(JsonValue):
 
     def layout(self):
         """The chunk layout this plan runs with."""
-        from .cost.layout import layout_of
+        from .layout import layout_of
         return layout_of(self.params, len(self.block_modes) + 2, self.param_bytes,
                          self.knobs.chunk_size // self.param_bytes)
 

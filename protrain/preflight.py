@@ -138,7 +138,7 @@ def check_profile_length(profile_seq_len: int | None, seq_len: int | None,
 def max_chunks(facts: ModelFacts, chunk_numel: int) -> int:
     """Most chunks the trainable parameters can fill at ``chunk_numel`` elements each, in any
     execution order: packing starts a chunk only when the next parameter does not fit, so two
-    neighbouring chunks hold more than one chunk's capacity (cost/layout.py), and a chunk
+    neighbouring chunks hold more than one chunk's capacity (protrain/layout.py), and a chunk
     holds at least one parameter."""
     if facts.trainable_params == 0:
         return 0
@@ -209,7 +209,7 @@ def _check_chunk_pins(config: PlannerConfig, facts: ModelFacts, where: str) -> N
 
 
 def _capacities(config: PlannerConfig, facts: ModelFacts) -> tuple[int, ...]:
-    from .cost.layout import capacities
+    from .layout import capacities
     if config.pins.chunk_size is not None:
         return (config.pins.chunk_size // facts.param_bytes,)
     return capacities(facts.largest_param, facts.trainable_params, facts.param_bytes,

@@ -23,7 +23,7 @@ import numpy as np
 
 from .block_mode import CKPT, SEL, BlockMode, layout_block_modes, layout_codes, modes_string, same_counts
 from .config import ALL, KNOB_NAMES, PlannerConfig
-from .cost.layout import ChunkLayout, build_layout, chunk_capacities, why_persistent
+from .layout import ChunkLayout, build_layout, chunk_capacities, why_persistent
 from .cost.predicted_timeline import predicted_timeline
 from .cost.memory import (activation_walk, buffer_numel, norm_scratch_bytes, offload_bytes, predict_memory,
                           state_bytes)

@@ -2,8 +2,8 @@
 
 One event format for predicted and measured time: the cost model's simulation emits a
 Timeline for a plan (``cost.runtime.simulate_timeline``), the runtime records one per
-iteration (``runtime.trace.Tracer``); both are drawn the same way, side by side, so the
-prediction is compared with the measurement like for like.
+iteration (``runtime.timeline_recorder.TimelineRecorder``); both are drawn the same way, side
+by side, so the prediction is compared with the measurement like for like.
 
 Lanes (top to bottom): compute (device kernels: forward, recompute, backward, device Adam),
 H2D and D2H (the copy queues: chunk uploads, gradient offloads, swapped activations), CPU Adam

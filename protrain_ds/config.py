@@ -101,8 +101,9 @@ class ProTrainDSConfig:
     where a launcher binds each rank to cores of its own (``--bind_cores_to_rank``)."""
     trace_file: str | None = None
     """Record the measured timeline of each iteration (compute per part, chunk copies, each CPU
-    Adam update) to this JSON file, rewritten as each iteration ends (runtime/trace.py); draw it
-    beside the plan's prediction with ``protrain explain PLAN.json --plot out.png --trace FILE``."""
+    Adam update) to this JSON file, rewritten as each iteration ends
+    (runtime/timeline_recorder.py); draw it beside the plan's prediction with
+    ``protrain explain PLAN.json --plot out.png --trace FILE``."""
     host_thread: bool | None = None
     """CPU Adam on a worker thread: None (default) where a GPU computes meanwhile; true also on a
     CPU "device" (to measure the overlap on CPU, with torch and the kernel on a core each)."""

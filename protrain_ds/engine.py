@@ -41,7 +41,7 @@ from protrain.preflight import ModelFacts, check_profile_length, check_settings
 from protrain.profile.blocks import find_blocks
 from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
-from protrain.profile.probe import probe_alltoall, probe_collective
+from protrain.measure.probe import probe_alltoall, probe_collective
 from protrain.runtime.collectives import DataParallel, host_side
 from protrain.runtime.node import NodeShare, node_share
 from protrain.runtime.options import RuntimeOptions
@@ -509,7 +509,7 @@ class ProTrainEngine(DeepSpeedEngine):
         cfg = self.protrain_config
         hw = self._hardware()
         if cfg.ssd_path:
-            from protrain.profile.probe import probe_storage
+            from protrain.measure.probe import probe_storage
             ssd = probe_storage(cfg.ssd_path, self.device)
             if cfg.verbosity >= 1:
                 print(f"ProTrain: SSD tier at {cfg.ssd_path} via {ssd['backend']}: write "
@@ -662,7 +662,7 @@ class ProTrainEngine(DeepSpeedEngine):
         ``profile_seq_len`` (or, when the batch's sequence runs out of device memory, at halves
         of it) the first tokens are profiled and protrain.sp.scaling rescales the profile to
         the full sequence."""
-        from protrain.profile.tracer import profile_model
+        from protrain.measure.profiler import profile_model
         from protrain.sp.batch import LossProbe, truncate
         cfg = self.protrain_config
         micro_batch, seq = _batch_shape(inputs, kwargs)
@@ -710,7 +710,7 @@ class ProTrainEngine(DeepSpeedEngine):
         """This machine as the planner prices it (``refresh``: measured now, not cached): the
         node's rates, shared by this host's ranks (``HardwareProfile.ranks_per_node``)."""
         from protrain.cost.host_update import host_update_passes, runtime_update_rate
-        from protrain.profile.probe import probe_hardware
+        from protrain.measure.probe import probe_hardware
         from protrain.runtime.runtime import uses_native_kernel
         cfg = self.protrain_config
         hw = probe_hardware(self.device, progress=cfg.verbosity >= 2, refresh=refresh,

@@ -190,7 +190,7 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
                 else profile
             hw = hardware or _probe(device, verbose)
             if ssd_path:
-                from protrain.profile.probe import probe_storage
+                from protrain.measure.probe import probe_storage
                 ssd = probe_storage(ssd_path, device)
                 hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
             local = _ranks_per_node()
@@ -235,7 +235,7 @@ def profile_megatron(core: nn.Module, sample: Sample, *, device: torch.device,
                      progress: bool = True) -> ModelProfile:
     """One traced keep-all iteration of ``core`` on ``sample`` (Megatron's recompute is
     switched off meanwhile: the profile must see every activation)."""
-    from protrain.profile.tracer import profile_model
+    from protrain.measure.profiler import profile_model
 
     from .policy import _configs
     layers = decoder_layers(core)
@@ -362,7 +362,7 @@ def _empty_cache(device) -> None:
 def _probe(device, verbose):
     """The node's figures, measured once per node (the cache entry parse_time_hardware's probe
     wrote, when it ran: the same ranks per node and threads)."""
-    from protrain.profile.probe import probe_hardware
+    from protrain.measure.probe import probe_hardware
     return probe_hardware(device=device, progress=verbose, ranks_per_node=_ranks_per_node())
 
 

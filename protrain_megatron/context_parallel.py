@@ -246,12 +246,12 @@ def parse_time_hardware():
     """The hardware figures to plan with before torch.distributed or the model exist: the
     probe's on this rank's device, measured once per node - every rank of the launch gets
     here at once, and one of a node's ranks measures while the others wait on the probe's lock
-    and then read its figures (protrain.profile.probe), so they are the same on every rank of
+    and then read its figures (protrain.measure.probe), so they are the same on every rank of
     the node and uncontended. Ranks on other nodes measure their own: figures that differ
     could still split the choice; the get_model wrapper checks that the ranks agreed."""
     import torch
 
-    from protrain.profile.probe import probe_hardware
+    from protrain.measure.probe import probe_hardware
     from protrain.runtime.node import before_connect
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))   # as Megatron will

@@ -25,7 +25,7 @@ from torch import nn
 
 from protrain.block_mode import BlockMode, modes_string
 from protrain.plan import Plan
-from protrain.profile.meter import storage_ptr
+from protrain.runtime.meter import storage_ptr
 from protrain.runtime.activations import ActivationRuntime
 from protrain.runtime.boundaries import first_tensor, part_boundaries
 from protrain.runtime.runtime import DeviceAccounting

@@ -488,10 +488,10 @@ def deferred_streams(monkeypatch):
         s = DeferredStreams(device)
         made.append(s)
         return s
-    import protrain.profile.tracer as tracer_mod
+    import protrain.measure.profiler as profiler_mod
     import protrain.runtime.runtime as rt_mod
     import protrain_megatron.policy as policy_mod
     monkeypatch.setattr(rt_mod, "Streams", factory)
     monkeypatch.setattr(policy_mod, "Streams", factory)
-    monkeypatch.setattr(tracer_mod, "Streams", factory, raising=False)
+    monkeypatch.setattr(profiler_mod, "Streams", factory, raising=False)
     yield made

@@ -143,7 +143,7 @@ def budget_between(cfg, mb: int, world: int, pins: dict, short: int, long: int) 
     from protrain.config import PlannerConfig
     from protrain.models import GPT, synthetic_batch
     from protrain.profile.hardware import HardwareProfile
-    from protrain.profile.tracer import profile_model
+    from protrain.measure.profiler import profile_model
     from protrain.search import InfeasibleError, search
     from protrain.sp import scale_profile
     from protrain_ds.config import ProTrainDSConfig

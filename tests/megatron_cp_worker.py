@@ -91,7 +91,7 @@ def _probe_at_parsing(rank: int, world: int, out_dir: str) -> dict:
     import time
     from pathlib import Path
 
-    from protrain.profile import probe
+    from protrain.measure import probe
     from protrain_megatron.context_parallel import parse_time_hardware
     out = Path(out_dir)
     os.environ["PROTRAIN_CACHE"] = str(out / "probe-cache")

@@ -13,9 +13,9 @@ from protrain.block_shapes import ShapeConfig, ShapeNet, shape_batch
 from protrain.config import PlannerConfig
 from protrain.plan import Knobs, Plan
 from protrain.profile.hardware import HardwareProfile
-from protrain.profile.meter import HeapPeak
+from protrain.measure.heap_peak import HeapPeak
 from protrain.profile.model_profile import ModelProfile
-from protrain.profile.tracer import profile_model
+from protrain.measure.profiler import profile_model
 from protrain.runtime.adam import AdamHyper
 from protrain.runtime.options import OptimizerSetup, RuntimeOptions
 from protrain.runtime.runtime import ProTrainRuntime

@@ -160,7 +160,7 @@ def budget_between(spec, world: int, degrees=(1, 2)) -> int:
     import torch
     from protrain.config import KnobPins, PlannerConfig
     from protrain.profile.hardware import HardwareProfile
-    from protrain.profile.tracer import profile_model
+    from protrain.measure.profiler import profile_model
     from protrain.search import InfeasibleError
     from protrain.sp.planner import search_sequence_parallel
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from shape_runs import HW, plan_for, run, shape
 
 from protrain.block_shapes import KINDS
 from protrain.config import KnobPins
-from protrain.profile.meter import heap_bytes
+from protrain.measure.heap_peak import heap_bytes
 from protrain.search import InfeasibleError
 
 LAYOUTS = ("NNNN", "CCCC", "SSNN", "SCNC", "DSCN")

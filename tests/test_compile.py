@@ -271,7 +271,7 @@ def test_deepcompile_and_a_compile_schedule_are_refused_saying_why():
 
 def test_the_profiler_runs_compiled_pieces_eager_and_refuses_a_compiled_model():
     from protrain.models import GPTConfig
-    from protrain.profile.tracer import profile_model
+    from protrain.measure.profiler import profile_model
     cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
     torch.manual_seed(0)
     model = GPT(cfg)

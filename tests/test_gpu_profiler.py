@@ -6,8 +6,8 @@ import torch
 from protrain.block_mode import layout_block_modes
 from protrain.cost.memory import activation_walk
 from protrain.models import GPT, GPTConfig, synthetic_batch
-from protrain.profile.probe import probe_hardware
-from protrain.profile.tracer import drop_param_grads, profile_model
+from protrain.measure.probe import probe_hardware
+from protrain.measure.profiler import drop_param_grads, profile_model
 from protrain.runtime.activations import checkpointed_blocks
 
 pytestmark = pytest.mark.gpu
@@ -67,7 +67,7 @@ def test_probe_counts_memory_reserved_by_this_process_as_available(tmp_path):
     """A profiling iteration's peak stays reserved by the caching allocator after it: it is
     this process's to use, so the capacity must not drop by it (b570a15 counted free +
     allocated - 512 MiB, and cached the figure on disk)."""
-    from protrain.profile.probe import device_capacity
+    from protrain.measure.probe import device_capacity
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.empty_cache()
     before = device_capacity(dev)

@@ -9,7 +9,7 @@ import torch
 from protrain.block_mode import BlockMode
 from protrain.cost.memory import activation_walk
 from protrain.models import GPT, GPTConfig, synthetic_batch
-from protrain.profile.tracer import drop_param_grads, profile_model
+from protrain.measure.profiler import drop_param_grads, profile_model
 from protrain.runtime.activations import checkpointed_blocks
 from protrain.runtime.selective import ATTENTION_OPS
 

@@ -51,7 +51,7 @@ def test_the_runtime_makes_the_passes_the_table_says(monkeypatch):
     from dstrain import base_config, train, with_protrain
     from test_ds_engine import SHAPES
 
-    from protrain.profile.probe import probe_hardware
+    from protrain.measure.probe import probe_hardware
     probe_hardware(torch.device("cpu"), progress=False)   # cached: the probe's own passes not counted
     calls = {"mul_": 0, "zero_": 0}
     for name in calls:
@@ -83,7 +83,7 @@ def test_the_runtimes_time_per_chunk_update_is_priced_per_offloaded_chunk():
     (updates after backward, inline) the exposed time grows by exactly the offloaded chunks
     times it, and the search still agrees with a brute-force evaluation."""
     from protrain.config import KnobPins, PlannerConfig
-    from protrain.cost.layout import build_layout
+    from protrain.layout import build_layout
     from protrain.cost.runtime import chunk_transfer_times
     from protrain.profile.analytic import ModelShape, analytic_profile
     from protrain.search import evaluate, search
@@ -111,11 +111,11 @@ def test_the_runtimes_time_per_chunk_update_is_priced_per_offloaded_chunk():
 
 
 def test_the_measured_time_per_chunk_excludes_the_kernel(monkeypatch):
-    """profile/update_overhead.py steps the real ChunkOptimizer and leaves out what its kernel
+    """measure/update_overhead.py steps the real ChunkOptimizer and leaves out what its kernel
     calls take: a kernel made 3 ms slower per call does not move it by 3 ms."""
     import time
 
-    from protrain.profile.update_overhead import measure_update_overhead
+    from protrain.measure.update_overhead import measure_update_overhead
     from protrain.runtime.adam import CPUAdamKernel
     plain = measure_update_overhead(reps=3)
     assert 0 < plain < 3e-3
@@ -200,7 +200,7 @@ def test_the_probe_of_the_time_per_chunk_calls_no_collective(monkeypatch):
     ranks running, the probe's step is a world of one (a collective would hang)."""
     import torch.distributed as dist
 
-    from protrain.profile.update_overhead import measure_update_overhead
+    from protrain.measure.update_overhead import measure_update_overhead
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)

@@ -115,6 +115,31 @@ def test_no_import_circle_between_files():
                          f"functions included): {circles}; move what both need into a module of its own")
 
 
+# What each layer may not import: the runtime stands below the measuring code, the cost and
+# search models, the planning session, the CLI and the adapters (it runs a Plan it is given);
+# the profile values stand below the runtime and the measuring code that fills them in.
+_LAYERS_BELOW = {
+    "protrain.runtime": ("protrain.measure", "protrain.cost", "protrain.search", "protrain.session",
+                         "protrain.cli", *ADAPTERS),
+    "protrain.profile": ("protrain.runtime", "protrain.measure"),
+}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_layers_import_only_downward():
+    graph = _import_graph()
+    assert all(any(_within(mod, layer) for mod in graph) for layer in _LAYERS_BELOW)
+    upward = sorted(f"{mod} -> {dep}" for mod, deps in graph.items()
+                    for layer, banned in _LAYERS_BELOW.items() if _within(mod, layer)
+                    for dep in deps if any(_within(dep, b) for b in banned))
+    assert not upward, (f"imports that run back up a layer: {upward}; move what the lower layer "
+                        f"needs down into it (a value beside Plan, the runtime's own meter), or the "
+                        f"code that uses the upper layer up into it (protrain/measure/)")
+
+
 def _runtime_private_names() -> set[str]:
     """Private attributes and methods the runtime's classes define for themselves."""
     names = set()

@@ -1,7 +1,7 @@
 """Chunk layout: execution-order packing, tied parameters, buffer minimums."""
 import pytest
 
-from protrain.cost.layout import build_layout, chunk_capacities
+from protrain.layout import build_layout, chunk_capacities
 from protrain.profile.model_profile import ModelProfile, ParamRecord
 
 from conftest import chain_profile, part
@@ -63,7 +63,7 @@ def test_chunk_capacities_skip_sizes_below_the_largest_parameter():
 def test_why_a_chunk_must_persist_names_its_parameters_and_parts():
     """Tied embeddings are one reason; parameters of parts far apart packed side by side (an
     unused expert at the tail, next to the head) are another: the note names what it sees."""
-    from protrain.cost.layout import why_persistent
+    from protrain.layout import why_persistent
     prof = chain_profile(block_params=(100, 100), pre_params=100, tied=True)
     names = tuple(p.name for p in prof.parts)
     layout = build_layout(prof, 100)

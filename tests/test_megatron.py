@@ -408,7 +408,7 @@ def test_stage_profile_per_tensor_parallel_rank(monkeypatch):
     from types import SimpleNamespace as NS
 
     from protrain_megatron.training import REPLICATED_SHARE, stage_profile
-    monkeypatch.setattr("protrain.profile.probe.probe_hardware", lambda **k: HW)
+    monkeypatch.setattr("protrain.measure.probe.probe_hardware", lambda **k: HW)
     args = NS(hidden_size=1024, num_attention_heads=16, padded_vocab_size=32000, seq_length=2048,
               micro_batch_size=2, swiglu=False, group_query_attention=False, ffn_hidden_size=4096,
               untie_embeddings_and_output_weights=False, max_position_embeddings=2048, bf16=True,

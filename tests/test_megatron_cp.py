@@ -82,7 +82,7 @@ def test_the_planner_picks_cp2_and_it_trains_like_cp1(tmp_path):
 
 
 def _probed_once_per_node(tmp_path, results):
-    from protrain.profile.probe import cache_key
+    from protrain.measure.probe import cache_key
     from protrain.runtime.node import node_cores
     log = [json.loads(line) for line in (tmp_path / "measured.log").read_text().splitlines()]
     assert len(log) == 1                                # one measurement for the node

@@ -4,7 +4,7 @@ from dataclasses import replace
 import numpy as np
 
 from protrain.block_mode import CKPT, NONE, SWAP, BlockMode
-from protrain.cost.layout import build_layout
+from protrain.layout import build_layout
 from protrain.cost.memory import (activation_walk, buffer_numel, model_state_device_bytes,
                                   model_state_host_bytes, norm_scratch_bytes, predict_memory,
                                   state_bytes, swap_host_bytes)

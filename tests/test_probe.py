@@ -1,9 +1,9 @@
 """Hardware probe on CPU: positive measurements, cached by hardware and software."""
 from dataclasses import replace
 
-from protrain.profile import probe
+from protrain.measure import probe
 from protrain.profile.hardware import HardwareProfile
-from protrain.profile.probe import cache_key, probe_hardware
+from protrain.measure.probe import cache_key, probe_hardware
 
 
 def test_probe_measures_and_caches(tmp_path):

@@ -9,11 +9,11 @@ from torch import nn
 from protrain.block_mode import layout_block_modes
 from protrain.cost.memory import activation_walk
 from protrain.models import GPT, GPTConfig, synthetic_batch
-from protrain.profile import tracer
+from protrain.measure import profiler
 from protrain.profile.blocks import find_blocks
-from protrain.profile.meter import OpRecorder, StorageMeter, StorageRegistry
+from protrain.runtime.meter import OpRecorder, StorageMeter, StorageRegistry
 from protrain.profile.model_profile import ModelProfile
-from protrain.profile.tracer import drop_param_grads, profile_model
+from protrain.measure.profiler import drop_param_grads, profile_model
 from protrain.runtime.activations import checkpointed_blocks
 
 CFG = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=64)
@@ -122,12 +122,12 @@ def test_streamed_profile_matches_and_holds_one_block(monkeypatch):
     x, y = synthetic_batch(CFG, 2)
     plain = profile_model(model, lambda m: m(x, y), progress=False)
     loaded_counts = []
-    real_load = tracer._ParamStreamer.load
+    real_load = profiler._ParamStreamer.load
 
     def load(self, i):
         real_load(self, i)
         loaded_counts.append(len(self.loaded))
-    monkeypatch.setattr(tracer._ParamStreamer, "load", load)
+    monkeypatch.setattr(profiler._ParamStreamer, "load", load)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     streamed = profile_model(model, lambda m: m(x, y), progress=False, stream_params=True)
     assert loaded_counts and max(loaded_counts) == 1   # one block's parameters at a time
@@ -189,14 +189,14 @@ def test_uploads_of_streamed_weights_are_timed_as_no_part(monkeypatch):
     import types
     jump = [0.0]
     clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + jump[0])
-    monkeypatch.setattr(tracer, "time", clock)
-    real_load = tracer._ParamStreamer.load
+    monkeypatch.setattr(profiler, "time", clock)
+    real_load = profiler._ParamStreamer.load
 
     def slow_load(self, i):
         if i not in self.loaded:
             jump[0] += 10.0
         real_load(self, i)
-    monkeypatch.setattr(tracer._ParamStreamer, "load", slow_load)
+    monkeypatch.setattr(profiler._ParamStreamer, "load", slow_load)
     torch.manual_seed(0)
     model = GPT(CFG)
     x, y = synthetic_batch(CFG, 2)
@@ -228,7 +228,7 @@ def test_parameters_forward_never_used_are_packed_with_their_block():
     """Experts no token reached in the profiled batch are placed with their block (before the
     next block's parameters), not at the tail beside the head: no chunk is then used by parts
     that are not adjacent, and none has to persist."""
-    from protrain.cost.layout import build_layout
+    from protrain.layout import build_layout
     from sparse_models import MoEGPT
     cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16, tie_embeddings=False)
     torch.manual_seed(0)
@@ -245,3 +245,11 @@ def test_parameters_forward_never_used_are_packed_with_their_block():
     assert names.index(block0[-1]) < names.index("transformer.h.1.ln_1.weight")
     layout = build_layout(prof, max(rec.numel for rec in prof.params))
     assert layout.min_persist == 0
+
+
+def test_the_profile_cache_key_reads_the_profilers_own_files():
+    """The cache key hashes the profiler's source files by path; a file moved or renamed
+    without updating the list would silently drop out of the key (hashed as unreadable)."""
+    from protrain.profile import cache
+    missing = [f for f in cache._PROFILER_FILES if not (cache._PACKAGE / f).is_file()]
+    assert not missing, f"profile cache key lists files that do not exist: {missing}"

@@ -8,7 +8,7 @@ import torch
 from protrain.config import KnobPins, PlannerConfig
 from protrain.models import GPT, GPTConfig, synthetic_batch
 from protrain.profile.hardware import HardwareProfile
-from protrain.profile.tracer import profile_model
+from protrain.measure.profiler import profile_model
 from protrain.runtime.adam import AdamHyper
 from protrain.runtime.chunks import ChunkState
 from protrain.runtime.options import OptimizerSetup

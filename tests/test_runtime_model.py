@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from protrain.block_mode import CKPT, NONE, SWAP
-from protrain.cost.layout import build_layout
+from protrain.layout import build_layout
 from protrain.cost.runtime import CHECK_PER_ADAM, simulate
 
 from conftest import chain_profile, slow_link

@@ -7,7 +7,7 @@ import pytest
 
 from protrain.block_mode import layout_block_modes, layout_codes
 from protrain.config import KnobPins, PlannerConfig
-from protrain.cost.layout import build_layout, chunk_capacities
+from protrain.layout import build_layout, chunk_capacities
 from protrain.cost.memory import norm_scratch_bytes, predict_memory, ssd_bytes, state_bytes, swap_host_bytes
 from protrain.cost.runtime import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile

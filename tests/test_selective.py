@@ -11,8 +11,8 @@ from protrain.config import KnobPins, PlannerConfig
 from protrain.cost.memory import activation_walk
 from protrain.models import GPT, GPTConfig, synthetic_batch
 from protrain.profile.hardware import HardwareProfile
-from protrain.profile.meter import OpRecorder, StorageMeter, StorageRegistry
-from protrain.profile.tracer import drop_param_grads, profile_model
+from protrain.runtime.meter import OpRecorder, StorageMeter, StorageRegistry
+from protrain.measure.profiler import drop_param_grads, profile_model
 from protrain.runtime.activations import checkpointed_blocks
 from protrain.runtime.selective import ATTENTION_OPS
 from protrain.search import InfeasibleError, search

@@ -10,7 +10,7 @@ from protrain.cli import main as cli
 from protrain.config import ConfigError, KnobPins, PlannerConfig
 from protrain.models import GPT, GPTConfig, synthetic_batch
 from protrain.profile.hardware import HardwareProfile
-from protrain.profile.tracer import profile_model
+from protrain.measure.profiler import profile_model
 from protrain.search import InfeasibleError
 from protrain.sp import SPShape, broken_constraints, check_degree, scale_profile, valid_degrees
 from protrain.sp.planner import choose_degree, search_sequence_parallel

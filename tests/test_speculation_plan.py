@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from protrain.config import KnobPins, PlannerConfig
-from protrain.cost.layout import build_layout
+from protrain.layout import build_layout
 from protrain.profile.analytic import ModelShape, analytic_profile
 from protrain.profile.machines import machine
 from protrain.search import evaluate, search

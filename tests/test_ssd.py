@@ -293,7 +293,7 @@ def test_run_directories_of_killed_processes_are_removed_by_the_next_run(tmp_pat
         import sys, time, torch
         sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from protrain.runtime import storage
-        from protrain.profile.probe import probe_storage
+        from protrain.measure.probe import probe_storage
         def stuck(*args):
             print("READY probing", flush=True)
             time.sleep(60)

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..block_mode import CKPT, NONE, SEL, SSD, SWAP, BlockMode
 from ..profile.model_profile import ModelProfile
-from .layout import ChunkLayout
+from ..layout import ChunkLayout
 
 
 # ---- model states ----------------------------------------------------------------------

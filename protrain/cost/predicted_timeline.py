@@ -7,7 +7,7 @@ import numpy as np
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..timeline import Event, Timeline
-from .layout import ChunkLayout
+from ..layout import ChunkLayout
 from .memory import activation_walk_points
 from .runtime import simulate
 

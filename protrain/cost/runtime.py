@@ -47,7 +47,7 @@ from ..block_mode import CKPT, SEL, SSD, SWAP
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from .host_share import rank_rates
-from .layout import ChunkLayout
+from ..layout import ChunkLayout
 from .memory import offload_bytes, part_modes
 
 

@@ -35,7 +35,10 @@ from .model_profile import ModelProfile
 
 log = logging.getLogger("protrain")
 
-_PROFILER_FILES = ("tracer.py", "meter.py", "model_profile.py", "blocks.py", "cache.py")
+# The profiler's own code, relative to the protrain package: what it measures changes with it.
+_PROFILER_FILES = ("measure/profiler.py", "measure/attention.py", "runtime/meter.py",
+                   "profile/model_profile.py", "profile/blocks.py", "profile/cache.py")
+_PACKAGE = Path(__file__).parent.parent
 _SCALARS = (bool, int, float, str, type(None))
 
 
@@ -92,7 +95,7 @@ def cache_key(module: nn.Module, inputs, kwargs, device: torch.device,
         "options": [(k, v) for k, v in kwargs.items() if isinstance(v, _SCALARS)],
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "profiler": _file_hashes([Path(__file__).with_name(f) for f in _PROFILER_FILES]),
+        "profiler": _file_hashes([_PACKAGE / f for f in _PROFILER_FILES]),
     }
     # Insertion order is deterministic (code order); sorting could fail on mixed key types.
     return hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:16]

@@ -1,6 +1,6 @@
 """HardwareProfile: the machine figures the cost models need, measured or published.
 
-Measured by ``protrain.profile.probe.probe_hardware`` (cached on disk), or taken from a named
+Measured by ``protrain.measure.probe.probe_hardware`` (cached on disk), or taken from a named
 machine in ``protrain.profile.machines`` for planning before a GPU is rented.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ class HardwareProfile(JsonValue):
     around the Adam kernel (``cost.host_update``). 0: not measured; not priced then."""
     host_update_overhead: float = 0.0
     """Seconds of the runtime's own work per offloaded chunk update beyond the work per
-    parameter (its bookkeeping in Python, the kernel call, the reset; ``profile.update_overhead``):
+    parameter (its bookkeeping in Python, the kernel call, the reset; ``measure.update_overhead``):
     added to every offloaded chunk's CPU Adam time. 0: not measured (published machines)."""
     cpu_adam_kernel_rate: float = 0.0
     """When ``cpu_adam_rate`` is the runtime's whole update (the kernel and the passes around
@@ -89,7 +89,14 @@ class HardwareProfile(JsonValue):
     ranks_per_node: int = 1
     """Ranks sharing this host (``runtime.node``; ``protrain plan --ranks-per-node``). The
     host rates above are the node's, measured by one process with all its cores; each rank
-    is priced at 1/ranks_per_node of them (``cost.host_share``)."""
+    is priced at ``rank_share`` of them (``cost.host_share``)."""
+    host_share: float = 0.0
+    """The fraction of the node's host rates one rank gets while ``host_share_ranks`` ranks run
+    host work at once, measured (``measure.host_contention``). 0: not measured."""
+    host_share_ranks: int = 0
+    """The ranks per node ``host_share`` was measured for: it applies only while
+    ``ranks_per_node`` is that count (a profile re-priced for another count falls back to
+    1/ranks_per_node)."""
     versions: dict[str, str] = field(default_factory=dict)
     """Software versions the measurement was taken with (torch, cuda, deepspeed)."""
 
@@ -98,6 +105,17 @@ class HardwareProfile(JsonValue):
         """The same machine with the plan's memory budgets set to the given limits."""
         return replace(self, device_memory=device_memory or self.device_memory,
                        host_memory=host_memory or self.host_memory)
+
+    @property
+    def rank_share(self) -> float:
+        """The fraction of the node's host rates one of its ``ranks_per_node`` ranks is priced
+        at: the measured share where it was measured for this many ranks, else
+        1/ranks_per_node (host work bound by the node's memory bandwidth, split evenly)."""
+        if self.ranks_per_node <= 1:
+            return 1.0
+        if self.host_share > 0 and self.host_share_ranks == self.ranks_per_node:
+            return min(1.0, self.host_share)
+        return 1.0 / self.ranks_per_node
 
     def describe(self) -> str:
         return (f"{self.name} ({self.source}): device {fmt_bytes(self.device_memory)}, host "
@@ -109,6 +127,7 @@ class HardwareProfile(JsonValue):
                 + (f" + {self.host_update_overhead * 1e6:.0f} us per chunk update"
                    if self.host_update_overhead else "")
                 + (f"; host shared by {self.ranks_per_node} ranks per node: CPU Adam "
-                   f"{self.cpu_adam_rate / self.ranks_per_node / 1e9:.3f} Gparam/s per rank"
+                   f"{self.cpu_adam_rate * self.rank_share / 1e9:.3f} Gparam/s per rank"
+                   + (" (measured share)" if self.rank_share != 1.0 / self.ranks_per_node else "")
                    if self.ranks_per_node > 1 else ""))
 

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..block_mode import BlockMode
-from ..profile.meter import storage_ptr
+from .meter import storage_ptr
 from .selective import selective_context_fn
 from .storage import BlockFile, RunDirectory, StorageConfigError, choose_store
 from .streams import Streams

@@ -162,7 +162,7 @@ class ChunkManager:
         # Set by the optimizer: wait for a chunk's pending CPU Adam update / for all of them.
         self.host_ready: Callable[[Chunk], None] = lambda c: None
         self.host_sync: Callable[[], None] = lambda: None
-        self.tracer = None               # runtime/trace.py's recorder, when a trace is on
+        self.tracer = None               # runtime/timeline_recorder.py's, when a trace is on
         self.dtype = named_params[0][1].dtype
         self.half = self.dtype in (torch.float16, torch.bfloat16)
         self.n_persist = n_persist

@@ -219,7 +219,7 @@ class ChunkOptimizer:
         self.worker.on_error(lambda: [e.set() for e in self._ready.values()])
         self.chunks.host_ready = self.wait_host_ready
         self.chunks.host_sync = self.sync
-        self.tracer = None               # runtime/trace.py's recorder, when a trace is on
+        self.tracer = None               # runtime/timeline_recorder.py's, when a trace is on
         self.carry_over = True
         """Let step() return before the host updates it leaves are done (see the module doc)."""
         self.speculation_on = True

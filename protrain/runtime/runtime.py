@@ -32,7 +32,7 @@ from torch import nn
 
 from ..block_mode import BlockMode
 from ..plan import Plan
-from ..profile.meter import OpRecorder, StorageMeter, StorageRegistry, storage_ptr
+from .meter import OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from .activations import ActivationRuntime
 from .adam import CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
 from .boundaries import part_boundaries
@@ -123,12 +123,12 @@ class ProTrainRuntime:
         self._in_backward = False
         self.tracer = None
         if options.trace_file:
-            from .trace import Tracer
+            from .timeline_recorder import TimelineRecorder
             memory = (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else (
                 (lambda: self.chunks.device_bytes() + getattr(getattr(self.accounting, "registry", None),
                                                               "live_bytes", 0)) if accounting else None)
             k = plan.knobs
-            self.tracer = Tracer(options.trace_file, memory=memory, title=(
+            self.tracer = TimelineRecorder(options.trace_file, memory=memory, title=(
                 f"{len(self.chunks.offloaded())} of {len(self.chunks.chunks)} chunks offloaded, blocks "
                 f"ckpt {k.n_checkpoint} swap {k.n_swap} ssd {k.n_ssd} sel {k.n_selective}"))
         self.chunks.tracer = self.optimizer.tracer = self.tracer

@@ -16,7 +16,7 @@ What it records, in wall-clock seconds from the iteration's first forward part:
 An iteration (a micro-step: forward, backward and, at a boundary, the step) is written when
 the next one starts (and at close): CPU Adam that runs on into
 the next forward then shows at the start of the next iteration, where it ran. Recording costs
-a clock read and a list append per event; nothing when the trace is off (no Tracer).
+a clock read and a list append per event; nothing when the trace is off (no TimelineRecorder).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from ..timeline import Event, Timeline
 
 
-class Tracer:
+class TimelineRecorder:
     def __init__(self, path: str | Path, title: str = "", memory=None):
         self.path = Path(path)
         self.title = title

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..profile.model_profile import ModelProfile, ParamRecord
+from .profile.model_profile import ModelProfile, ParamRecord
 
 
 @dataclass(frozen=True, slots=True)

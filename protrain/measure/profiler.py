@@ -8,7 +8,7 @@ Passes (forward + backward each, no optimizer step; weights are never changed):
 3. timing: block boundaries marked (CUDA events on GPU, perf_counter on CPU) to get per-part
    forward and backward times (uploads of streamed weights between marks of their own, so
    they count for no part);
-4. memory: every aten op goes through a dispatch mode (``meter.OpRecorder``) that reports
+4. memory: every aten op goes through a dispatch mode (``runtime.meter.OpRecorder``) that reports
    the live bytes around it; saved-tensor hooks count what autograd keeps per part.
 
 Parts are cut at the block boundaries: forward pre/post hooks on each block, and gradient
@@ -33,12 +33,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..profile.blocks import find_blocks
+from ..profile.model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
 from ..runtime.boundaries import part_boundaries
-from .attention import AttentionTimer, KeptBytes
+from ..runtime.meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from ..runtime.streams import Streams
-from .blocks import find_blocks
-from .meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
-from .model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
+from .attention import AttentionTimer, KeptBytes
 
 StepFn = Callable[[nn.Module], torch.Tensor]
 
