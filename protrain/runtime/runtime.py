@@ -239,6 +239,10 @@ class ProTrainRuntime:
         each rank gets what its chunks hold now: a collective then."""
         pieces = state.pieces
         if state.local and self.chunks.dp.world > 1:
+            if exchange is None:
+                raise ValueError(f"import_state: the state holds one rank's pieces and the runtime "
+                                 f"runs on {self.chunks.dp.world} ranks; pass exchange= (a host-side "
+                                 f"group, collectives.host_side) to send each rank what it holds")
             pieces = redistribute(pieces, self.chunks, exchange)
         by_name: dict = {}
         for piece in pieces:
