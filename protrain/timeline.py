@@ -1,7 +1,7 @@
 """One iteration as a timeline: what ran when, on which queue, and the device memory under it.
 
 One event format for predicted and measured time: the cost model's simulation emits a
-Timeline for a plan (``cost.runtime.simulate_timeline``), the runtime records one per
+Timeline for a plan (``cost.predicted_timeline``), the runtime records one per
 iteration (``runtime.timeline_recorder.TimelineRecorder``); both are drawn the same way, side
 by side, so the prediction is compared with the measurement like for like.
 

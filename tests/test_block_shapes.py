@@ -174,7 +174,7 @@ def test_search_on_a_measured_profile_equals_brute_force_and_the_plan_runs(monke
     within the budget as predicted."""
     from dataclasses import replace
 
-    import protrain.search as search_mod
+    import protrain.search.loop as search_mod
     from protrain.config import PlannerConfig
     from test_search import brute_force
     s = shape("relu_tail")

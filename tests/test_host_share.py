@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from conftest import chain_profile, slow_link
-from protrain.layout import build_layout
-from protrain.cost.runtime import backup_times, check_times, chunk_transfer_times, simulate
+from protrain.cost.chunk_times import backup_times, check_times, chunk_transfer_times
 from protrain.cost.host_share import rank_rates
+from protrain.cost.time_model import simulate
+from protrain.layout import build_layout
 from protrain.measure import host_contention
 from protrain.plan import Plan
 from protrain.runtime import host_threads

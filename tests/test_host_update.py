@@ -84,7 +84,7 @@ def test_the_runtimes_time_per_chunk_update_is_priced_per_offloaded_chunk():
     times it, and the search still agrees with a brute-force evaluation."""
     from protrain.config import KnobPins, PlannerConfig
     from protrain.layout import build_layout
-    from protrain.cost.runtime import chunk_transfer_times
+    from protrain.cost.chunk_times import chunk_transfer_times
     from protrain.profile.analytic import ModelShape, analytic_profile
     from protrain.search import evaluate, search
     from protrain.units import MiB

@@ -8,7 +8,8 @@ import pytest
 
 from protrain.block_mode import CKPT, NONE, SWAP
 from protrain.layout import build_layout
-from protrain.cost.runtime import CHECK_PER_ADAM, simulate
+from protrain.cost.chunk_times import CHECK_PER_ADAM
+from protrain.cost.time_model import simulate
 
 from conftest import chain_profile, slow_link
 

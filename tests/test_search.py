@@ -9,11 +9,12 @@ from protrain.block_mode import layout_block_modes, layout_codes
 from protrain.config import KnobPins, PlannerConfig
 from protrain.layout import build_layout, chunk_capacities
 from protrain.cost.memory import norm_scratch_bytes, predict_memory, ssd_bytes, state_bytes, swap_host_bytes
-from protrain.cost.runtime import simulate
+from protrain.cost.time_model import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
 from protrain.profile.machines import machine
-from protrain.search import (InfeasibleError, _boundary_times, bytes_moved, evaluate, hedged_key,
-                             max_ssd_blocks, plan_key, search)
+from protrain.search import (InfeasibleError, bytes_moved, evaluate, hedged_key, max_ssd_blocks, plan_key,
+                             search)
+from protrain.search.evaluation import boundary_times
 from protrain.units import GiB, MiB
 
 SMALL = ModelShape("small", "gpt2", n_layers=4, hidden=256, heads=4, vocab=2048, seq_len=256,
@@ -93,7 +94,7 @@ def _brute_force(profile, hw, config):
                 np.array([[m.code for m in r[4]] for r in rows]))
         t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world)   # bytes moved
         # the boundary's time as the search defines it (carry-over, speculation), every point
-        boundary = _boundary_times(*args[:3], config, *args[3:], [r[9] for r in rows])[0]
+        boundary = boundary_times(*args[:3], config, *args[3:], [r[9] for r in rows])[0]
         micro = simulate(*args, optimizer_step=False, world=world) if gas > 1 else None
         step = boundary + ((gas - 1) * micro.iter_time if micro is not None else 0.0)
         moved = bytes_moved(t, micro, gas, np.array([float(r[8]) for r in rows]), hw)
@@ -164,11 +165,11 @@ def test_search_with_speculating_chunks_equals_brute_force(dev, host, n_speculat
 
 @pytest.mark.parametrize("gas, world, thread", [(1, 1, False), (3, 1, False), (1, 2, False), (1, 1, True)])
 def test_the_verdict_bound_holds_for_every_speculating_count(gas, world, thread):
-    """Under clipping with updates carried into the next forward, _VerdictBound.at(s) bounds
-    the simulated iteration with the top s offloaded chunks speculating, for every s and
+    """Under clipping with updates carried into the next forward, SpeculatingIterationBound.at(s)
+    bounds the simulated iteration with the top s offloaded chunks speculating, for every s and
     every plan tried; least(s_max) is the least of at(s) over s <= s_max (the search skips
     points, and counts, on it)."""
-    import protrain.search as search_mod
+    from protrain.search import bounds
     over = dict(copy_engines=0, cpu_adam_thread=True) if thread else {}
     hw = small_hw(device_memory=2 * GiB // 10, grad_check_rate=3e9, cpu_adam_rate=2e8, **over)
     prof = analytic_profile(replace(SMALL, micro_batch=8), hw)
@@ -181,11 +182,11 @@ def test_the_verdict_bound_holds_for_every_speculating_count(gas, world, thread)
     for np_ in range(layout.min_persist, nch):
         codes = layout_codes(n, [int(rng.integers(0, 2))], [int(rng.integers(0, n - 1))], [0])
         nb = layout.min_buffers(np_)
-        vb = search_mod._VerdictBound(prof, layout, hw, config, np.array([np_]),
-                                      search_mod._backward_bound(prof, layout, hw, world, np.array([np_]),
-                                                                 np.array([nb]),
-                                                                 search_mod._backward_compute(prof, codes)),
-                                      search_mod._host_checks(layout, hw, config, np.array([np_])))
+        vb = bounds.SpeculatingIterationBound(prof, layout, hw, config, np.array([np_]),
+                                              bounds.backward_bound(prof, layout, hw, world, np.array([np_]),
+                                                                    np.array([nb]),
+                                                                    bounds.backward_compute(prof, codes)),
+                                              bounds.host_checks(layout, hw, config, np.array([np_])))
         at = []
         for s in range(nch - np_ + 1):
             t = simulate(prof, layout, hw, np_, nb, codes, cpu_overlap=False, world=world,
@@ -200,10 +201,10 @@ def test_the_verdict_bound_holds_for_every_speculating_count(gas, world, thread)
 
 
 def test_counts_the_bound_rules_out_are_not_simulated_and_change_nothing(monkeypatch):
-    """_boundary_times skips a speculating count whose bound lies above the time of all that
+    """boundary_times skips a speculating count whose bound lies above the time of all that
     fit: the times and counts equal those with every count simulated, and on a model bound by
     its CPU Adam (llama2-13b on one H100) fewer plans are simulated."""
-    import protrain.search as search_mod
+    import protrain.search.evaluation as search_mod
     hw = machine("h100-80gb").profile(host_memory=256 * GiB)
     prof = analytic_profile(replace(PRESETS["llama2-13b"], micro_batch=4, seq_len=2048), hw)
     config = PlannerConfig(cpu_optim_overlap=False, cpu_optim_speculative=True)
@@ -217,10 +218,10 @@ def test_counts_the_bound_rules_out_are_not_simulated_and_change_nothing(monkeyp
     rows = []
     real = search_mod.simulate
     monkeypatch.setattr(search_mod, "simulate", lambda *a, **k: rows.append(len(a[3])) or real(*a, **k))
-    pruned = search_mod._boundary_times(prof, layout, hw, config, npers, nbuf, codes, host)
+    pruned = search_mod.boundary_times(prof, layout, hw, config, npers, nbuf, codes, host)
     n_pruned, rows[:] = sum(rows), []
     monkeypatch.setattr(search_mod, "_PRUNE_MARGIN", np.inf)
-    every = search_mod._boundary_times(prof, layout, hw, config, npers, nbuf, codes, host)
+    every = search_mod.boundary_times(prof, layout, hw, config, npers, nbuf, codes, host)
     assert (pruned[1] == every[1]).all() and (pruned[0] == every[0]).all()
     assert len(set(pruned[1])) > 1
     assert n_pruned < 0.8 * sum(rows)        # here: none is ruled out wherever a count wins
@@ -263,7 +264,7 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
     queues, activation writes, the CPU optimizer after the first gradient, and after every
     chunk's gradient with the recompute before it) must hold for every feasible point, not
     only near the optimum."""
-    import protrain.search as search_mod
+    from protrain.search import bounds, evaluation, space
     shape, dev, host, sizes = CASES[case]
     hw = small_hw(device_memory=dev, host_memory=host, **SSD[ssd])
     prof = analytic_profile(shape, hw)
@@ -271,21 +272,21 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
                            data_parallel_size=world, cpu_optim_speculative=bool(spec),
                            speculate_chunks=spec if type(spec) is int else None)
     budget = hw.device_memory / (1 + config.memory_margin)
-    acts = search_mod._activation_configs(prof, config, hw)
+    acts = space.activation_configs(prof, config, hw)
     # The prefix-sum byte counts equal the memory model's, layout by layout.
     codes = acts.codes(np.arange(len(acts.n_ckpt)))
     assert (acts.swap_host == swap_host_bytes(prof, codes)).all()
     assert (acts.ssd == ssd_bytes(prof, codes)).all()
     checked = 0
     for cap in chunk_capacities(prof, sizes):
-        grid = search_mod._grid(prof, hw, config, acts, cap, budget, {})
+        grid = space.candidate_grid(prof, hw, config, acts, cap, budget, {})
         if not len(grid.lower_bound):
             continue
         idx = np.arange(len(grid.lower_bound))
-        t = search_mod._simulate_points(prof, hw, config, acts, grid, idx)
+        t = evaluation.simulate_points(prof, hw, config, acts, grid, idx)
         assert (grid.lower_bound <= t * (1 + 1e-12)).all()
         # ... and the per-chunk CPU-optimizer bound refined just before simulating
-        refined = search_mod._refine_cpu_bound(prof, hw, config, acts, grid, idx)
+        refined = bounds.refine_cpu_bound(prof, hw, config, acts, grid, idx)
         assert (refined <= t * (1 + 1e-12)).all()
         # The closed-form bytes the hedge orders by equal what the simulation moves.
         args = (prof, grid.layout, hw, grid.n_persist, grid.n_buffer, acts.codes(grid.a))
@@ -365,6 +366,11 @@ def test_impossible_pins_are_named():
     # the reason seen, not a guess: here the head shares the embedding (tied)
     assert "is below 1: chunk 0 is used by <pre>, <post> but not by" in str(e.value)
     assert "(used by <pre> and <post>)" in str(e.value) and "pin n_persist >= 1" in str(e.value)
+    # every knob pinned, n_persist "all": the one plan named with its chunk count
+    every = KnobPins(chunk_size=1 * MiB, n_persist="all", n_buffer=0, n_swap=0, n_checkpoint=0,
+                     n_ssd=0, n_selective=0)
+    with pytest.raises(InfeasibleError, match=r"the pinned plan does not work: plan Knobs\(chunk_size=1048576, n_persist=10,"):
+        search(prof, replace(hw, device_memory=hw.device_memory // 10), PlannerConfig(pins=every))
 
 
 def test_80_block_model_plans():
@@ -438,7 +444,7 @@ def test_search_equals_brute_force_when_memory_decides(pressure, case, monkeypat
     """Device, host and disk budgets decide: the optimum holds NVMe, swapped and checkpointed
     blocks, differs from the unconstrained one, and equals brute force - also when the pruned
     search must go through many batches (a batch of 4 here)."""
-    import protrain.search as search_mod
+    import protrain.search.loop as search_mod
     prof, _, config, free, _ = pressure
     share, swaps, letters = PRESSURE_CASES[case]
     hw = _pressure_hw(pressure, share, swaps)
@@ -486,7 +492,7 @@ def test_search_past_the_first_batch_equals_evaluating_every_candidate(monkeypat
     """Many batches (of 256: with the per-chunk CPU-Adam bound refined before simulating, the
     real 2048 would hold the best plan here): the pruned search equals one that simulates every
     candidate, and the best plan was not in the first batch."""
-    import protrain.search as search_mod
+    import protrain.search.loop as search_mod
     monkeypatch.setattr(search_mod, "_BATCH", 256)
     base = machine("rtx3090").profile(host_memory=4 * GiB)
     hw = replace(base, device_memory=10**12, peak_flops=base.peak_flops / 20, nvme_write_bandwidth=1e12,
@@ -502,7 +508,7 @@ def test_search_past_the_first_batch_equals_evaluating_every_candidate(monkeypat
     import unittest.mock
     # One batch and no bound at all: every candidate is simulated.
     with unittest.mock.patch.object(search_mod, "_BATCH", 10**9), unittest.mock.patch.object(
-            search_mod, "_refine_cpu_bound", lambda *a: np.full(len(a[-1]), -np.inf)):
+            search_mod, "refine_cpu_bound", lambda *a: np.full(len(a[-1]), -np.inf)):
         every = search(prof, hw, config)
     assert every.candidates_evaluated >= every.candidates_total
     assert every.knobs == plan.knobs and every.prediction == plan.prediction
@@ -511,19 +517,19 @@ def test_search_past_the_first_batch_equals_evaluating_every_candidate(monkeypat
 def _first_batch_search(prof, hw, config):
     """The best knobs among the first _BATCH candidates in lower-bound order (what a search
     that stopped after its first batch would see)."""
-    import protrain.search as search_mod
+    from protrain.search import evaluation, loop, space
     budget = hw.device_memory / (1 + config.memory_margin)
-    acts = search_mod._activation_configs(prof, config, hw)
+    acts = space.activation_configs(prof, config, hw)
     rows = []
     for cap in chunk_capacities(prof, config.chunk_sizes):
-        g = search_mod._grid(prof, hw, config, acts, cap, budget, {})
+        g = space.candidate_grid(prof, hw, config, acts, cap, budget, {})
         rows += [(lb, g, j) for j, lb in enumerate(g.lower_bound)]
     rows.sort(key=lambda r: r[0])
-    first = rows[:search_mod._BATCH]
+    first = rows[:loop._BATCH]
     best = None
     for g in {id(r[1]): r[1] for r in first}.values():
         idx = np.array([j for _, h, j in first if h is g])
-        t = search_mod._simulate_points(prof, hw, config, acts, g, idx)
+        t = evaluation.simulate_points(prof, hw, config, acts, g, idx)
         for j, tj in zip(idx, t):
             key = plan_key(float(tj), int(g.peak[j]), (g.layout.chunk_bytes, int(g.n_persist[j])))
             if best is None or key < best[0]:
@@ -538,7 +544,7 @@ def test_a_tie_whose_bound_rounds_above_the_best_time_is_still_found(monkeypatch
     and peak, and the lower bound of the one the tie-break prefers is summed to a rounding
     error above the best time: a search without the rounding allowance stops before
     simulating it (it returns (n_swap, n_ssd) = (2, 0) where brute force keeps (1, 1))."""
-    import protrain.search as search_mod
+    import protrain.search.loop as search_mod
     from pathlib import Path
     from protrain.profile.hardware import HardwareProfile
     from protrain.profile.model_profile import ModelProfile

@@ -77,7 +77,7 @@ def test_updates_left_by_step_are_predicted_to_run_into_the_next_forward():
     """Clipping, nothing speculating: every offloaded update is left for after backward. The
     runtime lets them run on into the next forward, which waits only where a chunk's upload
     needs its update; the prediction counts that wait, not the whole tail."""
-    from protrain.cost.runtime import simulate
+    from protrain.cost.time_model import simulate
     from protrain.block_mode import layout_block_modes
     prof = analytic_profile(SHAPE, HW)
     cfg = PlannerConfig(pins=PINS, cpu_optim_overlap=False)
@@ -106,7 +106,7 @@ def test_the_runtime_rule_after_a_clipped_step_is_priced():
     speculated step that clips restores and redoes its chunks (slower than not speculating);
     the mean over a clipping fraction follows the rule, and a plan that never speculates is
     indifferent to clipping."""
-    from protrain.cost.runtime import simulate
+    from protrain.cost.time_model import simulate
     from protrain.block_mode import layout_block_modes
     prof, after, spec = plans()
     p = spec.prediction

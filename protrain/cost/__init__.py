@@ -1,2 +1,2 @@
 """Cost models, pure functions of (profiles, plan): ``layout`` packs parameters into chunks,
-``memory`` predicts peak device and host bytes, ``runtime`` predicts iteration time."""
+``memory`` predicts peak device and host bytes, ``time_model`` predicts iteration time."""

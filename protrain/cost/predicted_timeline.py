@@ -9,7 +9,7 @@ from ..profile.model_profile import ModelProfile
 from ..timeline import Event, Timeline
 from ..layout import ChunkLayout
 from .memory import activation_walk_points
-from .runtime import simulate
+from .time_model import simulate
 
 
 def predicted_timeline(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist: int,

@@ -8,7 +8,7 @@ waits on; the step combines the chunks' gradient norms. A few hundred microsecon
 chunk on the 2-core CPU of this project, whatever the chunk's size: 41 chunks of 4 MiB made the
 measured exposed CPU Adam 12-24% longer than kernel + passes predicted (bench/cpu_adam_exposed.py),
 7 chunks of 16 MiB 6%. A real model's chunks are larger and this is noise there; the cost model
-still adds it per chunk (``cost.runtime.chunk_transfer_times``), measured here.
+still adds it per chunk (``cost.chunk_times.chunk_transfer_times``), measured here.
 
 Measured as the runtime spends it: the real ``ChunkOptimizer`` steps over offloaded chunks of
 the size a real chunk has, in the state backward leaves them (gradients landed, each chunk's

@@ -165,24 +165,9 @@ def analytic_profile(shape: ModelShape, hw: HardwareProfile) -> ModelProfile:
     attn_io = 2 * sbh + 2 * s * b * kv * a            # q, output; k, v (GQA: kv_dim wide)
     largest_block_param = max(n for _, n in shape.block_params())
 
-    # Parameters in execution order.
-    params: list[ParamRecord] = []
-    n_parts = shape.n_layers + 2
-    post = n_parts - 1
-    emb = ("transformer.wte.weight" if shape.family == "gpt2" else "model.embed_tokens.weight")
-    params.append(ParamRecord(emb, v * h, (0, post) if shape.tied else (0,)))
-    if shape.family == "gpt2":
-        params.append(ParamRecord("transformer.wpe.weight", (shape.max_positions or s) * h, (0,)))
-    prefix = "transformer.h" if shape.family == "gpt2" else "model.layers"
-    for i in range(shape.n_layers):
-        params += [ParamRecord(f"{prefix}.{i}.{n}", x, (i + 1,)) for n, x in shape.block_params()]
-    if shape.family == "gpt2":
-        params += [ParamRecord("transformer.ln_f.weight", h, (post,)),
-                   ParamRecord("transformer.ln_f.bias", h, (post,))]
-    else:
-        params.append(ParamRecord("model.norm.weight", h, (post,)))
-    if not shape.tied:
-        params.append(ParamRecord("lm_head.weight", v * h, (post,)))
+    params = _params_in_order(shape)
+    post = shape.n_layers + 1
+    prefix = _BLOCKS_PREFIX[shape.family]
 
     # Walk the keep-all iteration to get absolute live levels (see ModelProfile fields).
     parts: list[PartProfile] = []
@@ -234,3 +219,30 @@ def analytic_profile(shape: ModelShape, hw: HardwareProfile) -> ModelProfile:
                         param_bytes=shape.dtype_bytes, params=tuple(params), parts=tuple(parts),
                         micro_batch=b, seq_len=s, heads=shape.heads,
                         kv_heads=shape.kv_heads or shape.heads)
+
+
+_BLOCKS_PREFIX = {"gpt2": "transformer.h", "llama": "model.layers"}
+"""Where the family's Hugging Face models keep their blocks."""
+
+
+def _params_in_order(shape: ModelShape) -> list[ParamRecord]:
+    """The parameters in execution order, named as the family's Hugging Face models name
+    them; part 0 is the embedding (pre), 1..n_layers the blocks, n_layers + 1 the head (post)."""
+    h, v, s = shape.hidden, shape.vocab, shape.seq_len
+    post = shape.n_layers + 1
+    params: list[ParamRecord] = []
+    emb = ("transformer.wte.weight" if shape.family == "gpt2" else "model.embed_tokens.weight")
+    params.append(ParamRecord(emb, v * h, (0, post) if shape.tied else (0,)))
+    if shape.family == "gpt2":
+        params.append(ParamRecord("transformer.wpe.weight", (shape.max_positions or s) * h, (0,)))
+    prefix = _BLOCKS_PREFIX[shape.family]
+    for i in range(shape.n_layers):
+        params += [ParamRecord(f"{prefix}.{i}.{n}", x, (i + 1,)) for n, x in shape.block_params()]
+    if shape.family == "gpt2":
+        params += [ParamRecord("transformer.ln_f.weight", h, (post,)),
+                   ParamRecord("transformer.ln_f.bias", h, (post,))]
+    else:
+        params.append(ParamRecord("model.norm.weight", h, (post,)))
+    if not shape.tied:
+        params.append(ParamRecord("lm_head.weight", v * h, (post,)))
+    return params

@@ -55,7 +55,7 @@ class HardwareProfile(JsonValue):
     grad_check_rate: float = 0.0
     """Gradient elements per second the host checks for the step's verdict (a parameter's norm
     for clipping, the overflow test for fp16), measured as an fp32 norm. 0: not measured; the
-    planner then assumes cost.runtime.CHECK_PER_ADAM times the CPU Adam rate."""
+    planner then assumes cost.chunk_times.CHECK_PER_ADAM times the CPU Adam rate."""
     host_pass_rate: float = 0.0
     """fp32 elements per second of one in-place pass over host memory (gradients scaled by a
     clipping coefficient, or zeroed): what the runtime's update of an offloaded chunk adds

@@ -184,7 +184,7 @@ class ModelProfile(JsonValue):
         sp = f", per rank of {self.sequence_parallel} (sequence parallel)" if self.sequence_parallel > 1 else ""
         return (f"{self.name}: {self.n_blocks} blocks, {fmt_count(self.total_params)} params "
                 f"({self.param_bytes}-byte), micro-batch {self.micro_batch}, seq {self.seq_len}{sp}, "
-                f"{self.source} on {self.device}")
+                + (f"{self.source} on {self.device}" if self.source == "measured" else self.source))
 
 
     def __post_init__(self) -> None:

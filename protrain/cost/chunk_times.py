@@ -1,0 +1,74 @@
+"""What each chunk's pieces of work cost at one rank's rates: its upload, its gradient offload,
+its CPU Adam update, its share of the step's verdict check, its backup before a speculative
+update, and the all-reduce of the persistent chunks. The time model (``cost.time_model``)
+places these on its queues; the search's lower bounds add them up directly."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..profile.hardware import HardwareProfile
+from ..profile.model_profile import ModelProfile
+from .host_share import rank_rates
+from ..layout import ChunkLayout
+
+
+def chunk_transfer_times(layout: ChunkLayout, profile: ModelProfile, hw: HardwareProfile,
+                         world: int = 1):
+    """Per-chunk upload time, gradient offload time and CPU Adam time (seconds; the runtime's
+    own time per update, ``hw.host_update_overhead``, included), at the rates one of the
+    node's ``hw.ranks_per_node`` ranks gets (``cost.host_share``).
+
+    With ``world`` data-parallel ranks an offloaded chunk is sharded: an upload is the H2D
+    copy of this rank's 1/world shard followed by an all-gather of the rest; a gradient
+    offload is a reduce-scatter followed by the D2H copy of the shard; CPU Adam updates the
+    shard only."""
+    rr = rank_rates(hw)
+    used = np.asarray(layout.used, dtype=np.float64)
+    nbytes = used * profile.param_bytes
+    up, down, adam = nbytes / world / rr.h2d, nbytes / world / rr.d2h, \
+        used / world / rr.cpu_adam + np.where(used > 0, rr.update_overhead, 0.0)
+    if world > 1:
+        coll = nbytes * (world - 1) / world / _collective_bandwidth(hw)
+        up, down = up + coll, down + coll
+    return up, down, adam
+
+
+def persistent_allreduce_time(layout: ChunkLayout, n_persist, hw: HardwareProfile, world: int):
+    """All-reduce of the persistent chunks' fp32 gradients at the accumulation boundary
+    (ring: 2 (world - 1) / world of the bytes each way)."""
+    if world <= 1:
+        return np.zeros_like(np.asarray(n_persist, dtype=np.float64))
+    prefix = np.concatenate([[0], np.cumsum(layout.used)])
+    return prefix[np.asarray(n_persist)] * 4 * 2 * (world - 1) / world / _collective_bandwidth(hw)
+
+
+def _collective_bandwidth(hw: HardwareProfile) -> float:
+    if hw.collective_bandwidth <= 0:
+        raise ValueError(f"{hw.name}: planning for several data-parallel ranks needs the collective "
+                         f"bandwidth; probe the machine with the ranks launched, or use a named GPU")
+    return hw.collective_bandwidth
+
+
+def check_times(layout: ChunkLayout, hw: HardwareProfile, world: int = 1):
+    """Per-chunk time to take a chunk's part of the step's verdict on the host (its parameters'
+    gradient norms for clipping, or the overflow test) as its gradients land."""
+    rr = rank_rates(hw)
+    rate = rr.grad_check if rr.grad_check > 0 else CHECK_PER_ADAM * rr.cpu_adam
+    return np.asarray(layout.used, dtype=np.float64) / world / rate
+
+
+CHECK_PER_ADAM = 1.7
+"""Gradient elements checked per CPU Adam update, where the check rate was not measured
+(published machines): an fp32 norm against DeepSpeedCPUAdam on this project's 2-core CPU,
+2.9 G elements/s against 1.7 G parameters/s (both memory-bound: a check reads 4 bytes per
+element, an update reads and writes 28)."""
+
+
+def backup_times(layout: ChunkLayout, hw: HardwareProfile, t_adam, world: int = 1):
+    """Per-chunk time to back up master, exp_avg and exp_avg_sq (12 bytes per parameter of
+    this rank's shard) before a speculative update; without a measured host copy bandwidth,
+    as long as the update (the ratio measured on a 2-core CPU: bench/cpu_adam.py)."""
+    host_copy = rank_rates(hw).host_copy
+    if host_copy > 0:
+        return np.asarray(layout.used, dtype=np.float64) * 12 / world / host_copy
+    return np.asarray(t_adam, dtype=np.float64)

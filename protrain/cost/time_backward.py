@@ -1,0 +1,190 @@
+"""The backward phase of the step-time model (``cost.time_model``): parts in reverse, chunks in
+reverse, and the gradients' way to CPU Adam.
+
+- The last n_buffer non-persistent chunks are still in their buffers and are reused; the others
+  are uploaded again, chunk c into the buffer of chunk c + n_buffer once that chunk's gradient
+  has left the device.
+- A SWAP block's activations are prefetched (H2D) when the next part's backward starts; they
+  share the copy engine with chunk uploads, in issue order - this is how swapping competes with
+  parameter prefetch for PCIe. SSD blocks are read back alike, from NVMe.
+- A CKPT block first recomputes its forward (all its chunks resident), then runs backward; a
+  SELECTIVE block recomputes its forward without attention and all-to-alls
+  (PartProfile.sel_recompute_time).
+- When the first part using a chunk has finished backward, the chunk's gradient is complete:
+  non-persistent chunks go D2H, then to CPU Adam (one chunk at a time), overlapping backward -
+  or, where the step needs every gradient first (clipping, fp16), their updates wait for the
+  step's end (``cost.time_step_end``), except the speculating chunks', which back up their
+  states and update now.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..block_mode import CKPT, SEL, SSD, SWAP
+from .time_queues import QueueState, StepCosts
+
+
+def simulate_backward(costs: StepCosts, q: QueueState) -> np.ndarray:
+    """Advance ``q`` through backward; returns its end (backward's compute) per plan."""
+    layout, parts = costs.layout, costs.profile.parts
+    grad_out = np.full((layout.n_chunks, costs.k_plans), np.nan)   # gradient left the device at
+    avail = np.zeros((layout.n_chunks, costs.k_plans))             # chunk resident for backward at
+    swap_in_end = np.zeros((len(parts), costs.k_plans))
+    first_of: list[list[int]] = [[] for _ in parts]                # chunks whose first user is part p
+    for c in range(layout.n_chunks):
+        first_of[layout.chunk_first_part[c]].append(c)
+    next_chunk = layout.n_chunks - 1           # next chunk (descending) whose upload to issue
+    for p in range(len(parts) - 1, -1, -1):
+        # Re-uploads of the chunks this part needs first, highest index first. Chunks below
+        # min_persist (tied parameters) are persistent in every plan: never re-uploaded.
+        lowest = min((c for c in layout.part_chunks[p] if c >= layout.min_persist),
+                     default=next_chunk + 1)
+        while next_chunk >= lowest:
+            _reupload(costs, q, next_chunk, grad_out, avail)
+            next_chunk -= 1
+        start = q.comp.copy()
+        _part_backward(costs, q, p, avail, swap_in_end)
+        if p >= 1 and parts[p - 1].kind == "block":
+            _prefetch_activations(costs, q, p - 1, start, swap_in_end)
+        for c in sorted(first_of[p], reverse=True):
+            _offload_gradient(costs, q, c, grad_out)
+    if np.isnan(q.comp).any():
+        # A buffer was reused before its chunk was done with: n_buffer is below
+        # layout.min_buffers(n_persist), which callers must not ask for.
+        raise ValueError("n_buffer too small for this chunk layout (see ChunkLayout.min_buffers)")
+    q.cpu_busy += q.check_busy
+    return q.comp
+
+
+def _reupload(costs: StepCosts, q: QueueState, j: int, grad_out: np.ndarray, avail: np.ndarray) -> None:
+    """Chunk j's upload for backward, where it is offloaded and no longer in a buffer: once the
+    chunk n_buffer above it has sent its gradient off."""
+    n_chunks = costs.layout.n_chunks
+    offl = j >= costs.npers
+    reuse = j >= n_chunks - costs.nbuf          # still in a buffer from forward
+    need = offl & ~reuse
+    src = np.minimum(j + costs.nbuf, n_chunks - 1)
+    end = np.maximum(np.maximum(q.h2d, np.where(need, grad_out[src, costs.rows], 0.0)),
+                     q.comp if costs.serial else 0.0) + costs.t_up[j]
+    q.record("h2d", "upload", f"chunk {j}", end - costs.t_up[j], end, need)
+    q.h2d = np.where(need, end, q.h2d)
+    avail[j] = np.where(need, end, 0.0)
+    if costs.serial:
+        q.comp = np.where(need, end, q.comp)
+    if costs.shared:
+        q.join_copy_queues()
+    q.h2d_bytes += np.where(need, costs.chunk_bytes(j), 0)
+
+
+def _part_backward(costs: StepCosts, q: QueueState, p: int, avail: np.ndarray,
+                   swap_in_end: np.ndarray) -> None:
+    """Part p's compute: its activations back, its recompute, then its backward chunk by chunk,
+    each chunk's share once the chunk is resident."""
+    parts, modes = costs.profile.parts, costs.modes
+    part, chunks = parts[p], costs.layout.part_chunks[p]
+    if costs.serial and p >= 1 and parts[p - 1].kind == "block":
+        # The previous block's swapped activations come back first, synchronously.
+        q.comp = q.comp + np.where(modes[p - 1] == SWAP, costs.saved[p - 1] / costs.rr.h2d, 0.0)
+    m = modes[p]
+    q.comp = np.where((m == SWAP) | (m == SSD), np.maximum(q.comp, swap_in_end[p]), q.comp)
+    redo = np.where(m == CKPT, part.fwd_time, np.where(m == SEL, part.sel_recompute_time, 0.0))
+    rec = (m == CKPT) | (m == SEL)
+    if chunks:
+        all_ready = avail[list(chunks)].max(axis=0)
+        q.record("compute", "recompute", part.name, np.maximum(q.comp, all_ready),
+                 np.maximum(q.comp, all_ready) + redo, rec)
+        q.comp = np.where(rec, np.maximum(q.comp, all_ready) + redo, q.comp)
+        for c, share in zip(reversed(chunks), reversed(costs.layout.part_chunk_share[p])):
+            q.record("compute", "bwd", part.name, np.maximum(q.comp, avail[c]),
+                     np.maximum(q.comp, avail[c]) + part.bwd_time * share)
+            q.comp = np.maximum(q.comp, avail[c]) + part.bwd_time * share
+    else:
+        q.record("compute", "recompute", part.name, q.comp, q.comp + redo, rec)
+        q.comp = np.where(rec, q.comp + redo, q.comp)
+        q.record("compute", "bwd", part.name, q.comp, q.comp + part.bwd_time)
+        q.comp = q.comp + part.bwd_time
+
+
+def _prefetch_activations(costs: StepCosts, q: QueueState, b: int, start: np.ndarray,
+                          swap_in_end: np.ndarray) -> None:
+    """Block b's offloaded activations come back, issued as the part after it starts its
+    backward (``start``): H2D where it swapped, from NVMe where it is an SSD block."""
+    name, saved, modes = costs.profile.parts[b].name, costs.saved, costs.modes
+    sw = modes[b] == SWAP
+    end = np.maximum(q.h2d, start) + saved[b] / costs.rr.h2d
+    q.record("h2d", "swap_in", name, end - saved[b] / costs.rr.h2d, end, sw)
+    q.h2d = np.where(sw, end, q.h2d)
+    swap_in_end[b] = np.where(sw, end, 0.0)
+    q.h2d_bytes += np.where(sw, saved[b], 0)
+    if costs.shared:
+        q.join_copy_queues()
+    sd = modes[b] == SSD
+    if sd.any():
+        queue = q.ssd_r if costs.gds else q.h2d
+        end = np.maximum(queue, start) + costs.r_time[b]
+        q.record("nvme", "nvme_read", name, end - costs.r_time[b], end, sd)
+        if costs.gds:
+            q.ssd_r = np.where(sd, end, q.ssd_r)
+        else:
+            q.h2d = np.where(sd, end, q.h2d)
+            q.h2d_bytes += np.where(sd, saved[b], 0)
+        swap_in_end[b] = np.where(sd, end, swap_in_end[b])
+
+
+def _offload_gradient(costs: StepCosts, q: QueueState, c: int, grad_out: np.ndarray) -> None:
+    """Chunk c's gradient is complete: where the chunk is offloaded, it goes D2H (checked
+    first on a serial device whose checks are its own), then on to the CPU optimizer."""
+    offl = c >= costs.npers
+    if costs.serial and not costs.checks_on_host and costs.t_check[c]:   # the "device" checks, inline
+        q.record("compute", "check", f"chunk {c}", q.comp, q.comp + costs.t_check[c], offl)
+        q.comp = np.where(offl, q.comp + costs.t_check[c], q.comp)
+    d_end = np.maximum(q.d2h, q.comp) + costs.t_down[c]
+    q.record("d2h", "offload", f"chunk {c}", d_end - costs.t_down[c], d_end, offl)
+    q.d2h = np.where(offl, d_end, q.d2h)
+    grad_out[c] = np.where(offl, d_end, q.comp)
+    q.d2h_bytes += np.where(offl, costs.chunk_bytes(c), 0)
+    if costs.serial:
+        q.comp = np.where(offl, d_end, q.comp)
+    if costs.shared:
+        q.join_copy_queues()
+    if not costs.optimizer_step:
+        return
+    if costs.cpu_overlap:
+        _update_now(costs, q, c, offl, d_end, costs.t_adam, "adam")
+    elif costs.spec_from is not None:
+        spec = offl & (c >= costs.spec_from)
+        _update_now(costs, q, c, spec, d_end, costs.t_spec, "backup_adam")
+        q.spec_ready[c] = np.where(spec, q.done_at[c] - costs.t_adam[c], np.inf)
+        if costs.speculation_wrong:
+            q.deferred.append((c, offl, d_end, np.where(spec, costs.t_backup[c], 0.0)))
+        else:
+            q.deferred.append((c, offl & ~spec, d_end, 0.0))
+        _host_check(costs, q, c, offl & ~spec, d_end)
+    else:
+        q.deferred.append((c, offl, d_end, 0.0))
+        _host_check(costs, q, c, offl, d_end)
+
+
+def _update_now(costs: StepCosts, q: QueueState, c: int, which: np.ndarray, d_end: np.ndarray,
+                t_turn: np.ndarray, what: str) -> None:
+    """Chunk c's update on the CPU queue during backward, once its gradient is on the host;
+    ``t_turn``: its time there (the update, or the speculation's check, backup and update)."""
+    c_end = np.maximum(q.cpu, d_end) + t_turn[c]
+    q.record("cpu_adam", what, f"chunk {c}", c_end - t_turn[c], c_end, which)
+    q.cpu = np.where(which, c_end, q.cpu)
+    q.done_at[c] = c_end
+    q.cpu_busy += np.where(which, t_turn[c], 0.0)
+    if costs.inline:                   # between two parts' compute
+        q.comp = np.where(which, c_end, q.comp)
+
+
+def _host_check(costs: StepCosts, q: QueueState, c: int, which: np.ndarray, d_end: np.ndarray) -> None:
+    """An offloaded chunk's verdict check on the CPU queue as its gradients land."""
+    if not costs.t_host_check[c]:
+        return
+    end = np.maximum(q.cpu, d_end) + costs.t_host_check[c]
+    q.record("cpu_adam", "check", f"chunk {c}", end - costs.t_host_check[c], end, which)
+    q.check_busy += np.where(which, costs.t_host_check[c], 0.0)
+    if costs.inline:
+        q.comp = np.where(which, end, q.comp)
+    q.cpu = np.where(which, end, q.cpu)

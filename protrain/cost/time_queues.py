@@ -1,0 +1,184 @@
+"""What the step-time model's phases share: ``StepCosts``, what each piece of work costs and how
+the queues are wired (fixed for one simulation), and ``QueueState``, the four queues' clocks and
+busy times that forward, backward and the step's end advance in turn (``cost.time_model``).
+
+Every time is an array over the K plans simulated at once; per-chunk and per-part records are
+[chunks, K] / [parts, K], so a phase reads and writes one chunk of every plan as one row."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..block_mode import SSD
+from ..profile.hardware import HardwareProfile
+from ..profile.model_profile import ModelProfile
+from .chunk_times import backup_times, check_times, chunk_transfer_times
+from .host_share import RankRates, rank_rates
+from ..layout import ChunkLayout
+from .memory import offload_bytes, part_modes
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """Seconds each piece of work takes and the switches that place it; arrays are per chunk
+    ([chunks]), per part ([parts]) or per plan ([K])."""
+
+    profile: ModelProfile
+    layout: ChunkLayout
+    hw: HardwareProfile
+    rr: RankRates
+    """The copy and "device" Adam rates of one rank (``cost.host_share``)."""
+    world: int
+    modes: np.ndarray
+    """[parts, K] block mode codes of every part (pre and post NONE)."""
+    npers: np.ndarray
+    """[K] persistent chunks: chunks below stay on the device, the others are offloaded."""
+    nbuf: np.ndarray
+    """[K] device buffers the offloaded chunks cycle through."""
+    t_up: np.ndarray
+    t_down: np.ndarray
+    t_adam: np.ndarray
+    """[chunks] upload, gradient offload and CPU Adam times (``chunk_transfer_times``)."""
+    t_check: np.ndarray
+    """[chunks] verdict check of an offloaded chunk's gradients (clipping / fp16 only)."""
+    t_host_check: np.ndarray
+    """``t_check`` where the checks run on the host's CPU queue, else zeros."""
+    spec_from: np.ndarray | None
+    """[K] first chunk that updates speculatively during backward, None without speculation."""
+    t_backup: np.ndarray | None
+    t_spec: np.ndarray | None
+    """[chunks] a speculating chunk's backup, and its whole turn on the CPU queue (check,
+    backup, update); None without speculation."""
+    saved: np.ndarray
+    """[parts] bytes a SWAP / SSD part copies off the device."""
+    w_time: np.ndarray
+    r_time: np.ndarray
+    """[parts] NVMe write / read of an SSD part's activations."""
+    serial: bool
+    """No copy engine (a CPU "device"): every copy runs on the compute timeline."""
+    inline: bool
+    """CPU Adam on the compute timeline too (serial, without a thread of its own)."""
+    shared: bool
+    """One copy engine: the H2D and D2H queues are one FIFO."""
+    gds: bool
+    """GPUDirect Storage: NVMe writes and reads have queues of their own."""
+    optimizer_step: bool
+    cpu_overlap: bool
+    checks_on_host: bool
+    speculation_wrong: bool
+    carry_over: bool
+    """As ``simulate``'s arguments of the same names."""
+
+    @property
+    def k_plans(self) -> int:
+        return self.modes.shape[1]
+
+    @property
+    def rows(self) -> np.ndarray:
+        return np.arange(self.k_plans)
+
+    def chunk_bytes(self, c: int):
+        """Bytes this rank copies to upload or offload chunk c (its shard)."""
+        return self.layout.used[c] * self.profile.param_bytes / self.world
+
+
+def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist, n_buffer,
+               block_modes, *, optimizer_step: bool, cpu_overlap: bool, world: int, speculate_from,
+               speculation_wrong: bool, carry_over: bool, checks_on_host: bool) -> StepCosts:
+    """The costs of ``simulate``'s arguments; ValueError for plans it cannot simulate."""
+    modes = np.ascontiguousarray(part_modes(profile, block_modes).T)
+    k_plans = modes.shape[1]
+    npers = np.broadcast_to(np.asarray(n_persist, dtype=np.int64), (k_plans,))
+    nbuf = np.broadcast_to(np.asarray(n_buffer, dtype=np.int64), (k_plans,))
+    n_chunks = layout.n_chunks
+    t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
+    rr = rank_rates(hw)
+    # Clipping / fp16 (no overlap): each offloaded chunk's gradients are checked (norms,
+    # overflow), on the host as they land (before or in its speculative update), or on the
+    # device before they leave.
+    t_check = check_times(layout, hw, world) if not cpu_overlap and optimizer_step else np.zeros(n_chunks)
+    t_host_check = t_check if checks_on_host else np.zeros(n_chunks)
+    spec_from = t_backup = t_spec = None
+    if speculate_from is not None and not cpu_overlap:
+        spec_from = np.broadcast_to(np.asarray(speculate_from, dtype=np.int64), (k_plans,))
+        t_backup = backup_times(layout, hw, t_adam, world)
+        t_spec = t_host_check + t_adam + t_backup
+    saved = np.array([offload_bytes(p) for p in profile.parts], dtype=np.float64)
+    if ((nbuf < 1) & (npers < n_chunks)).any():
+        raise ValueError("a plan with non-persistent chunks needs at least one buffer")
+    if (modes == SSD).any() and (hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0):
+        raise ValueError("plans with SSD blocks need the NVMe bandwidths of the SSD path")
+    serial = hw.copy_engines <= 0
+    gds = hw.nvme_gds
+    # Without GDS an NVMe copy bounces through the host: no faster than the PCIe copy.
+    w_time = (saved / min(hw.nvme_write_bandwidth, np.inf if gds else rr.d2h)
+              if hw.nvme_write_bandwidth > 0 else saved * 0)
+    r_time = (saved / min(hw.nvme_read_bandwidth, np.inf if gds else rr.h2d)
+              if hw.nvme_read_bandwidth > 0 else saved * 0)
+    return StepCosts(
+        profile=profile, layout=layout, hw=hw, rr=rr, world=world, modes=modes, npers=npers,
+        nbuf=nbuf, t_up=t_up, t_down=t_down, t_adam=t_adam, t_check=t_check,
+        t_host_check=t_host_check, spec_from=spec_from, t_backup=t_backup, t_spec=t_spec,
+        saved=saved, w_time=w_time, r_time=r_time, serial=serial,
+        inline=serial and not hw.cpu_adam_thread, shared=hw.copy_engines == 1, gds=gds,
+        optimizer_step=optimizer_step, cpu_overlap=cpu_overlap, checks_on_host=checks_on_host,
+        speculation_wrong=speculation_wrong, carry_over=carry_over)
+
+
+@dataclass(slots=True)
+class QueueState:
+    """When each queue is next free, what it has done so far, and the per-chunk times a later
+    phase needs; arrays over the K plans. The phases replace the clocks as they issue work."""
+
+    comp: np.ndarray
+    """Device compute."""
+    h2d: np.ndarray
+    d2h: np.ndarray
+    """The host-to-device and device-to-host copy engines."""
+    ssd_w: np.ndarray
+    ssd_r: np.ndarray
+    """The NVMe write and read queues (GPUDirect Storage)."""
+    cpu: np.ndarray
+    """The CPU optimizer (CPU Adam, speculation backups, the host's verdict checks)."""
+    cpu_busy: np.ndarray
+    """CPU Adam and backup time issued so far."""
+    check_busy: np.ndarray
+    """The host's verdict checks, issued in backward (joins ``cpu_busy`` at its end)."""
+    h2d_bytes: np.ndarray
+    d2h_bytes: np.ndarray
+    up_start: np.ndarray
+    """[chunks, K] forward upload of each chunk starts at (where a late CPU Adam would stall
+    the next step's forward)."""
+    done_at: np.ndarray
+    """[chunks, K] CPU Adam of each offloaded chunk ends at."""
+    spec_ready: np.ndarray | None
+    """[chunks, K] backup of a speculating chunk done at (inf where it does not speculate)."""
+    deferred: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | float]]
+    """Updates left for after backward: (chunk, which plans, grads on host at, extra time: the
+    restore before a redo)."""
+    trace: list | None
+    """(lane, what, label, start, end) of every piece of work of the first plan, or None."""
+
+    @classmethod
+    def idle(cls, costs: StepCosts, trace: list | None) -> QueueState:
+        n_chunks, k_plans = costs.layout.n_chunks, costs.k_plans
+        zeros = np.zeros(k_plans)
+        return cls(comp=zeros.copy(), h2d=zeros.copy(), d2h=zeros.copy(), ssd_w=zeros.copy(),
+                   ssd_r=zeros.copy(), cpu=zeros.copy(), cpu_busy=zeros.copy(),
+                   check_busy=np.zeros(k_plans), h2d_bytes=zeros.copy(), d2h_bytes=zeros.copy(),
+                   up_start=np.zeros((n_chunks, k_plans)), done_at=np.zeros((n_chunks, k_plans)),
+                   spec_ready=(np.full((n_chunks, k_plans), np.inf)
+                               if costs.spec_from is not None else None),
+                   deferred=[], trace=trace)
+
+    def record(self, lane: str, what: str, label: str, start, end, mask=True) -> None:
+        """Trace one piece of work of the first plan, where that plan runs it (``mask``)."""
+        if self.trace is not None and bool(np.asarray(mask).reshape(-1)[0]):
+            a, b = float(np.asarray(start).reshape(-1)[0]), float(np.asarray(end).reshape(-1)[0])
+            if b > a:
+                self.trace.append((lane, what, label, a, b))
+
+    def join_copy_queues(self) -> None:
+        """One copy engine: a copy in either direction waits for every copy issued before it."""
+        self.d2h = self.h2d = np.maximum(self.h2d, self.d2h)

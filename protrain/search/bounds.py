@@ -1,0 +1,242 @@
+"""Lower bounds on a plan's step time: the search simulates candidates in their order and
+stops once no remaining bound can beat the best time found. Each is a resource alone -
+compute, each copy queue, the activation writes, the CPU optimizer - or a chain of them the
+time model (cost.time_model) cannot shorten, so each holds for every plan, not only near the
+optimum (tests/test_search.py checks every one against the simulation)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..block_mode import CKPT, SEL
+from ..config import PlannerConfig
+from ..cost.chunk_times import backup_times, check_times, chunk_transfer_times, persistent_allreduce_time
+from ..cost.host_share import rank_rates
+from ..profile.hardware import HardwareProfile
+from ..profile.model_profile import ModelProfile
+from .candidates import ActivationConfigs, CandidateGrid
+from .policy import checks_on_host, speculation_max, weak_cpu_bound
+
+
+def forward_write_bound(profile: ModelProfile, hw: HardwareProfile, csum: np.ndarray,
+                        n_swap: np.ndarray, n_ssd: np.ndarray) -> np.ndarray:
+    """A lower bound on the end of forward from the activation writes (cost.time_model): part
+    p >= 2 waits for the write of block part p - 2, so the post part starts after every write
+    queued for the blocks before the last one (writes of one queue run one after another).
+    SWAP writes use the D2H queue; SSD writes have their own queue under GPUDirect Storage and
+    share the D2H queue in compatibility mode. ``csum``: prefix sums of the blocks' saved
+    bytes."""
+    n = profile.n_blocks
+    if n < 2:
+        return np.zeros(len(n_swap))
+    head = lambda k: csum[np.minimum(k, n - 1)]      # noqa: E731 - bytes of blocks < k, last excluded
+    d2h = rank_rates(hw).d2h
+    swap = (head(n_ssd + n_swap) - head(n_ssd)) / d2h
+    if hw.nvme_write_bandwidth > 0:
+        bw = hw.nvme_write_bandwidth if hw.nvme_gds else min(hw.nvme_write_bandwidth, d2h)
+        ssd = head(n_ssd) / bw
+    else:
+        ssd = np.zeros(len(n_swap))
+    writes = np.maximum(swap, ssd) if hw.nvme_gds else swap + ssd
+    return np.where(writes > 0, writes + profile.parts[-1].fwd_time, 0.0)
+
+
+def _suffix(t: np.ndarray) -> np.ndarray:
+    """sum_{c >= n} t[c], at index n."""
+    return np.concatenate([np.cumsum(t[::-1])[::-1], [0.0]])
+
+
+def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
+                     acts: ActivationConfigs, layout, a_idx, np_idx, nb, host):
+    """A lower bound on the time of an optimizer step for points (activation configuration
+    ``a_idx``, ``np_idx`` persistent chunks, ``nb`` buffers, ``host`` bytes of host memory):
+    each resource alone (see cost.time_model for the queues), for the boundary micro-step and for
+    the (gas - 1) others. Returns (bound, forward's part, the device's backward and optimizer,
+    the accumulation micro-steps): the parts ``refine_cpu_bound`` rebuilds it from."""
+    world = config.data_parallel_size
+    nch = layout.n_chunks
+    t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
+    rr = rank_rates(hw)
+    up_suffix = _suffix(t_up)
+    prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
+    fwd_compute = sum(p.fwd_time for p in profile.parts)
+    bwd_compute = sum(p.bwd_time for p in profile.parts) + acts.recompute[a_idx]
+    swap_bytes = acts.swap_host[a_idx]
+    gpu = prefix[np_idx] / rr.device_adam + persistent_allreduce_time(layout, np_idx, hw, world)
+    fwd_lb = np.maximum(np.maximum(fwd_compute, up_suffix[np_idx]), acts.fwd_write[a_idx])
+    reup = up_suffix[np_idx] - up_suffix[np.maximum(nch - nb, np_idx)]
+    ssd_in = acts.ssd[a_idx] / hw.nvme_read_bandwidth if hw.nvme_read_bandwidth > 0 else 0.0
+    if hw.nvme_gds:
+        bwd_lb = np.maximum(np.maximum(bwd_compute, reup + swap_bytes / rr.h2d), ssd_in)
+    else:   # bounced through the host: on the upload queue with the chunk re-uploads
+        bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / rr.h2d + ssd_in)
+    cpu_lb = _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, bwd_lb,
+                                  t_down, _suffix(t_adam)[np_idx])
+    lb = fwd_lb + np.maximum(bwd_lb + gpu, cpu_lb)
+    tail = np.zeros(len(lb))
+    if config.grad_accumulation_steps > 1:
+        # A micro-step without the optimizer ends with backward's compute (cost.time_model does
+        # not wait for the last gradient copies there), so the D2H queue is no bound on it.
+        tail = (config.grad_accumulation_steps - 1) * (fwd_lb + bwd_lb)
+        lb = lb + tail
+    return lb, fwd_lb, bwd_lb + gpu, tail
+
+
+def _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, bwd_lb, t_down, adam):
+    """The part of ``step_lower_bound`` after forward that CPU Adam (``adam``: its time over the
+    offloaded chunks) cannot beat."""
+    nch = layout.n_chunks
+    if weak_cpu_bound(config, hw):
+        # Updates left for after backward run on into the next forward (cost.time_model's
+        # carry_over): the step is at least the device's work and at least CPU Adam's, with
+        # the verdict checks when there are (clipping / fp16).
+        checks = host_checks(layout, hw, config, np_idx)
+        cpu_lb = adam + checks - fwd_lb
+        if not config.cpu_optim_overlap:
+            world = config.data_parallel_size
+            sb = SpeculatingIterationBound(profile, layout, hw, config, np_idx,
+                                           backward_bound(profile, layout, hw, world, np_idx, nb, bwd_lb),
+                                           checks)
+            s_max = speculation_max(layout, hw, config, np_idx, host)
+            cpu_lb = np.maximum(cpu_lb, (sb.at(s_max) if config.speculate_chunks is not None
+                                         else sb.least(s_max)) - fwd_lb)
+        return cpu_lb
+    if config.cpu_optim_overlap:
+        # CPU Adam starts at the earliest once the last chunk's gradient is complete (after
+        # the backward of the parts from its first user on) and has left the device.
+        first = layout.chunk_first_part[nch - 1] if nch else 0
+        head = sum(p.bwd_time for p in profile.parts[first:]) + (t_down[-1] if nch else 0.0)
+        return np.maximum(np.where(np_idx < nch, head + adam, 0.0), _suffix(t_down)[np_idx])
+    return bwd_lb + adam
+
+
+class SpeculatingIterationBound:
+    """A lower bound on the iteration of a plan whose CPU Adam waits for the step's verdict
+    (clipping / fp16) and runs on into the next forward, for each count s of speculating
+    chunks (the top s offloaded ones: cost.time_model backs each up, then updates it, during
+    backward). Counted from one forward's end to the next, with c the chunk whose update the
+    CPU does last (n - s - 1, the last left for after backward in chunk order; with every
+    offloaded chunk speculating, the lowest), and the next forward's upload of c starting
+    at least the uploads of chunks c..n-1 before that forward ends, the iteration is at least
+      - ``chain(s)``: the first gradient (backward of the parts from the last chunk's first
+        user, its copy to the host), then every piece of CPU work of the step - every update,
+        the host checks, the s backups; then those uploads;
+      - ``after(s)`` (s below the offloaded count): backward, until it is over and the
+        lowest offloaded chunk's gradients - the last to land - are on the host; then the
+        updates left for after it; then those uploads.
+    ``chain`` grows with s; ``after`` falls while an update outlasts an upload (always, but for
+    the tail of a very fast CPU Adam). ``least(s_max)`` is the least over s in [0, s_max],
+    where the two cross (one search over prefix sums of the layout's chunks from the top, the
+    same for every plan of the layout; the falling side taken as its running minimum, which
+    only lowers it). For a model bound by its CPU Adam this lies within a few hundredths of a
+    per cent of the simulated time, where the CPU's busy time alone leaves out the backups,
+    the updates after backward and the copies around them."""
+
+    def __init__(self, profile: ModelProfile, layout, hw: HardwareProfile, config: PlannerConfig,
+                 n_persist, backward, checks):
+        world = config.data_parallel_size
+        nch = layout.n_chunks
+        t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
+        top = lambda t: np.concatenate([[0.0], np.cumsum(t[::-1])])    # noqa: E731  (last s chunks)
+        self.adam_top = top(t_adam)
+        self.backup_top = top(backup_times(layout, hw, t_adam, world))
+        self.up_next = np.concatenate([top(t_up)[1:], [0.0]])           # uploads of the last s + 1
+        self.n_off = nch - np.asarray(n_persist)
+        self.adam = self.adam_top[self.n_off]
+        self.backward, self.checks = backward, checks
+        lead = first_gradient(profile, layout) + (t_down[-1] if nch else 0.0)
+        self.lead = np.where(self.n_off > 0, lead, 0.0)
+
+    def _uploads(self, s):
+        """Uploads from the chunk the CPU updates last to the end (none without offloading)."""
+        return np.where(self.n_off > 0, self.up_next[np.minimum(s, np.maximum(self.n_off - 1, 0))], 0.0)
+
+    def _chain(self, s):
+        return self.lead + self.adam + self.checks + self.backup_top[s] + self._uploads(s)
+
+    def at(self, s):
+        after = np.where(s < self.n_off, self.backward + self.adam - self.adam_top[s] + self.up_next[s],
+                         self.backward)
+        return np.maximum(self._chain(s), after)
+
+    def least(self, s_max):
+        # s < n_off: after(s) >= backward + adam - fall[s], fall nondecreasing; chain(s) >= it
+        # from s_cross on.
+        fall = np.maximum.accumulate(self.adam_top - self.up_next)
+        s_lim = np.minimum(s_max, self.n_off - 1)
+        s_cross = np.searchsorted(self.backup_top + self.up_next + fall,
+                                  self.backward - self.checks - self.lead, side="left")
+        best = np.full(np.shape(s_lim), np.inf)
+        for s in (s_cross - 1, s_cross):
+            s = np.clip(s, 0, np.maximum(s_lim, 0))
+            v = np.maximum(self._chain(s), self.backward + self.adam - fall[s])
+            best = np.where(s_lim >= 0, np.minimum(best, v), best)
+        return np.where(s_max >= self.n_off, np.minimum(best, self.at(self.n_off)), best)
+
+
+def backward_compute(profile: ModelProfile, codes: np.ndarray) -> np.ndarray:
+    """Backward's compute per plan: every part's backward plus the recomputed forwards."""
+    fwd = np.array([b.fwd_time for b in profile.blocks])
+    sel = np.array([b.sel_recompute_time for b in profile.blocks])
+    return sum(p.bwd_time for p in profile.parts) + (codes == CKPT).astype(np.float64) @ fwd + \
+        (codes == SEL).astype(np.float64) @ sel
+
+
+def backward_bound(profile, layout, hw, world, n_persist, n_buffer, bwd) -> np.ndarray:
+    """A lower bound on the time from forward's end until backward is over and every
+    offloaded gradient is on the host (SpeculatingIterationBound's ``backward``): ``bwd`` (a bound on
+    backward alone: its compute, or more), the re-uploads (issued in backward), the gradient
+    copies (one queue, from the first gradient)."""
+    t_up, t_down, _ = chunk_transfer_times(layout, profile, hw, world)
+    up = np.concatenate([np.cumsum(t_up[::-1])[::-1], [0.0]])
+    down = np.concatenate([np.cumsum(t_down[::-1])[::-1], [0.0]])
+    reup = up[n_persist] - up[np.maximum(layout.n_chunks - n_buffer, n_persist)]
+    return np.maximum(np.maximum(bwd, reup), first_gradient(profile, layout) + down[n_persist])
+
+
+def first_gradient(profile, layout) -> float:
+    """Backward's compute before the first gradient copy can start: the parts from the last
+    chunk's first user on (recompute left out: a bound for every plan)."""
+    first = layout.chunk_first_part[layout.n_chunks - 1] if layout.n_chunks else len(profile.parts)
+    return sum(p.bwd_time for p in profile.parts[first:])
+
+
+def host_checks(layout, hw: HardwareProfile, config: PlannerConfig, n_persist):
+    """CPU time of the verdict checks over the offloaded chunks, where they are taken on the
+    host (accumulated gradients under clipping / fp16); 0 elsewhere."""
+    if config.cpu_optim_overlap or not checks_on_host(config):
+        return 0.0
+    suffix = np.concatenate([np.cumsum(check_times(layout, hw, config.data_parallel_size)[::-1])[::-1], [0.0]])
+    return suffix[np.asarray(n_persist)]
+
+
+def refine_cpu_bound(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
+                      acts: ActivationConfigs, grid: CandidateGrid, idx: np.ndarray) -> np.ndarray:
+    """A tighter lower bound for points ``idx`` of ``grid`` when CPU Adam overlaps backward,
+    computed only for the points about to be simulated (it needs their block layouts).
+
+    CPU Adam steps the offloaded chunks one at a time in the order their gradients complete
+    (descending index), so for every offloaded chunk c the CPU is busy until at least the
+    backward (with its recompute) of the parts from c's first user on, plus c's gradient
+    offload, plus Adam over c and every offloaded chunk below it. Near the optimum of a
+    CPU-bound model thousands of plans differ by less than the slack of the coarse bound
+    (which counts only the last chunk and no recompute); this one tells them apart."""
+    if not config.cpu_optim_overlap or not len(idx) or weak_cpu_bound(config, hw):
+        return grid.lower_bound[idx]
+    layout = grid.layout
+    nch = layout.n_chunks
+    _, t_down, t_adam = chunk_transfer_times(layout, profile, hw, config.data_parallel_size)
+    codes = acts.codes(grid.a[idx])
+    fwd = np.array([b.fwd_time for b in profile.blocks])
+    sel = np.array([b.sel_recompute_time for b in profile.blocks])
+    per_part = np.tile(np.array([p.bwd_time for p in profile.parts]), (len(idx), 1))
+    per_part[:, list(profile.block_part_indices)] += np.where(codes == CKPT, fwd, 0.0) + \
+        np.where(codes == SEL, sel, 0.0)
+    done = np.cumsum(per_part[:, ::-1], axis=1)[:, ::-1]         # backward until part p is done
+    adam_upto = np.concatenate([[0.0], np.cumsum(t_adam)])       # sum over chunks below c
+    chain = done[:, list(layout.chunk_first_part)] + t_down + adam_upto[1:]
+    chain = np.maximum.accumulate(chain[:, ::-1], axis=1)[:, ::-1]   # max over chunks >= c
+    chain = np.concatenate([chain, np.full((len(idx), 1), -np.inf)], axis=1)
+    npi = grid.n_persist[idx]
+    cpu = np.where(npi < nch, chain[np.arange(len(idx)), npi] - adam_upto[npi], 0.0)
+    refined = grid.fwd_lb[idx] + np.maximum(grid.dev_lb[idx], cpu) + grid.tail_lb[idx]
+    return np.maximum(grid.lower_bound[idx], refined)

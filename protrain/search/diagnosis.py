@@ -1,0 +1,139 @@
+"""The diagnosis of a search that found no plan: which constraint rules every plan out and
+what to change - the pins (would it fit without them? which constraint breaks the one plan
+they name?), the host memory the offloaded states need, or the device memory the leanest plan
+needs, with the micro-batch or sequence length that would fit."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import numpy as np
+
+from ..config import ALL, KNOB_NAMES, KnobPins, PlannerConfig
+from ..cost.memory import buffer_numel
+from ..layout import build_layout
+from ..plan import Knobs, Plan
+from ..profile.hardware import HardwareProfile
+from ..profile.model_profile import ModelProfile
+from ..units import fmt_bytes
+from .candidates import ActivationConfigs
+from .evaluation import evaluate
+from .infeasible import InfeasibleError
+from .policy import norm_scratch, planned_state_bytes
+from .space import model_state_bytes
+
+Search = Callable[[ModelProfile, HardwareProfile, PlannerConfig], Plan]
+"""The search itself (``search.loop.search``), handed in by its caller: the diagnosis asks it
+whether the model fits without the pins, and the search calls the diagnosis."""
+
+
+def diagnose_infeasible(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig, budget: float,
+                        stats: dict, acts: ActivationConfigs, caps, *, search: Search) -> InfeasibleError:
+    """The error to raise when no point of any chunk size (``caps``) fits: ``budget`` is the
+    device memory less the margin, ``stats`` what the grids' nearest misses needed
+    (``space.candidate_grid``)."""
+    if config.pins.pinned():
+        pinned = _pinned_diagnosis(profile, hw, config, stats, search)
+        if pinned is not None:
+            return pinned
+    if "host_needed" in stats:
+        need = int(stats["host_needed"])
+        return InfeasibleError(
+            f"host memory too small: the offloaded model states "
+            f"({planned_state_bytes(profile, config).host} bytes per offloaded parameter) "
+            f"need at least {fmt_bytes(need)} of host memory, but {fmt_bytes(hw.host_memory)} is "
+            f"available. Add host memory (or raise protrain.host_memory / --host-memory if the "
+            f"machine has more), shard the states over more data-parallel ranks, or train a "
+            f"smaller model.", host_needed=need)
+    return _device_diagnosis(profile, hw, config, budget, acts, caps)
+
+
+def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: Search) -> InfeasibleError | None:
+    """What the pins break, where they are the problem."""
+    pins = config.pins.pinned()
+    # Would it fit without the pins? Then the pins are the problem; say so.
+    try:
+        free = search(profile, hw, replace(config, pins=KnobPins()))
+    except InfeasibleError:
+        free = None
+    # The sequence-parallel degree is not this search's (it plans one rank's profile). Pins
+    # on every other knob but n_selective (a configuration written before that knob) name
+    # one plan too: the one without selective blocks (had it fit, the search found it).
+    fixed = {k: v for k, v in pins.items() if k != "sequence_parallel"}
+    fixed.setdefault("n_selective", 0)
+    if len(fixed) == len(KNOB_NAMES) - 1:
+        # Every knob fixed: say which constraint that one plan breaks.
+        if pins["n_persist"] == ALL:     # "all": the chunk count of the pinned chunk size
+            every = build_layout(profile, pins["chunk_size"] // profile.param_bytes).n_chunks
+            pins, fixed = dict(pins, n_persist=every), dict(fixed, n_persist=every)
+        try:
+            evaluate(profile, hw, Knobs(**fixed), config, check_fit=True)
+        except InfeasibleError as e:
+            return InfeasibleError(f"the pinned plan does not work: {e}",
+                                   device_needed=e.device_needed, host_needed=e.host_needed)
+    if "buffers_needed" in stats:
+        return InfeasibleError(
+            f"pinned n_buffer={config.pins.n_buffer} is too few: with these chunks a part of the "
+            f"model spans {stats['buffers_needed']} chunks, which must be on the device together. "
+            f"Pin n_buffer >= {stats['buffers_needed']}, a larger chunk_size, or leave n_buffer on auto")
+    if free is not None:
+        return InfeasibleError(
+            f"no plan fits with the pinned knobs {pins}; without pins the planner finds "
+            f"{free.knobs} ({fmt_bytes(free.prediction.peak_device_bytes)} peak). Unpin "
+            f"(set to \"auto\") or change the pinned values")
+    return None
+
+
+def _device_diagnosis(profile, hw, config: PlannerConfig, budget: float, acts, caps) -> InfeasibleError:
+    """The device memory the leanest plan needs, and the micro-batch or sequence length that
+    would fit the device."""
+    margin = config.memory_margin
+    need, states = _leanest(profile, config, acts, caps, hw.host_memory)
+    device_needed = int(np.ceil(need * (1 + margin)))
+    msg = (f"device memory too small: the leanest plan that fits {fmt_bytes(hw.host_memory)} of "
+           f"host memory (blocks checkpointed or swapped, as many chunks offloaded as the host "
+           f"takes) peaks at {fmt_bytes(need)}, so it needs {fmt_bytes(device_needed)} with the "
+           f"{margin:.0%} margin, but {fmt_bytes(hw.device_memory)} is available.")
+    unbounded, _ = _leanest(profile, config, acts, caps, np.inf)
+    if unbounded * (1 + margin) <= hw.device_memory:
+        msg += (f" With more host memory it would fit: offloading every chunk needs "
+                f"{fmt_bytes(profile.total_params * planned_state_bytes(profile, config).host)} of host memory.")
+    fit = None
+    act = need - states
+    mb = profile.micro_batch
+    if act > 0 and budget > states:
+        scale = (budget - states) / act
+        if mb:
+            fit = int(np.floor(mb * scale))
+            msg += (f" Lower the micro-batch from {mb} to {fit} or less" if fit >= 1 else
+                    " Even micro-batch 1 does not fit; shorten the sequence")
+            if profile.seq_len:
+                msg += (f" (or the sequence length from {profile.seq_len} to about "
+                        f"{int(profile.seq_len * min(scale, 1.0))})")
+            msg += "."
+        else:
+            msg += f" Shrink the activations (micro-batch or sequence length) to {scale:.0%} or less."
+    else:
+        msg += (f" The model states alone need {fmt_bytes(states)}: use a device with more memory, "
+                f"more host memory, or shard over more data-parallel ranks.")
+    return InfeasibleError(msg, device_needed=device_needed, micro_batch_fit=fit if fit else None)
+
+
+def _leanest(profile, config, acts: ActivationConfigs, caps, host_memory) -> tuple[float, float]:
+    """(peak, model-state part of it) of the plan with the smallest device peak whose host
+    needs fit ``host_memory`` (any n_persist, the fewest buffers)."""
+    best = (np.inf, np.inf)
+    for cap in caps:
+        layout = build_layout(profile, cap)
+        nps = np.arange(layout.min_persist, layout.n_chunks + 1)
+        persist, host_state = model_state_bytes(profile, config, layout)
+        states, host = persist[nps], host_state[nps]
+        if config.model_states_fixed is None:
+            states = states + layout.min_buffers_table()[nps] * \
+                buffer_numel(layout, config.data_parallel_size) * planned_state_bytes(profile, config).buffer
+        peak = (states + norm_scratch(profile, config, layout)[nps])[None, :] + acts.act_peak[:, None]
+        ok = host[None, :] + acts.swap_host[:, None] <= host_memory
+        if ok.any():
+            a, j = np.unravel_index(np.where(ok, peak, np.inf).argmin(), peak.shape)
+            best = min(best, (float(peak[a, j]), float(states[j])))
+    return best

@@ -1,0 +1,46 @@
+"""InfeasibleError - no plan fits, with what would - and the refusal of budgets no plan can
+meet, made from the parameter counts alone before the model is profiled. The diagnosis of a
+search that found nothing (what to change) is search.diagnosis."""
+from __future__ import annotations
+
+from ..config import PlannerConfig
+from ..cost.memory import state_bytes
+from ..units import fmt_bytes
+
+
+class InfeasibleError(RuntimeError):
+    """No plan fits. The message says what would fit and what to change."""
+
+    def __init__(self, message: str, *, device_needed: int | None = None,
+                 host_needed: int | None = None, micro_batch_fit: int | None = None):
+        super().__init__(message)
+        self.device_needed = device_needed
+        self.host_needed = host_needed
+        self.micro_batch_fit = micro_batch_fit
+
+
+def check_budgets(total_params: int, largest_param: int, param_bytes: int,
+                  config: PlannerConfig, *, grad_accumulation: bool = False) -> None:
+    """Refuse budgets no plan can meet, from the parameter counts alone (before profiling):
+    one chunk buffer must hold the largest parameter, and device plus host memory must hold
+    the model states. The search makes the exact check once the model is profiled."""
+    sb = state_bytes(param_bytes, grad_accumulation)
+    margin = 1 + config.memory_margin
+    if config.device_memory is not None:
+        need = largest_param * param_bytes * margin
+        if config.device_memory < need:
+            raise InfeasibleError(
+                f"device_memory={fmt_bytes(config.device_memory)} cannot hold even the largest "
+                f"parameter ({fmt_bytes(largest_param * param_bytes)}, with the {config.memory_margin:.0%} "
+                f"margin {fmt_bytes(need)}); raise device_memory or remove the limit",
+                device_needed=int(need))
+    if config.device_memory is not None and config.host_memory is not None:
+        states = total_params * min(sb.host, sb.persistent)
+        if config.device_memory / margin + config.host_memory < states:
+            raise InfeasibleError(
+                f"device_memory={fmt_bytes(config.device_memory)} plus host_memory="
+                f"{fmt_bytes(config.host_memory)} cannot hold the model states: "
+                f"{total_params / 1e6:.1f} M parameters need at least {fmt_bytes(states)} "
+                f"({min(sb.host, sb.persistent)} bytes each); raise the limits",
+                host_needed=int(states - config.device_memory / margin))
+

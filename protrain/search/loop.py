@@ -1,0 +1,332 @@
+"""The search: the fastest plan that fits the device and host budgets.
+
+Exhaustive over chunk size, n_persist, n_checkpoint and n_swap; exact over n_buffer through a
+property of the runtime model (more buffers never delay anything), so each point takes the
+most buffers that still fit, and only ties are re-checked with fewer. Points are evaluated in
+order of a lower bound on their iteration time (compute alone, each copy queue alone, the CPU
+optimizer alone) and the search stops when no remaining bound can beat the best time found:
+the answer equals a brute-force search over all five knobs (tests check it), in a fraction of
+its time.
+
+The search hedges against the cost model's own error: every plan predicted within
+``PlannerConfig.time_tolerance`` of the fastest counts as equally fast, and among those the one
+that moves the fewest bytes per step (host <-> device, NVMe) wins - a difference the model
+cannot resolve is no reason to take on transfers whose overlap it may have overrated. Then
+the faster, then the lower peak. The plan's notes say when this changed the choice.
+
+Four phases over one _SearchState: the fastest time (points in bound order), the hedge band
+(points by bytes moved), the fewest buffers of the tied points (bisection), the winner with
+its runner-ups and notes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..config import PlannerConfig
+from ..cost.memory import buffer_numel
+from ..plan import Alternative, Knobs, Plan
+from ..profile.hardware import HardwareProfile
+from ..profile.model_profile import ModelProfile
+from ..units import fmt_bytes, fmt_seconds
+from .bounds import refine_cpu_bound
+from .candidates import ActivationConfigs, CandidateGrid
+from .diagnosis import diagnose_infeasible
+from .evaluation import evaluate, simulate_points
+from .policy import planned_state_bytes
+from .space import activation_configs, candidate_capacities, candidate_grid, reupload_bytes
+
+_BATCH = 2048
+_SWEEP = 128
+"""Buffer counts per point tried in one round of the tie refinement (``_bisect_buffers``)."""
+EXACT_SIMULATIONS = 8192
+"""Simulations after which the search accepts a plan within ``TIE_TOLERANCE`` of the best
+unsimulated bound instead of simulating every near-tie. Models whose step is bound by one
+resource (CPU Adam on a 70B model) have tens of thousands of plans within a few milliseconds
+of each other; below this count the answer is exactly the brute-force one."""
+TIE_TOLERANCE = 1e-4
+"""Relative time the unsimulated plans may still gain when the search stops early."""
+
+# How far above the best time a lower bound may lie and still be simulated: a bound is summed
+# in another order than the simulation, so a plan tied with the best can have a bound a
+# rounding error above it.
+BOUND_ROUNDING = 1e-9
+
+
+def plan_key(iter_time: float, peak: int, knobs: tuple) -> tuple:
+    """Order between plans the model tells apart: faster, then smaller peak, then smaller knobs."""
+    return (iter_time, peak, knobs)
+
+
+def hedged_key(moved: float, iter_time: float, peak: int, knobs: tuple) -> tuple:
+    """Order between plans within the error band of the fastest: fewer bytes moved per step,
+    then ``plan_key``."""
+    return (moved,) + plan_key(iter_time, peak, knobs)
+
+
+@dataclass
+class _SearchState:
+    """What the search knows of every candidate as it goes: one row per point of every chunk
+    size's grid (row ``local[i]`` of grid ``owner[i]``)."""
+
+    profile: ModelProfile
+    hw: HardwareProfile
+    config: PlannerConfig
+    acts: ActivationConfigs
+    grids: list[CandidateGrid]
+    lower_bound: np.ndarray
+    """A lower bound on each point's step time, refined just before the point is simulated."""
+    moved: np.ndarray
+    """Bytes each point moves per step (known without simulating)."""
+    owner: np.ndarray
+    local: np.ndarray
+    times: np.ndarray
+    """Each point's simulated step time; inf until simulated."""
+    simulated: np.ndarray
+    best: float = np.inf
+    """The fastest step time simulated."""
+    evaluated: int = 0
+    """Simulations run (a point re-simulated with fewer buffers counts again)."""
+    early: tuple[int, float] | None = None
+    """(candidates left, the most they could be faster) when the search stopped early."""
+    fewer_buffers: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """(n_buffer, peak) of the tied points whose fewest buffers keep their time and bytes."""
+
+    @classmethod
+    def over(cls, profile, hw, config, acts, grids: list[CandidateGrid]) -> _SearchState:
+        """Every point of ``grids``, none simulated yet."""
+        total = sum(len(g.lower_bound) for g in grids)
+        return cls(profile, hw, config, acts, grids,
+                   lower_bound=np.concatenate([g.lower_bound for g in grids]),
+                   moved=np.concatenate([g.moved for g in grids]),
+                   owner=np.concatenate([np.full(len(g.lower_bound), i) for i, g in enumerate(grids)]),
+                   local=np.concatenate([np.arange(len(g.lower_bound)) for g in grids]),
+                   times=np.full(total, np.inf), simulated=np.zeros(total, dtype=bool))
+
+    @property
+    def total(self) -> int:
+        return len(self.times)
+
+    @property
+    def band(self) -> float:
+        """Step times within the time model's error of the fastest: equally fast to the hedge."""
+        return self.best * (1.0 + self.config.time_tolerance)
+
+    def by_grid(self, take: np.ndarray):
+        """(grid, its points among ``take``) for each grid ``take`` touches."""
+        for gi in np.unique(self.owner[take]):
+            yield gi, take[self.owner[take] == gi]
+
+    def simulate(self, gi, sel: np.ndarray) -> None:
+        """Simulate points ``sel`` (all of grid ``gi``) with their most buffers."""
+        self.times[sel] = simulate_points(self.profile, self.hw, self.config, self.acts, self.grids[gi],
+                                          self.local[sel])
+        self.simulated[sel] = True
+        self.evaluated += len(sel)
+
+    def knobs(self, i: int) -> Knobs:
+        g, j = self.grids[self.owner[i]], self.local[i]
+        nb = self.fewer_buffers.get(i, (int(g.n_buffer[j]),))[0]
+        a = g.a[j]
+        return Knobs(chunk_size=g.layout.chunk_bytes, n_persist=int(g.n_persist[j]), n_buffer=nb,
+                     n_swap=int(self.acts.n_swap[a]), n_checkpoint=int(self.acts.n_ckpt[a]),
+                     n_ssd=int(self.acts.n_ssd[a]), n_selective=int(self.acts.n_sel[a]))
+
+    def peak(self, i: int) -> int:
+        g, j = self.grids[self.owner[i]], self.local[i]
+        return self.fewer_buffers.get(i, (0, int(g.peak[j])))[1]
+
+
+def search(profile: ModelProfile, hw: HardwareProfile,
+           config: PlannerConfig | None = None) -> Plan:
+    """The fastest plan for ``profile`` on ``hw`` within ``config``'s budgets and pins.
+    Raises InfeasibleError (with what would fit) when nothing does."""
+    config = config or PlannerConfig()
+    if (config.pins.sequence_parallel or 1) > 1:
+        raise ValueError("search() plans one rank's profile as it is; a sequence-parallel degree "
+                         "is chosen by protrain.sp.planner.search_sequence_parallel")
+    t0 = time.perf_counter()
+    hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
+    budget = hw.device_memory / (1.0 + config.memory_margin)
+    acts = activation_configs(profile, config, hw)
+    caps = candidate_capacities(profile, config)
+    stats: dict = {}
+    grids = [candidate_grid(profile, hw, config, acts, cap, budget, stats) for cap in caps]
+    if sum(len(g.lower_bound) for g in grids) == 0:
+        raise diagnose_infeasible(profile, hw, config, budget, stats, acts, caps, search=search)
+    st = _SearchState.over(profile, hw, config, acts, grids)
+    _find_fastest(st)
+    _simulate_hedge_band(st)
+    tied, target = _hedge_ties(st)
+    if config.pins.n_buffer is None:
+        _fewest_buffers(st, tied, target)
+    chosen_i = min(tied, key=lambda i: plan_key(st.times[i], st.peak(i), st.knobs(i).as_tuple()))
+    alternatives = _runner_ups(st, chosen_i)
+    notes = _notes(st, chosen_i)
+    return replace(evaluate(profile, hw, st.knobs(chosen_i), config, alternatives=tuple(alternatives),
+                            search_seconds=time.perf_counter() - t0, evaluated=st.evaluated,
+                            total=st.total), notes=notes)
+
+
+def _in_bound_order(lbs: np.ndarray):
+    """Batches of point indices in increasing lower bound: the first few batches from a
+    partial sort (the search usually stops there), the rest from a full one."""
+    head = min(len(lbs), 16 * _BATCH)
+    first = np.argpartition(lbs, head - 1)[:head] if head < len(lbs) else np.arange(len(lbs))
+    first = first[np.argsort(lbs[first], kind="stable")]
+    for lo in range(0, len(first), _BATCH):
+        yield first[lo:lo + _BATCH]
+    if head < len(lbs):
+        rest = np.setdiff1d(np.arange(len(lbs)), first, assume_unique=True)
+        rest = rest[np.argsort(lbs[rest], kind="stable")]
+        for lo in range(0, len(rest), _BATCH):
+            yield rest[lo:lo + _BATCH]
+
+
+def _find_fastest(st: _SearchState) -> None:
+    """The fastest time: points in order of their lower bound until none can beat it. A bound
+    is summed in another order than the simulation: one a rounding error above the best time
+    may still be a plan tied with it (ties go to the lower peak, then the smaller knobs), so it
+    is simulated too."""
+    tie = 1 + BOUND_ROUNDING
+    lbs = st.lower_bound
+    for take in _in_bound_order(lbs):
+        lowest = lbs[take[0]]
+        if lowest > st.best * tie:
+            break
+        if st.evaluated >= EXACT_SIMULATIONS and lowest >= st.best * (1 - TIE_TOLERANCE):
+            st.early = (st.total - int(st.simulated.sum()), (st.best - lowest) / st.best)
+            break
+        for gi, sel in st.by_grid(take):
+            lbs[sel] = refine_cpu_bound(st.profile, st.hw, st.config, st.acts, st.grids[gi], st.local[sel])
+            sel = sel[lbs[sel] <= st.best * tie]     # best only falls: the others can never win
+            if len(sel):
+                st.simulate(gi, sel)
+                st.best = min(st.best, st.times[sel].min())
+
+
+def _simulate_hedge_band(st: _SearchState) -> None:
+    """The hedge's candidates: points whose bound lies in the band, by bytes moved (known
+    without simulating), until the fewest bytes of a plan found in the band is below every
+    remaining point's."""
+    band = st.band
+    while True:
+        least = st.moved[st.times <= band].min()
+        cand = np.flatnonzero(~st.simulated & (st.lower_bound <= band) & (st.moved <= least))
+        if not len(cand):
+            break
+        take = cand[np.argsort(st.moved[cand], kind="stable")[:_BATCH]]
+        for gi, sel in st.by_grid(take):
+            st.simulate(gi, sel)
+
+
+def _hedge_ties(st: _SearchState) -> tuple[list[int], tuple]:
+    """The hedge: within the band, the fewest bytes moved, then the fastest. Returns the points
+    tied on both and the (bytes, time) they share."""
+    in_band = np.flatnonzero(st.times <= st.band)
+    first = in_band[np.lexsort((st.times[in_band], st.moved[in_band]))[0]]
+    target = (st.moved[first], st.times[first])
+    return [int(i) for i in in_band if (st.moved[i], st.times[i]) == target], target
+
+
+def _fewest_buffers(st: _SearchState, tied: list[int], target: tuple) -> None:
+    """Points tied on bytes and time keep the fewest buffers that leave both unchanged (more
+    buffers never slow a plan down nor move more). Tied points are refined in order of the
+    lowest peak they could reach (their fewest buffers), a batch at a time, bisecting each
+    point's buffer count, until none can beat the lowest peak found: a bound-limited dominant
+    resource ties thousands of plans exactly."""
+    sbuf = planned_state_bytes(st.profile, st.config).buffer
+    unit = [sbuf * buffer_numel(g.layout, st.config.data_parallel_size) for g in st.grids]
+    grid_of = lambda i: st.grids[st.owner[i]]  # noqa: E731
+    at_best = np.array(tied, dtype=np.int64)
+    peak_now = np.array([grid_of(i).peak[st.local[i]] for i in at_best], dtype=np.int64)
+    spare = np.array([grid_of(i).n_buffer[st.local[i]] - grid_of(i).n_buffer_min[st.local[i]]
+                      for i in at_best], dtype=np.int64)
+    peak_low = peak_now - spare * np.array([unit[st.owner[i]] for i in at_best], dtype=np.int64)
+    best_peak = int(peak_now.min()) if len(at_best) else 0
+    order = [k for k in np.argsort(peak_low, kind="stable") if spare[k] > 0]
+    for lo in range(0, len(order), 512):
+        batch = [k for k in order[lo:lo + 512] if peak_low[k] <= best_peak]
+        if not batch:
+            break
+        for gi in sorted({int(st.owner[at_best[k]]) for k in batch}):
+            g = st.grids[gi]
+            pts = [int(at_best[k]) for k in batch if st.owner[at_best[k]] == gi]
+            high = _bisect_buffers(st, gi, pts, target)
+            for i in pts:
+                j = st.local[i]
+                if high[i] < g.n_buffer[j]:
+                    st.fewer_buffers[i] = (high[i], int(g.peak[j] - (g.n_buffer[j] - high[i]) * unit[gi]))
+                    best_peak = min(best_peak, st.fewer_buffers[i][1])
+
+
+def _bisect_buffers(st: _SearchState, gi: int, pts: list[int], target: tuple) -> dict[int, int]:
+    """Each point's fewest buffers that keep the target (time and bytes never rise with
+    buffers): k evenly spaced counts below the known one per point in one batched simulation
+    a round, k as large as a batch allows - a simulation's fixed cost (its loop over parts and
+    chunks) far exceeds a row's."""
+    g = st.grids[gi]
+    gas = st.config.grad_accumulation_steps
+    low = {i: int(g.n_buffer_min[st.local[i]]) for i in pts}
+    high = {i: int(g.n_buffer[st.local[i]]) for i in pts}
+    while True:
+        active = [i for i in pts if low[i] < high[i]]
+        if not active:
+            break
+        tries = max(2, min(_SWEEP, _BATCH // len(active)))
+        rows = [(i, nb) for i in active for nb in
+                sorted({low[i] + (high[i] - low[i]) * m // tries for m in range(tries)})]
+        idx = np.array([st.local[i] for i, _ in rows])
+        nbs = np.array([nb for _, nb in rows])
+        t = simulate_points(st.profile, st.hw, st.config, st.acts, g, idx, n_buffer=nbs)
+        mv = g.moved[idx] + gas * (
+            reupload_bytes(g.layout, st.profile, st.config, g.n_persist[idx], nbs) -
+            reupload_bytes(g.layout, st.profile, st.config, g.n_persist[idx], g.n_buffer[idx]))
+        st.evaluated += len(rows)
+        kept = [(i, nb, (mi, ti) == target) for (i, nb), ti, mi in zip(rows, t, mv)]
+        for i, nb, ok in kept:
+            if ok:
+                high[i] = min(high[i], nb)
+        for i, nb, ok in kept:  # the next round searches above the highest failure
+            if not ok and nb < high[i]:
+                low[i] = max(low[i], nb + 1)
+    return high
+
+
+def _runner_ups(st: _SearchState, chosen_i: int) -> list[Alternative]:
+    """The fastest other plans (one per activation configuration and chunk size)."""
+    done = np.flatnonzero(np.isfinite(st.times))
+    peaks = np.array([st.peak(i) for i in done])
+    order = [i for i in done[np.lexsort((peaks, st.times[done]))] if i != chosen_i]
+    shape = lambda k: (k.chunk_size, k.n_checkpoint, k.n_swap, k.n_ssd, k.n_selective)  # noqa: E731
+    alternatives, seen = [], {shape(st.knobs(chosen_i))}
+    for i in order:
+        if len(alternatives) >= st.config.runner_ups:
+            break
+        k = st.knobs(i)
+        if shape(k) in seen:
+            continue
+        seen.add(shape(k))
+        g, j = st.grids[st.owner[i]], st.local[i]
+        alternatives.append(Alternative(knobs=k, iter_time=float(st.times[i]),
+                                        peak_device_bytes=st.peak(i), host_bytes=int(g.host[j])))
+    return alternatives
+
+
+def _notes(st: _SearchState, chosen_i: int) -> tuple[str, ...]:
+    """What the plan's notes say: the hedge changed the choice, the search stopped early."""
+    notes = ()
+    done = np.flatnonzero(np.isfinite(st.times))
+    fastest = min(done, key=lambda i: (st.times[i], st.moved[i]))
+    if st.moved[chosen_i] < st.moved[fastest]:
+        notes = (f"hedged: plans predicted within the runtime model's {st.config.time_tolerance:.0%} "
+                 f"error band of the fastest ({fmt_seconds(float(st.best))}/step) count as equally "
+                 f"fast; this one ({fmt_seconds(float(st.times[chosen_i]))}) moves the fewest bytes, "
+                 f"{fmt_bytes(int(st.moved[chosen_i]))} per step against {fmt_bytes(int(st.moved[fastest]))} "
+                 f"for the fastest",)
+    if st.early is not None:
+        notes += (f"search stopped after {st.evaluated} simulations: the {st.early[0]} candidates not "
+                  f"simulated could be at most {st.early[1]:.4%} faster",)
+    return notes

@@ -1,0 +1,71 @@
+"""What the runtime does under a PlannerConfig, as the planner's models need it: the bytes of
+model state per parameter, the clipping norm's scratch, where CPU Adam's updates and the
+step's verdict checks run, and how many chunks may speculate. One place, so that the
+candidate space, the bounds and evaluation cannot disagree on it."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import PlannerConfig
+from ..cost.memory import StateBytes, norm_scratch_bytes, state_bytes
+from ..profile.hardware import HardwareProfile
+from ..profile.model_profile import ModelProfile
+
+
+def planned_state_bytes(profile: ModelProfile, config: PlannerConfig) -> StateBytes:
+    """Bytes of model state per parameter: on the device, on the host, in a chunk buffer."""
+    return state_bytes(profile.param_bytes, config.grad_accumulation_steps > 1)
+
+
+def norm_scratch(profile: ModelProfile, config: PlannerConfig, layout) -> np.ndarray:
+    """Per n_persist: the clipping norm's fp32 scratch (none with the framework's own states)."""
+    if config.model_states_fixed is not None:
+        return np.zeros(layout.n_chunks + 1, dtype=np.int64)
+    return norm_scratch_bytes(profile, layout, config.gradient_clipping, config.grad_accumulation_steps > 1)
+
+
+def carries_over(config: PlannerConfig, hw: HardwareProfile) -> bool:
+    """Whether CPU Adam left at the end of a step runs into the next forward (the runtime does,
+    except with fixed model states; on a CPU "device" it runs inline anyway)."""
+    return config.model_states_fixed is None and (hw.copy_engines > 0 or hw.cpu_adam_thread)
+
+
+def weak_cpu_bound(config: PlannerConfig, hw: HardwareProfile) -> bool:
+    """Whether CPU Adam may end after the step's device work by less than its chain through
+    backward: updates carried into the next forward - those left for after backward, or, on a
+    CPU "device" whose CPU Adam has a thread, any (the next forward's first upload waits for
+    compute there, not only for its update)."""
+    return carries_over(config, hw) and (not config.cpu_optim_overlap or hw.copy_engines <= 0)
+
+
+def checks_on_host(config: PlannerConfig) -> bool:
+    """Where the runtime takes the step's verdict inputs: on the host for accumulated
+    gradients, else on the device before the gradients leave (runtime/optimizer.py)."""
+    return config.grad_accumulation_steps > 1
+
+
+def speculates(config: PlannerConfig) -> bool:
+    """Whether CPU Adam may update chunks before the step's verdict (restoring them from a
+    backup if it clips or overflows)."""
+    return config.cpu_optim_speculative and config.model_states_fixed is None
+
+
+def backup_from_top(layout, world: int) -> np.ndarray:
+    """Host bytes of the backups of the last k chunks, at index k (12 bytes - master, exp_avg,
+    exp_avg_sq - per parameter of this rank's shard)."""
+    shard = -(-np.asarray(layout.used, dtype=np.int64) // world) * 12
+    return np.concatenate([[0], np.cumsum(shard[::-1])])
+
+
+def speculation_max(layout, hw: HardwareProfile, config: PlannerConfig, n_persist, host_bytes):
+    """The most offloaded chunks a plan may speculate with (``evaluation.boundary_times`` picks
+    among none, these, and a count in between): the pin, else those whose backups fit the host
+    memory left; none without speculation."""
+    n_off = layout.n_chunks - np.asarray(n_persist)
+    if not speculates(config):
+        return np.zeros_like(n_off)
+    if config.speculate_chunks is not None:
+        return np.minimum(config.speculate_chunks, n_off)
+    top = backup_from_top(layout, config.data_parallel_size)
+    room = hw.host_memory - np.asarray(host_bytes, dtype=np.int64)
+    return np.minimum(n_off, np.searchsorted(top, room, side="right") - 1).clip(min=0)

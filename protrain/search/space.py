@@ -1,0 +1,248 @@
+"""The candidate space: the activation configurations (n_checkpoint, n_swap, n_ssd,
+n_selective) the search enumerates, and per chunk size the grid of points that fit the
+device, host and drive - each with the most buffers that still fit (more buffers never delay
+anything; the search re-checks ties with fewer), its lower bound on the step time
+(search.bounds) and the bytes it moves per step."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..block_mode import CKPT, SEL, layout_codes
+from ..config import ALL, PlannerConfig
+from ..cost.memory import activation_walk, buffer_numel, offload_bytes
+from ..layout import build_layout, chunk_capacities, why_persistent
+from ..profile.hardware import HardwareProfile
+from ..profile.model_profile import ModelProfile
+from ..units import fmt_bytes
+from .bounds import forward_write_bound, step_lower_bound
+from .candidates import ActivationConfigs, CandidateGrid
+from .infeasible import InfeasibleError
+from .policy import norm_scratch, planned_state_bytes
+
+
+def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile) -> int:
+    """SSD blocks worth considering: the leading blocks whose writes the drive can absorb
+    within one iteration's compute (SSDTrain's adaptive amount, bounded more loosely). More
+    would make the drive the bottleneck; CKPT and SWAP remain for the memory beyond that."""
+    if hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0:
+        return 0
+    budget = sum(p.fwd_time + p.bwd_time for p in profile.parts)
+    total, n = 0.0, 0
+    for b in profile.blocks:
+        total += offload_bytes(b) / hw.nvme_write_bandwidth
+        if total > budget:
+            break
+        n += 1
+    return n
+
+
+def activation_counts(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile) -> np.ndarray:
+    """[A, 4] rows (n_checkpoint, n_swap, n_ssd, n_selective) the search enumerates.
+
+    With the selective mode available (profile.has_selective), the blocks that are neither
+    offloaded nor recomputed, the full checkpoints and the selective ones are never all three
+    present: per block the three trade memory for time along a line (keep > selective >
+    checkpoint in memory, the reverse in time), so the best split of a memory budget over
+    them needs at most two kinds - the vertex of the linear program with the block count and
+    the memory as its constraints. This keeps the search about three times its size without
+    the mode instead of n times."""
+    n = profile.n_blocks
+    pins = config.pins
+    if pins.n_ssd is not None:
+        if pins.n_ssd and hw.nvme_write_bandwidth <= 0:
+            raise InfeasibleError(f"pinned n_ssd={pins.n_ssd} needs an SSD path for activations "
+                                  f"(protrain.ssd_path); set one or pin n_ssd to 0")
+        ssds = np.array([pins.n_ssd])
+    else:
+        ssds = np.arange(min(n, max_ssd_blocks(profile, hw)) + 1)
+    if pins.n_selective is not None:
+        if pins.n_selective and not profile.has_selective:
+            raise InfeasibleError(
+                f"pinned n_selective={pins.n_selective}: the selective mode keeps the attention "
+                f"operator's outputs, and the profiler saw no attention operator "
+                f"(torch.nn.functional.scaled_dot_product_attention) in the model's blocks; pin "
+                f"n_selective to 0 or leave it on auto")
+        sels = np.array([pins.n_selective])
+    else:
+        sels = np.arange(n + 1) if profile.has_selective else np.array([0])
+    ckpts = np.array([pins.n_checkpoint]) if pins.n_checkpoint is not None else np.arange(n + 1)
+    nd, nc, nl = (x.ravel() for x in np.meshgrid(ssds, ckpts, sels, indexing="ij"))
+    ok = nd + nc + nl <= n
+    nd, nc, nl = nd[ok], nc[ok], nl[ok]
+    if pins.n_swap is not None:
+        ns = np.full(len(nd), pins.n_swap)
+    else:
+        room = n - nd - nc - nl + 1                       # n_swap in 0..room-1
+        rep = np.repeat(np.arange(len(nd)), room)
+        ns = np.arange(len(rep)) - np.repeat(np.cumsum(room) - room, room)
+        nd, nc, nl = nd[rep], nc[rep], nl[rep]
+    keep = n - nd - nc - nl - ns
+    ok = (keep >= 0) & ((nl == 0) | (nc == 0) | (keep == 0) | (pins.n_selective is not None)
+                        | (pins.n_checkpoint is not None))
+    out = np.stack([nc, ns, nd, nl], axis=1)[ok].astype(np.int64)
+    if not len(out):
+        raise InfeasibleError(
+            f"pinned n_checkpoint={pins.n_checkpoint}, n_swap={pins.n_swap}, n_ssd={pins.n_ssd} and "
+            f"n_selective={pins.n_selective} add up to more than the model's {n} blocks; lower them "
+            f"or leave one on auto")
+    return out
+
+
+def candidate_capacities(profile: ModelProfile, config: PlannerConfig) -> tuple[int, ...]:
+    """The chunk capacities (elements) to try: the pinned chunk size, else the configured ones
+    the model can use; one chunk of every parameter when the framework keeps the model states."""
+    if config.pins.chunk_size is not None:
+        if config.pins.chunk_size < profile.largest_param * profile.param_bytes:
+            raise InfeasibleError(
+                f"pinned chunk_size={fmt_bytes(config.pins.chunk_size)} is below the largest "
+                f"parameter ({fmt_bytes(profile.largest_param * profile.param_bytes)}); use at least that")
+        caps = (config.pins.chunk_size // profile.param_bytes,)
+    else:
+        caps = chunk_capacities(profile, config.chunk_sizes)
+    if config.model_states_fixed is not None:
+        caps = (profile.total_params,)      # one chunk, never moved: no chunk knobs to choose
+    return caps
+
+
+_WALK_BATCH = 4096
+
+
+def activation_configs(profile: ModelProfile, config: PlannerConfig,
+                       hw: HardwareProfile) -> ActivationConfigs:
+    """Every activation configuration (``activation_counts``) with its activation peak, host
+    and NVMe bytes, recompute time and forward's write bound."""
+    n = profile.n_blocks
+    nc, ns, nd, nl = activation_counts(profile, config, hw).T
+    # Layout (block_mode.layout_codes): SSD blocks first, then swapped ones, recomputed blocks
+    # spread over the rest. Byte sums over those leading ranges are prefix-sum differences.
+    saved = np.array([offload_bytes(b) for b in profile.blocks], dtype=np.int64)
+    csum = np.concatenate([[0], np.cumsum(saved)])
+    ssd, swap_host = csum[nd], csum[nd + ns] - csum[nd]
+    # SSD and SWAP free the device alike and leave the same blocks to recompute: walk each
+    # (n_checkpoint, n_selective, n_offloaded) once, in batches (long models have many).
+    triples, back = np.unique(np.stack([nc, ns + nd, nl], axis=1), axis=0, return_inverse=True)
+    back = back.reshape(-1)
+    fwd = np.array([b.fwd_time for b in profile.blocks])
+    sel_t = np.array([b.sel_recompute_time for b in profile.blocks])
+    peak = np.empty(len(triples), dtype=np.int64)
+    rec = np.zeros(len(triples))
+    for lo in range(0, len(triples), _WALK_BATCH):
+        t = triples[lo:lo + _WALK_BATCH]
+        codes = layout_codes(n, t[:, 1], t[:, 0], np.zeros(len(t), dtype=np.int64), t[:, 2])
+        peak[lo:lo + len(t)] = activation_walk(profile, codes)[0]
+        if n:
+            rec[lo:lo + len(t)] = (codes == CKPT).astype(np.float64) @ fwd + \
+                (codes == SEL).astype(np.float64) @ sel_t
+    return ActivationConfigs(
+        n_blocks=n, n_ckpt=nc, n_swap=ns, n_ssd=nd, n_sel=nl, act_peak=peak[back],
+        swap_host=swap_host, ssd=ssd, recompute=rec[back],
+        fwd_write=forward_write_bound(profile, hw, csum, ns, nd))
+
+
+def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
+                   acts: ActivationConfigs, chunk_numel: int, budget: float, stats: dict) -> CandidateGrid:
+    """The points of chunks of ``chunk_numel`` elements that fit ``budget`` (device bytes, the
+    margin taken off), the host memory and the drive, with their lower bounds and bytes moved.
+    ``stats`` gathers what the nearest misses needed (``host_needed``, ``buffers_needed``)
+    over the chunk sizes, for the diagnosis when nothing fits."""
+    layout = build_layout(profile, chunk_numel)
+    a_idx, np_idx, nb, nbmin, peak, host = _fitting_points(profile, hw, config, acts, layout, budget, stats)
+    lb, fwd_lb, dev_lb, tail_lb = step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nb, host)
+    # Bytes per micro-step: offloaded chunks up in forward and their gradients down; chunks
+    # not among the last n_buffer up again in backward; swapped and NVMe activations out
+    # and back in (cost.time_model counts the same).
+    ub = chunk_bytes_prefix(layout, profile, config)
+    moved = config.grad_accumulation_steps * (
+        2.0 * (ub[layout.n_chunks] - ub[np_idx]) + reupload_bytes(layout, profile, config, np_idx, nb) +
+        2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx]))
+    return CandidateGrid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, dev_lb, tail_lb,
+                         moved)
+
+
+def model_state_bytes(profile: ModelProfile, config: PlannerConfig, layout) -> tuple[np.ndarray, np.ndarray]:
+    """(device bytes of the persistent chunks, host bytes of the offloaded ones' states), per
+    n_persist from 0 to n_chunks."""
+    sb = planned_state_bytes(profile, config)
+    world = config.data_parallel_size
+    prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
+    shard = np.concatenate([[0], np.cumsum([-(-u // world) for u in layout.used], dtype=np.int64)])
+    if config.model_states_fixed is not None:
+        # Activations only: the framework keeps every model state on the device itself.
+        return (np.full(layout.n_chunks + 1, config.model_states_fixed, dtype=np.int64),
+                np.zeros(layout.n_chunks + 1, dtype=np.int64))
+    return prefix * sb.persistent, (shard[-1] - shard) * sb.host
+
+
+def _persistent_counts(profile: ModelProfile, config: PlannerConfig, layout, persist: np.ndarray,
+                       budget: float) -> np.ndarray:
+    """The n_persist values to try: the pin, else from the layout's least (chunks that must
+    stay) to the most whose persistent chunks alone fit ``budget``."""
+    pins = config.pins
+    nch = layout.n_chunks
+    lo = layout.min_persist
+    if config.model_states_fixed is not None or pins.n_persist == ALL:
+        return np.array([nch])
+    if pins.n_persist is not None:
+        if pins.n_persist > nch:
+            raise InfeasibleError(f"pinned n_persist={pins.n_persist} exceeds the {nch} chunks of "
+                                  f"{fmt_bytes(layout.chunk_bytes)}; use at most {nch}, or \"all\" "
+                                  f"to keep every chunk on the device")
+        if pins.n_persist < lo:
+            why = why_persistent(profile.params, layout, tuple(p.name for p in profile.parts))
+            raise InfeasibleError(f"pinned n_persist={pins.n_persist} is below {lo}: {why}. A chunk "
+                                  f"used by parts that are not adjacent must stay on the device "
+                                  f"(reloading it in between would split its gradient), and so "
+                                  f"must the chunks before it; pin n_persist >= {lo}, or leave it "
+                                  f"on auto")
+        return np.array([pins.n_persist])
+    # Persistent chunks alone must fit, which bounds the range long before n_chunks.
+    hi = int(np.searchsorted(persist, budget, side="right")) - 1
+    return np.arange(lo, max(lo, min(hi, nch)) + 1)
+
+
+def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict):
+    """(activation configuration, n_persist, n_buffer, least n_buffer, device peak, host
+    bytes) of the points that fit, each with the most buffers that fit."""
+    pins = config.pins
+    nch = layout.n_chunks
+    persist, host_state = model_state_bytes(profile, config, layout)
+    buf = buffer_numel(layout, config.data_parallel_size) * planned_state_bytes(profile, config).buffer
+    scratch = norm_scratch(profile, config, layout)
+    nps = _persistent_counts(profile, config, layout, persist, budget)
+    # Activation configurations that fit next to the fewest persistent chunks and on the drive
+    # (exact: more chunks or buffers only add); long sequences leave few.
+    fits = np.flatnonzero((acts.act_peak + persist[nps[0]] <= budget)
+                          & (acts.ssd <= hw.nvme_free_bytes / (1.0 + config.memory_margin)))
+    a_idx, np_idx = (x.ravel() for x in np.meshgrid(fits, nps, indexing="ij"))
+    rem = budget - acts.act_peak[a_idx] - persist[np_idx] - scratch[np_idx]
+    nbmin = layout.min_buffers_table()[np_idx]
+    if pins.n_buffer is not None:
+        nb = np.full_like(np_idx, pins.n_buffer)
+    else:
+        nb = np.clip(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0, nch - np_idx)
+    peak = acts.act_peak[a_idx] + persist[np_idx] + nb * buf + scratch[np_idx]
+    host = host_state[np_idx] + acts.swap_host[a_idx]
+    disk_ok = acts.ssd[a_idx] <= hw.nvme_free_bytes / (1.0 + config.memory_margin)
+    # Buffers beyond the offloaded chunks would hold nothing (a pinned n_buffer then caps
+    # n_persist); at least the chunks one part spans are needed.
+    dev_ok = (peak <= budget) & (nb >= nbmin) & (nb <= nch - np_idx)
+    host_ok = (host <= hw.host_memory) & disk_ok
+    if dev_ok.any():
+        need = host[dev_ok].min()
+        stats["host_needed"] = min(stats.get("host_needed", need), need)
+    if pins.n_buffer is not None and len(nbmin) and not (nb >= nbmin).any():
+        stats["buffers_needed"] = min(stats.get("buffers_needed", 1 << 30), int(nbmin.min()))
+    ok = dev_ok & host_ok
+    return tuple(x[ok] for x in (a_idx, np_idx, nb, nbmin, peak, host))
+
+
+def chunk_bytes_prefix(layout, profile, config) -> np.ndarray:
+    """Bytes one rank copies for chunks [0, c), at index c."""
+    return np.concatenate([[0.0], np.cumsum(np.asarray(layout.used, dtype=np.float64) *
+                                            profile.param_bytes / config.data_parallel_size)])
+
+
+def reupload_bytes(layout, profile, config, n_persist, n_buffer) -> np.ndarray:
+    """Bytes of the offloaded chunks uploaded again in backward (not among the last n_buffer)."""
+    ub = chunk_bytes_prefix(layout, profile, config)
+    return ub[np.maximum(layout.n_chunks - np.asarray(n_buffer), n_persist)] - ub[n_persist]
