@@ -82,3 +82,20 @@ def test_without_accumulation_a_replan_keeps_no_gradient():
     assert not opt.holds_accumulated_gradients() and opt.can_redo_micro_batch()
     opt.worker.close()
     chunks.close()
+
+
+def test_scale_gradients_rescales_what_the_step_accumulated():
+    """Sequence parallelism's first micro-step after a plan: the script's loss factor differs
+    from the one the sub-steps used, so every gradient accumulated so far is multiplied by the
+    ratio - the persistent chunk's on the device, the offloaded chunk's where it landed on the
+    host - before anything of the step is applied."""
+    opt, chunks, params = _optimizer(grad_accumulation_steps=2)
+    persistent, offloaded = chunks.chunks
+    _gradient(opt, params[0])
+    host = opt._host_grads(offloaded)
+    host.fill_(3.0)                                   # the offloaded chunk's landed gradients
+    assert opt.first_step_of_plan
+    opt.scale_gradients(0.25)
+    assert torch.all(persistent.grad == 0.25) and torch.all(host == 0.75)
+    opt.worker.close()
+    chunks.close()
