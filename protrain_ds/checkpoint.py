@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from protrain.config import ConfigError
-from protrain.runtime.states import Piece, assemble, export_pieces, import_pieces
+from protrain.runtime.states import Piece, RuntimeState, assemble, export_pieces
 from protrain.units import fmt_bytes
 
 log = logging.getLogger("protrain")
@@ -427,14 +427,11 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
         from protrain.plan import Plan
         engine._protrain_build_runtime(Plan.from_dict(meta["plan"]))
     runtime = engine.protrain_runtime
-    runtime.optimizer.worker.drain()
+    runtime.optimizer.sync()
     pieces = read_pieces(path, info["world"])
-    with_optimizer = load_optimizer_states and not load_module_only
-    import_pieces(runtime.chunks, lambda n, lo, hi: assemble(pieces, n, lo, hi),
-                  optimizer_states=with_optimizer)
-    runtime.resume_optimizer()
-    runtime.optimizer._dirty = True
-    runtime.optimizer.zero_grad()
+    # Every rank's pieces: each rank cuts out what it holds; the step's gradients are dropped.
+    runtime.import_state(RuntimeState(pieces=[p for ps in pieces.values() for p in ps], local=False,
+                                      optimizer_states=load_optimizer_states and not load_module_only))
     if meta.get("extra_state"):
         engine.module.load_state_dict(meta["extra_state"], strict=False)
     if load_module_only:

@@ -42,6 +42,7 @@ from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
 from protrain.runtime.collectives import DataParallel, host_side
 from protrain.runtime.node import NodeShare, node_share
+from protrain.runtime.options import RuntimeOptions
 from protrain.runtime.runtime import ProTrainRuntime
 from protrain.search import InfeasibleError, check_budgets
 from protrain.session import PlanFailure, PlanningSession, PlanningSteps, PlanRanks
@@ -229,8 +230,9 @@ class ProTrainEngine(DeepSpeedEngine):
         dropped; those accumulated before it are kept. With several ranks it raises: the error
         happened on this rank alone, the others are inside a collective."""
         margin = self.protrain_session.margin_after_oom(self.protrain_config.planner.memory_margin, error)
-        opt = self.protrain_runtime.optimizer
-        keep = where == "forward" and opt.gas > 1 and opt._dirty_before_forward
+        # Accumulated gradients of earlier micro-batches are kept; a failed backward's are not
+        # (can_redo_micro_batch: there were none).
+        keep = where == "forward" and self.protrain_runtime.optimizer.holds_accumulated_gradients()
         inputs, kwargs, _ = self._protrain_redo
         old, plan = self._protrain_move(self._protrain_covered, inputs, kwargs, margin=margin,
                                         keep_grads=keep)
@@ -244,10 +246,9 @@ class ProTrainEngine(DeepSpeedEngine):
         covered = self._protrain_covered
         target = longer_target(shape, covered, micro_batch=self.train_micro_batch_size_per_gpu(),
                                model_max=model_max_seq_len(self.module))
-        opt = self.protrain_runtime.optimizer
         margin = max(self.protrain_config.planner.memory_margin, self.protrain_session.margin)
-        old, plan = self._protrain_move(target, inputs, kwargs, margin=margin,
-                                        keep_grads=opt.gas > 1 and opt._dirty)
+        keep = self.protrain_runtime.optimizer.holds_accumulated_gradients()
+        old, plan = self._protrain_move(target, inputs, kwargs, margin=margin, keep_grads=keep)
         self.protrain_session.say_longer_batch(shape, covered, target, old, plan,
                                                world=self._protrain_host.world)
 
@@ -259,18 +260,12 @@ class ProTrainEngine(DeepSpeedEngine):
         dropped). A collective: every rank calls it, rank 0 plans (profiling ``inputs`` if it
         holds no profile: a loaded plan). The old runtime's memory is given back before the
         new one allocates. Returns (old plan, new plan)."""
-        from protrain.runtime.states import assemble, export_pieces, import_pieces, redistribute
         rt = self.protrain_runtime
         dp = rt.chunks.dp
         opt = self.optimizer
         while opt._backward_active_depth > 0:       # DeepSpeed's backward never finished
             opt.exit_backward()
-        rt.optimizer.worker.drain()                   # CPU Adam of the last step
-        rt.streams.synchronize()
-        if not keep_grads:
-            rt.optimizer._dirty = True
-            rt.optimizer._reset()                     # this micro-batch's partial gradients
-        pieces = export_pieces(rt.chunks, grads=keep_grads)
+        state = rt.export_state(grads=keep_grads)
         old = self.protrain_plan
         # Park every parameter on the host and drop every reference to the old runtime (its
         # chunks, buffers, optimizer states) before the new chunks take the device.
@@ -285,15 +280,8 @@ class ProTrainEngine(DeepSpeedEngine):
         plan = self.protrain_session.replan(planner, target, old=old, keep_grads=keep_grads,
                                             batch=(inputs, kwargs))
         self._protrain_build_runtime(plan, dp)
-        chunks = self.protrain_runtime.chunks
-        if dp.world > 1:       # another layout or sharding: each rank gets what it holds now
-            pieces = redistribute(pieces, chunks, self._protrain_host)
-        by_name = {}
-        for piece in pieces:
-            by_name.setdefault(piece.name, []).append(piece)
-        import_pieces(chunks, lambda n, lo, hi: assemble(by_name, n, lo, hi), grads=keep_grads)
-        self.protrain_runtime.resume_optimizer()
-        self.protrain_runtime.optimizer._dirty = keep_grads
+        # Another layout or sharding: each rank gets what it holds now.
+        self.protrain_runtime.import_state(state, exchange=self._protrain_host)
         return old, self.protrain_plan
 
     def train_batch(self, data_iter):
@@ -466,15 +454,13 @@ class ProTrainEngine(DeepSpeedEngine):
             is_boundary = self._protrain_sp.is_boundary
             # The P sub-steps of a micro-batch accumulate like micro-batches (as planned).
             setup = replace(setup, grad_accumulation_steps=setup.grad_accumulation_steps * p)
-        self.protrain_runtime = ProTrainRuntime(
-            self.module, blocks, plan, plan.layout(), [r.name for r in plan.params], self.device,
-            setup, swap_bytes=plan.block_saved_bytes,
-            is_boundary=is_boundary,
-            accounting=self.protrain_config.accounting, dp=dp or DataParallel(),
-            ssd_root=self.protrain_config.ssd_path, ssd_verify=self.protrain_config.ssd_verify,
-            ssd_min_bytes=self.protrain_config.ssd_min_bytes,
-            trace_file=self.protrain_config.trace_file, compile=self.protrain_compile,
-            gather_timeout_s=self.protrain_config.gather_timeout, save_fix=SAVE_ON_EVERY_RANK)
+        cfg = self.protrain_config
+        options = RuntimeOptions(
+            is_boundary=is_boundary, accounting=cfg.accounting, dp=dp or DataParallel(),
+            ssd_root=cfg.ssd_path, ssd_verify=cfg.ssd_verify, ssd_min_bytes=cfg.ssd_min_bytes,
+            trace_file=cfg.trace_file, compile=self.protrain_compile,
+            gather_timeout_s=cfg.gather_timeout, save_fix=SAVE_ON_EVERY_RANK)
+        self.protrain_runtime = ProTrainRuntime(self.module, blocks, plan, self.device, setup, options)
         protrain_compile.announce(self)
         self.optimizer.runtime = self.protrain_runtime
         self._protrain_covered = BatchShape(plan.micro_batch, plan.seq_len) \

@@ -15,7 +15,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
 from protrain.config import ConfigError
 from protrain.runtime.adam import AdamHyper
-from protrain.runtime.runtime import OptimizerSetup
+from protrain.runtime.options import OptimizerSetup
 
 _OPTIMIZER_PARAM_KEYS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode",
                          "torch_adam", "amsgrad", "fp32_optimizer_states"}

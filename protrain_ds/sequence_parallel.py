@@ -189,10 +189,10 @@ class SequenceParallelForward:
         if abs(actual - used) <= 1e-6 * abs(used):
             self.factor = used
             return
-        runtime = self.engine.protrain_runtime
-        if self.factor is None and runtime.optimizer.probation and not runtime.optimizer._queued:
+        optimizer = self.engine.protrain_runtime.optimizer
+        if self.factor is None and optimizer.first_step_of_plan:
             # First micro-step after planning: nothing is applied yet, rescale and learn.
-            scale_accumulated_gradients(runtime, actual / used)
+            optimizer.scale_gradients(actual / used)
             self.factor = actual
             return
         raise SequenceParallelError(
@@ -200,18 +200,6 @@ class SequenceParallelForward:
             f"{actual:.6g} (after DeepSpeed's own scaling), but earlier micro-batches were "
             f"{used:.6g}; the gradients of a group's micro-batches are taken inside forward, so "
             f"the loss may only be multiplied by the same constant every step")
-
-
-def scale_accumulated_gradients(runtime, ratio: float) -> None:
-    """Multiply every gradient accumulated since the last optimizer step by ``ratio``."""
-    opt = runtime.optimizer
-    opt.worker.drain()
-    for c in runtime.chunks.chunks:
-        if c.persistent:
-            c.grad.mul_(ratio)
-        else:
-            runtime.streams.host_wait(c.grads_on_host)
-            opt._landing(c).mul_(ratio)
 
 
 def _loss_of(out) -> torch.Tensor:

@@ -17,7 +17,8 @@ from protrain.measure.heap_peak import HeapPeak
 from protrain.profile.model_profile import ModelProfile
 from protrain.measure.profiler import profile_model
 from protrain.runtime.adam import AdamHyper
-from protrain.runtime.runtime import OptimizerSetup, ProTrainRuntime
+from protrain.runtime.options import OptimizerSetup, RuntimeOptions
+from protrain.runtime.runtime import ProTrainRuntime
 from protrain.search import evaluate, search
 
 GiB = 2**30
@@ -78,11 +79,10 @@ def run(s: Shape, plan: Plan, *, ssd_root=None, iterations: int = 2) -> Measured
     def hyper(g):
         return AdamHyper(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                          weight_decay=g["weight_decay"], bias_correction=True, adamw=True)
-    rt = ProTrainRuntime(model, model.blocks, plan, plan.layout(), [r.name for r in plan.params],
-                         torch.device("cpu"), OptimizerSetup(shell.param_groups, hyper, adamw=True,
-                                                             torch_adam=True),
-                         swap_bytes=plan.block_saved_bytes, accounting=True, ssd_root=ssd_root,
-                         ssd_min_bytes=0)
+    rt = ProTrainRuntime(model, model.blocks, plan, torch.device("cpu"),
+                         OptimizerSetup(param_groups=shell.param_groups, hyper=hyper, adamw=True,
+                                        torch_adam=True),
+                         RuntimeOptions(accounting=True, ssd_root=ssd_root, ssd_min_bytes=0))
     x, y = s.batch
     try:
         for i in range(iterations):

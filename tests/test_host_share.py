@@ -134,7 +134,8 @@ def test_the_kernels_run_on_the_given_threads_and_give_the_same_bits():
     it. The host worker thread runs its passes on the share too."""
     from protrain.runtime.adam import AdamHyper, CPUAdamKernel
     from protrain.runtime.optimizer import _bind_worker
-    from protrain.runtime.runtime import OptimizerSetup, host_kernel
+    from protrain.runtime.options import OptimizerSetup
+    from protrain.runtime.runtime import host_kernel
     h = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
                   bias_correction=True, adamw=True)
     before = host_threads.thread_count()

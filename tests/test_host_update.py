@@ -139,7 +139,8 @@ def test_a_chunk_without_gradients_in_a_step_is_stepped_on_zeros():
 
     from protrain.runtime.adam import AdamHyper, CPUAdamKernel
     from protrain.runtime.chunks import ChunkManager, ChunkState
-    from protrain.runtime.optimizer import ChunkOptimizer
+    from protrain.runtime.optimizer import ChunkOptimizer, StepState
+    from protrain.runtime.options import OptimizerSetup
     from protrain.runtime.streams import Streams
     dev = torch.device("cpu")
     streams = Streams(dev)
@@ -149,31 +150,32 @@ def test_a_chunk_without_gradients_in_a_step_is_stepped_on_zeros():
                      group_of={p: 0 for p in params}, device=dev, streams=streams,
                      grad_accumulation=False)
     kernel = CPUAdamKernel(adamw=True)
-    opt = ChunkOptimizer(m, streams, param_groups=[{"params": params, "lr": 1e-3}],
-                         hyper=lambda g: AdamHyper(g["lr"], 0.9, 0.999, 1e-8, 0.0, True, True),
-                         host_kernel=kernel, device_kernel=kernel, grad_accumulation_steps=1,
-                         clip=1.0, loss_scaler=None, params_in_order=params, speculate_chunks=0,
-                         host_thread=False)
-    opt.probation = False
+    opt = ChunkOptimizer(m, streams, OptimizerSetup(
+                             param_groups=[{"params": params, "lr": 1e-3}], adamw=True,
+                             hyper=lambda g: AdamHyper(g["lr"], 0.9, 0.999, 1e-8, 0.0, True, True),
+                             grad_accumulation_steps=1, clip=1.0, loss_scaler=None,
+                             speculate_chunks=0, host_thread=False),
+                         host_kernel=kernel, device_kernel=kernel, params_in_order=params)
+    opt.first_step_of_plan = False
 
     def backward(chunks):
         for c in chunks:                         # what chunk_backward_done's copy leaves
             opt._fresh.add(c.index)
-            opt._landing(c).fill_(0.5)
+            opt._host_grads(c).fill_(0.5)
             for s in c.slots:
                 s.has_grad = True
-        opt._dirty = True
+        opt.step_state = StepState.BACKWARD
     a, b = m.chunks
     backward([a, b])
     opt.step()
-    assert torch.all(opt._landing(b) != 0)      # scaled by the clipping, not zeroed after
+    assert torch.all(opt._host_grads(b) != 0)   # scaled by the clipping, not zeroed after
     b_master, b_avg = b.master.clone(), b.exp_avg.clone()
     m.upload(b)
     m.access(b)
     m.release(b)                                 # b's parameters cached in the device buffer
     backward([a])                                # chunk b gets no gradient this step
     opt.step()
-    assert torch.all(opt._landing(b) == 0)
+    assert torch.all(opt._host_grads(b) == 0)
     assert torch.equal(b.exp_avg, b_avg * 0.9)   # its moments decay: stepped on zeros
     assert not torch.equal(b.master, b_master) and b.slots[0].step == a.slots[0].step == 2
     assert b.state == ChunkState.HOST and m.pool.owner == [None]     # no stale copy to reuse
@@ -182,13 +184,13 @@ def test_a_chunk_without_gradients_in_a_step_is_stepped_on_zeros():
     # still holds an earlier step's gradients: added onto zeros, not onto those
     backward([a])
     opt.step()
-    assert torch.all(opt._landing(b) == 0)
-    opt._landing(b).fill_(7.0)                   # what an earlier step could have left there
+    assert torch.all(opt._host_grads(b) == 0)
+    opt._host_grads(b).fill_(7.0)                # what an earlier step could have left there
     b.state = ChunkState.CACHED                  # its parameters still in a device buffer
     params[1].grad = torch.full((64,), 0.25)
     opt.on_grad(params[1])
     b.state = ChunkState.HOST
-    assert torch.all(opt._landing(b) == 0.25) and 1 in opt._fresh
+    assert torch.all(opt._host_grads(b) == 0.25) and 1 in opt._fresh
     opt.worker.close()
     m.close()
 

@@ -11,7 +11,8 @@ from protrain.profile.hardware import HardwareProfile
 from protrain.measure.profiler import profile_model
 from protrain.runtime.adam import AdamHyper
 from protrain.runtime.chunks import ChunkState
-from protrain.runtime.runtime import OptimizerSetup, ProTrainRuntime
+from protrain.runtime.options import OptimizerSetup
+from protrain.runtime.runtime import ProTrainRuntime
 from protrain.search import search
 from protrain.units import GiB
 
@@ -35,9 +36,7 @@ def build(model, *, lr=1e-3, clip=0.0, loss_scaler=None, torch_adam=True, pins=P
     setup = OptimizerSetup(param_groups=shell.param_groups, hyper=hyper, adamw=True,
                            torch_adam=torch_adam, clip=clip, loss_scaler=loss_scaler,
                            speculate_chunks=speculate_chunks)
-    return ProTrainRuntime(model, model.transformer.h, plan, plan.layout(),
-                           [r.name for r in plan.params], torch.device("cpu"), setup,
-                           swap_bytes=plan.block_saved_bytes)
+    return ProTrainRuntime(model, model.transformer.h, plan, torch.device("cpu"), setup)
 
 
 def step(rt, model, x, y, scale=1.0):
@@ -132,7 +131,8 @@ def test_no_cpu_adam_is_built_when_nothing_runs_on_the_host(monkeypatch):
     updates: the GIL does not matter, and the bits are DeepSpeed's either way)."""
     import protrain.runtime.runtime as rt_mod
     from protrain.runtime.adam import TorchAdamKernel
-    from protrain.runtime.runtime import OptimizerSetup, adam_kernels
+    from protrain.runtime.options import OptimizerSetup
+    from protrain.runtime.runtime import adam_kernels
 
     def no_compiler(which):
         def build(*a, **k):

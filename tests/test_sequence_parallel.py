@@ -197,7 +197,7 @@ def test_checks_taken_on_the_device_are_read_together_at_the_step():
             reads.append(t.numel())
             return super().to_host(t)
     runtime = SimpleNamespace(streams=Counting(torch.device("cpu")),
-                              optimizer=SimpleNamespace(probation=False, _queued=set()))
+                              optimizer=SimpleNamespace(first_step_of_plan=False))
     sp = SequenceParallelForward.__new__(SequenceParallelForward)
     sp.engine, sp._pending, sp.factor = SimpleNamespace(protrain_runtime=runtime), [], None
     sp._received(torch.tensor(0.5), 0.5, 1.0)        # the plan's first micro-step: learnt now

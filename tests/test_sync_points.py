@@ -103,7 +103,7 @@ class HeldUpdates:
         def stepping(opt):
             held.steps += 1
             per_chunk = held.queued.setdefault(opt, {})
-            for c in opt.m.offloaded():     # step() submits one task per offloaded chunk
+            for c in opt.chunks.offloaded():     # step() submits one task per offloaded chunk
                 per_chunk.setdefault(c.index, deque()).append(held.steps)
             step(opt)
             held.pending_at_return.append(sum(not e.is_set() for e in opt._ready.values()))

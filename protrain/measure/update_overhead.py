@@ -79,6 +79,7 @@ class _Steps:
         from ..runtime.chunks import ChunkManager
         from ..runtime.collectives import DataParallel
         from ..runtime.optimizer import ChunkOptimizer
+        from ..runtime.options import OptimizerSetup
         from ..runtime.streams import Streams
 
         device = torch.device("cpu")
@@ -91,25 +92,27 @@ class _Steps:
                               n_persist=0, n_buffer=1, chunk_capacity=CHUNK_NUMEL,
                               group_of={p: 0 for p in params}, device=device, streams=streams,
                               grad_accumulation=False, dp=DataParallel.one_rank())
-        self.opt = ChunkOptimizer(
-            self.m, streams, param_groups=[{"params": params, "lr": 1e-3}],
+        setup = OptimizerSetup(
+            param_groups=[{"params": params, "lr": 1e-3}], adamw=True, clip=1.0,
             hyper=lambda g: AdamHyper(lr=g["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
                                       weight_decay=0.01, bias_correction=True, adamw=True),
-            host_kernel=kernel, device_kernel=kernel, grad_accumulation_steps=1, clip=1.0,
-            loss_scaler=None, params_in_order=params, speculate_chunks=0, host_thread=False)
-        self.opt.probation = False
+            speculate_chunks=0, host_thread=False)
+        self.opt = ChunkOptimizer(self.m, streams, setup, host_kernel=kernel, device_kernel=kernel,
+                                  params_in_order=params)
+        self.opt.first_step_of_plan = False
 
     def once(self) -> float:
+        from ..runtime.optimizer import StepState
         opt = self.opt
         # What backward leaves: gradients copied to the host, each chunk's norm terms taken.
         for c in self.m.chunks:
-            grads = opt._landing(c)
+            grads = opt._host_grads(c)
             grads.fill_(1e-3)
             opt._fresh.add(c.index)
             for s in c.slots:
                 s.has_grad = True
             opt._host_check(c, grads)
-        opt._dirty = True
+        opt.step_state = StepState.BACKWARD
         t = time.perf_counter()
         opt.step()
         return time.perf_counter() - t

@@ -44,7 +44,7 @@ class FullStateDict:
 
     def __init__(self, model: nn.Module, chunks: ChunkManager, *, timeout_s: float | None = None,
                  fix: str = ""):
-        self.m = chunks
+        self.chunks = chunks
         self.timeout_s = timeout_s
         """Seconds a rank waits for the others before the gather (None: the process group's
         timeout)."""
@@ -84,11 +84,12 @@ class FullStateDict:
             return                           # a submodule of the call in progress
         # The outermost call (a call interrupted by an error left nothing that matters: this
         # one starts afresh, so no earlier gather is ever reused).
-        self.m.host_sync()                   # offloaded values may still be being updated
-        chunks = sorted({self.m.slot_of[p][0].index for p in module.parameters() if p in self._sharded})
+        self.chunks.host_sync()              # offloaded values may still be being updated
+        sharded = sorted({self.chunks.slot_of[p][0].index for p in module.parameters()
+                          if p in self._sharded})
         self._call = _Call(module, prefix, {id(m) for m in module.modules()},
-                           gather=bool(chunks) and not keep_vars and not self._local,
-                           chunks=[self.m.chunks[i] for i in chunks])
+                           gather=bool(sharded) and not keep_vars and not self._local,
+                           chunks=[self.chunks.chunks[i] for i in sharded])
 
     def _leave(self, module: nn.Module, sd: dict, prefix: str, own) -> None:
         call = self._call
@@ -97,7 +98,7 @@ class FullStateDict:
         if own and call.gather:
             if call.full is None:
                 try:
-                    call.full = self.m.gathered(
+                    call.full = self.chunks.gathered(
                         call.chunks, what=f"state_dict() of {type(call.root).__name__}",
                         timeout_s=self.timeout_s, fix=self.fix)
                 except BaseException:

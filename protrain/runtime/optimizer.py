@@ -24,7 +24,12 @@
   accumulator; Adam runs on the accumulation boundary.
 - Adam steps every parameter at every step, on a zero gradient where none arrived (a branch
   not taken, an expert no token reached), as DeepSpeed ZeRO-0 does on one rank and on many
-  (its boundary all-reduce fills a missing gradient with zeros): ``_update``, ``_settle``.
+  (its boundary all-reduce fills a missing gradient with zeros): ``_update``, ``_zero_absent_grads``.
+
+Where the optimizer is in its step is one state (``StepState``), moved by events: the
+runtime's (``pre_forward``, ``on_grad``, ``chunk_backward_done``, ``step``, ``zero_grad``) and
+those an adapter signals (``discard_gradients`` for a backward dropped after an out-of-memory
+error or a checkpoint loaded, ``carry_gradients`` for gradients carried into a new plan).
 
 Gradient clipping reproduces DeepSpeed's ``clip_grad_norm_`` exactly (per-parameter norms in
 module order, stacked, combined, ``max_norm / (norm + 1e-6)`` capped at 1), so fp32 runs match
@@ -45,13 +50,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from enum import Enum, auto
 from typing import Callable
 
 import torch
 from torch import nn
 
-from .adam import SIMD_ELEMENTS, AdamHyper, update_as_per_tensor
+from .adam import SIMD_ELEMENTS, update_as_per_tensor
 from .chunks import Chunk, ChunkManager
+from .options import OptimizerSetup
 from .streams import Streams
 
 log = logging.getLogger("protrain")
@@ -153,38 +160,56 @@ class HostWorker:
             w.close(timeout=None)
 
 
+class StepState(Enum):
+    """Where the chunk optimizer is in its optimizer step (FSDP2's ``TrainingState``, for the
+    step): which gradients it holds decides what an event may do - whether a backward can be
+    dropped and redone exactly, which gradients a re-plan carries, whether ``step`` moves
+    anything. Transitions: a gradient arrives (``on_grad``): IDLE -> BACKWARD; a forward
+    begins (``pre_forward``): BACKWARD -> ACCUMULATED; ``step``, ``zero_grad`` and
+    ``discard_gradients``: -> IDLE; ``carry_gradients``: -> ACCUMULATED."""
+
+    IDLE = auto()
+    """No gradient since the last step, zero_grad or plan."""
+    BACKWARD = auto()
+    """The micro-batch in progress has sent gradients; none of an earlier one is held."""
+    ACCUMULATED = auto()
+    """Gradients of an earlier micro-batch of this step are held (a forward began after them,
+    or a re-plan carried them over)."""
+
+
 class ChunkOptimizer:
-    def __init__(self, manager: ChunkManager, streams: Streams, *, param_groups: list[dict],
-                 hyper: Callable[[dict], AdamHyper], host_kernel, device_kernel,
-                 grad_accumulation_steps: int, clip: float, loss_scaler,
-                 params_in_order: list[nn.Parameter], pause_accounting=None,
-                 speculate_chunks: int | None = None, host_thread: bool | None = None):
-        self.m = manager
+    def __init__(self, chunks: ChunkManager, streams: Streams, setup: OptimizerSetup, *,
+                 host_kernel, device_kernel, params_in_order: list[nn.Parameter],
+                 pause_accounting=None):
+        self.chunks = chunks
         self.streams = streams
-        self.param_groups = param_groups
-        self.hyper = hyper
+        self.param_groups = setup.param_groups
+        self.hyper = setup.hyper
         self.host_kernel = host_kernel
         self.device_kernel = device_kernel
-        self.gas = grad_accumulation_steps
-        self.clip = clip
-        self.loss_scaler = loss_scaler
+        self.gas = setup.grad_accumulation_steps
+        self.clip = setup.clip
+        self.loss_scaler = setup.loss_scaler
         self.params_in_order = params_in_order
+        host_thread = setup.host_thread
         self.worker = HostWorker(threaded=streams.asynchronous if host_thread is None else host_thread,
                                  bind=lambda: _bind_worker(streams, host_kernel))
         self._pause = pause_accounting or (lambda: _nullcontext())
         self.overlap = True
         # Updates during backward are exact only when no global quantity scales them; else
         # they speculate (see the module docstring) on the chunks the plan chose.
-        self.speculative = clip > 0 or loss_scaler is not None
-        offloaded = sorted(self.m.offloaded(), key=lambda c: c.index)
-        n_spec = len(offloaded) if speculate_chunks is None else max(0, min(speculate_chunks, len(offloaded)))
+        self.speculative = self.clip > 0 or self.loss_scaler is not None
+        offloaded = sorted(self.chunks.offloaded(), key=lambda c: c.index)
+        speculate = setup.speculate_chunks
+        n_speculative = len(offloaded) if speculate is None else max(0, min(speculate, len(offloaded)))
         # The last chunks in execution order finish backward first: most time to hide behind.
-        self.spec_chunks = {c.index for c in offloaded[len(offloaded) - n_spec:]} if self.speculative else set()
+        self.speculative_chunks = ({c.index for c in offloaded[len(offloaded) - n_speculative:]}
+                                   if self.speculative else set())
         self._backup = {c.index: tuple(torch.empty(c.shard_size, dtype=torch.float32) for _ in range(3))
-                        for c in offloaded if c.index in self.spec_chunks}
+                        for c in offloaded if c.index in self.speculative_chunks}
         """Per speculating chunk, where master, exp_avg and exp_avg_sq are kept before its
         speculative update (allocated once: 12 bytes per parameter of the chunk's shard)."""
-        self._spec: dict[int, _Speculation] = {}
+        self._speculations: dict[int, _Speculation] = {}
         """This step's speculative updates, by chunk index (written by the worker)."""
         self._ready = {c.index: threading.Event() for c in offloaded}
         """Set while the offloaded chunk's host states are final (no update queued or running)."""
@@ -192,24 +217,27 @@ class ChunkOptimizer:
             e.set()
         # A failed worker skips the tasks that would set them: wake the waiters to raise.
         self.worker.on_error(lambda: [e.set() for e in self._ready.values()])
-        self.m.host_ready = self.wait_host_ready
-        self.m.host_sync = self.sync
+        self.chunks.host_ready = self.wait_host_ready
+        self.chunks.host_sync = self.sync
         self.tracer = None               # runtime/timeline_recorder.py's, when a trace is on
         self.carry_over = True
         """Let step() return before the host updates it leaves are done (see the module doc)."""
-        self.spec_enabled = True
+        self.speculation_on = True
         """Whether this step speculates: not after a step that clipped or overflowed (its
         successor likely does too, and a rollback costs the backup and a second update)."""
         self.stats = OverlapStats()
-        # The first optimizer step after a (re)plan updates nothing during backward: an out-of-
-        # memory error there can then be redone exactly (no chunk already stepped).
-        self.probation = True
+        self.first_step_of_plan = True
+        """No step of this plan has been applied yet: chunk updates wait for ``step`` (none
+        runs during backward), so an out-of-memory error in its backward can be redone exactly
+        and a gradient arriving late (a parameter used outside its profiled part) is found
+        before any update of its chunk. Cleared by the first step that applies its update."""
+        self.step_state = StepState.IDLE
         # Staging for accumulation: gradients land here, then are added on the host.
         self._staging: list[torch.Tensor] = []
         self._staging_free: list[int] = []
-        if self.gas > 1 and self.m.offloaded():
-            cap = max(c.shard_size for c in self.m.offloaded())
-            self._staging = [streams.pinned(cap, self.m.dtype) for _ in range(2)]
+        if self.gas > 1 and self.chunks.offloaded():
+            cap = max(c.shard_size for c in self.chunks.offloaded())
+            self._staging = [streams.pinned(cap, self.chunks.dtype) for _ in range(2)]
             self._staging_free = [0, 1]
             self._staging_lock = threading.Condition()
             self.worker.on_error(self._wake_staging)
@@ -220,8 +248,6 @@ class ChunkOptimizer:
         """Offloaded chunks that received a gradient after their backward was declared done
         (a parameter used outside the part it was profiled in): updated in ``step`` only,
         once every gradient exists."""
-        self._dirty = False   # gradients arrived since the last reset
-        self._dirty_before_forward = False   # ... before the current micro-batch
         self.overflow = False
         self.global_grad_norm: float | None = None
         self._checks: dict[int, _ChunkCheck] = {}
@@ -231,14 +257,56 @@ class ChunkOptimizer:
         self._verdict_room = self._verdict_regions(offloaded)
         """Per offloaded chunk, pinned host memory its device check is copied into."""
         self._param_index = {p: i for i, p in enumerate(params_in_order)}
-        self._offsets = {c.index: [s.offset for s in c.slots] for c in self.m.chunks}
+        self._offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
         self._fresh: set[int] = set()
         """Offloaded chunks whose gradient region holds this optimizer step's gradients (copied
         from the device, or added there by a late gradient). Main thread only. Every other
-        offloaded chunk is settled at the step (``_settle``): its region still holds an earlier
-        step's gradients (without accumulation an update leaves them there, since the next copy
-        overwrites the region whole: a pass over 4 bytes per parameter saved) or, in 16-bit
-        training without accumulation, the parameters themselves."""
+        offloaded chunk is zeroed at the step (``_zero_absent_grads``): its region still holds
+        an earlier step's gradients (without accumulation an update leaves them there, since
+        the next copy overwrites the region whole: a pass over 4 bytes per parameter saved) or,
+        in 16-bit training without accumulation, the parameters themselves."""
+
+    # ---- lifecycle events (the runtime's and the adapters') ---------------------------------
+    def pre_forward(self) -> None:
+        """A forward begins: gradients held now are an earlier micro-batch's."""
+        if self.step_state is StepState.BACKWARD:
+            self.step_state = StepState.ACCUMULATED
+
+    def holds_accumulated_gradients(self) -> bool:
+        """Whether gradients of earlier micro-batches of this step are held to be added to
+        (gradient accumulation): what a re-plan before or during a forward carries into the
+        new plan. Without accumulation a step's gradients are one micro-batch's: a re-plan
+        drops them and the micro-batch is redone."""
+        return self.gas > 1 and self.step_state is not StepState.IDLE
+
+    def can_redo_micro_batch(self) -> bool:
+        """Whether this micro-batch's backward can be dropped and run again exactly: no chunk
+        update of the step has been submitted (the worker may be running one: that is as good
+        as applied), and no gradient of an earlier micro-batch is mixed with this one's."""
+        return not self._queued and not (self.gas > 1 and self.step_state is StepState.ACCUMULATED)
+
+    def discard_gradients(self) -> None:
+        """A backward dropped (out of memory) or states loaded in its place (a checkpoint):
+        every gradient of this step is cleared, whether or not one was seen to arrive."""
+        self.worker.drain()
+        self.step_state = StepState.BACKWARD
+        self._reset()
+
+    def carry_gradients(self) -> None:
+        """Gradients of earlier micro-batches of this step were put into the chunks (a re-plan
+        within the step): the step goes on accumulating onto them."""
+        self.step_state = StepState.ACCUMULATED
+
+    def scale_gradients(self, ratio: float) -> None:
+        """Multiply every gradient accumulated since the last optimizer step by ``ratio``
+        (before anything of the step is applied: ``first_step_of_plan``)."""
+        self.worker.drain()
+        for c in self.chunks.chunks:
+            if c.persistent:
+                c.grad.mul_(ratio)
+            else:
+                self.streams.host_wait(c.grads_on_host)
+                self._host_grads(c).mul_(ratio)
 
     # ---- backward ------------------------------------------------------------------------
     def on_grad(self, p: nn.Parameter) -> None:
@@ -246,13 +314,13 @@ class ChunkOptimizer:
         g = p.grad
         if g is None:
             return
-        c, s = self.m.slot_of[p]
+        c, s = self.chunks.slot_of[p]
         with torch.no_grad():
             if c.persistent:
                 c.grad[s.offset:s.stop].add_(g.reshape(-1))
             elif c.buffer is not None and c.state.value == "resident":
-                self.m.pool.tensors[c.buffer][s.offset:s.stop].copy_(g.reshape(-1))
-            elif self.m.dp.world > 1:
+                self.chunks.pool.tensors[c.buffer][s.offset:s.stop].copy_(g.reshape(-1))
+            elif self.chunks.dp.world > 1:
                 raise RuntimeError(
                     f"gradient of {s.name} arrived after its chunk was reduce-scattered: the model "
                     f"uses it outside the part it was profiled in, which data-parallel sharding "
@@ -276,7 +344,7 @@ class ChunkOptimizer:
                     self._late.add(c.index)
                 self.worker.drain()
                 self.streams.host_wait(c.grads_on_host)
-                target = self._landing(c)
+                target = self._host_grads(c)
                 if c.index not in self._fresh:
                     # An earlier step's gradients or the parameters (no copy this step yet):
                     # zeroed first; from now on the region is this step's.
@@ -285,33 +353,37 @@ class ChunkOptimizer:
                 target[s.offset:s.stop].add_(g.reshape(-1).to(target.device, target.dtype))
                 self._checks.pop(c.index, None)       # taken before this gradient: redone in step
         s.has_grad = True
-        self._dirty = True
+        if self.step_state is StepState.IDLE:
+            self.step_state = StepState.BACKWARD
         p.grad = None
 
-    def _landing(self, c: Chunk) -> torch.Tensor:
+    def _host_grads(self, c: Chunk) -> torch.Tensor:
+        """Where an offloaded chunk's gradients land on the host: its fp32 accumulator, else
+        (16-bit training without accumulation) the host copy of its parameters, the upload's
+        source, which the update rewrites from the master once it has read them."""
         return c.grad_acc if c.grad_acc is not None else c.shadow
 
     def chunk_backward_done(self, c: Chunk, boundary: bool) -> None:
         """All gradients of ``c`` for this micro-batch exist."""
         if c.persistent or c.state.value != "resident":
             return
-        verdict = (boundary and not self.probation and c.index not in self._late
+        verdict = (boundary and not self.first_step_of_plan and c.index not in self._late
                    and (self.clip > 0 or self.loss_scaler is not None))
         self._fresh.add(c.index)                  # the copy below lands this step's gradients
         if self.gas == 1:
             # The chunk's part of the step's verdict (norms, overflow) taken on the device,
             # where the gradients are, as DeepSpeed does for offloaded gradients.
-            self.m.offload_grads(c, self._landing(c), check=self._device_check if verdict else None)
+            self.chunks.offload_grads(c, self._host_grads(c), check=self._device_check if verdict else None)
         else:
             slot = self._take_staging()
-            self.m.offload_grads(c, self._staging[slot][:c.shard_size])
+            self.chunks.offload_grads(c, self._staging[slot][:c.shard_size])
             self.worker.submit(lambda c=c, slot=slot: self._accumulate(c, slot))
-        if not boundary or self.probation or c.index in self._queued or c.index in self._late:
+        if not boundary or self.first_step_of_plan or c.index in self._queued or c.index in self._late:
             return
         if not self.speculative:
             self._queued.add(c.index)
             self.worker.submit(lambda c=c: self._host_update(c, coef=None))
-        elif c.index in self.spec_chunks and self.spec_enabled:
+        elif c.index in self.speculative_chunks and self.speculation_on:
             self._queued.add(c.index)
             inv_scale = self._inv_scale()
             self.worker.submit(lambda c=c: self._speculate(c, inv_scale))
@@ -319,12 +391,6 @@ class ChunkOptimizer:
             # Accumulated gradients: their part of the verdict is taken on the host, by the
             # worker after this micro-step's accumulation, while backward goes on.
             self.worker.submit(lambda c=c: self._check(c))
-
-    def can_redo_micro_batch(self) -> bool:
-        """Whether this micro-batch's backward can be dropped and run again exactly: no chunk
-        update of the step has been submitted (the worker may be running one: that is as good
-        as applied), and no gradient of an earlier micro-batch is mixed with this one's."""
-        return not self._queued and not (self.gas > 1 and self._dirty_before_forward)
 
     def _take_staging(self) -> int:
         with self._staging_lock:
@@ -354,92 +420,122 @@ class ChunkOptimizer:
     def step(self) -> None:
         """The accumulation boundary's update. Sets ``overflow`` and ``global_grad_norm``."""
         t0 = time.perf_counter()
-        self.worker.drain()
-        for c in self.m.offloaded():
-            self.streams.host_wait(c.grads_on_host)
+        self._wait_for_gradients()
         self.overflow = False
         self.global_grad_norm = None
-        if not self._dirty:
+        if self.step_state is StepState.IDLE:
             # No gradient since the last step (no backward ran): DeepSpeed's optimizer finds
             # every grad None and moves nothing; neither does this one.
             self._reset()
             return
-        self._settle()
+        self._zero_absent_grads()
         inv_scale = self._inv_scale()
-        coef = None
-        clip_coef = None
-        dp = self.m.dp
         with self._pause():
-            if dp.world > 1:
-                for c in self.m.chunks:
-                    if c.persistent:    # replicated: average the gradients over ranks
-                        dp.all_reduce_(c.grad).div_(dp.world)
-            overflow, norm = self._verdict(inv_scale)
-            if self.loss_scaler is not None:
-                self.overflow = overflow
-                self.loss_scaler.update_scale(self.overflow)
-                if self.overflow:
-                    log.info("protrain: fp16 overflow, step skipped; loss scale now %s",
-                             self.loss_scaler.cur_scale)
-                    for i in self._applied():
-                        self._rollback(self.m.chunks[i])
-                    self._restore_params_after_skip()
-                    self.spec_enabled = False
-                    self._reset()
-                    self.stats.exposed_s = time.perf_counter() - t0
-                    return
-            if self.clip > 0:
-                # DeepSpeed's coefficient, on the host (fp32 add, divide and min: the same bits
-                # as on the device); the device Adam gets its own copy below.
-                self.global_grad_norm = float(norm)
-                max_norm = torch.tensor([float(self.clip)])
-                clip_coef = torch.min(torch.tensor([1.0]), max_norm / (norm + 1e-6))
-                coef = clip_coef if inv_scale == 1.0 else clip_coef * inv_scale
-            elif inv_scale != 1.0:
-                coef = torch.tensor([inv_scale])
-            clipped = clip_coef is not None and float(clip_coef) != 1.0
-            # What is left of each offloaded chunk's update, decided here and done on the
-            # worker in chunk order (the next forward's upload order).
-            for c in sorted(self.m.offloaded(), key=lambda c: c.index):
-                sp = self._spec.pop(c.index, None)
-                if sp is not None and sp.applied:
-                    if not clipped and sp.hypers == self._hypers(c, sp.steps):
-                        action = "commit"      # exactly what the update with ``coef`` computes
-                        self.stats.overlapped_chunks += 1
-                    else:
-                        action = "redo"
-                        for s, step in zip(c.slots, sp.steps):
-                            s.step = step
-                        self.stats.rollbacks += 1
-                elif c.index in self._queued:
-                    action = None              # updated exactly during backward
-                    self.stats.overlapped_chunks += 1
-                else:
-                    action = "update"
-                # Hyperparameters as of now: a scheduler steps after this returns.
-                segments = self._hypers(c) if action in ("redo", "update") else None
-                self._ready[c.index].clear()
-                self.worker.submit(lambda c=c, a=action, sp=sp, coef=coef, seg=segments:
-                                   self._finish_chunk(c, a, sp, coef, seg))
-            t_dev = time.perf_counter()
-            coef_dev = self.streams.to_device(coef) if coef is not None else None
-            for c in self.m.chunks:
-                if c.persistent:
-                    self._device_update(c, coef_dev)
-                    self._reset_chunk(c)
-            t0 += time.perf_counter() - t_dev        # device Adam is not CPU Adam's exposure
-            self._trace("compute", "device_adam", "persistent chunks", t_dev)
+            overflow, norm = self._judge(inv_scale)
+            if overflow:
+                self._skip_step()
+                self.stats.exposed_s = time.perf_counter() - t0
+                return
+            coef, clipped = self._coefficient(norm, inv_scale)
+            self._finish_offloaded(coef, clipped)
+            t0 += self._update_persistent(coef)      # device Adam is not CPU Adam's exposure
             if not self.carry_over:
                 self.worker.drain()
-            self.spec_enabled = not clipped
+            self.speculation_on = not clipped
         self._queued.clear()
         self._checks.clear()
         self._fresh.clear()
-        self._dirty = False
-        self.probation = False
+        self.step_state = StepState.IDLE
+        self.first_step_of_plan = False
         self.stats.exposed_s = time.perf_counter() - t0
 
-    def _finish_chunk(self, c: Chunk, action, sp, coef, segments) -> None:
+    def _wait_for_gradients(self) -> None:
+        """Every gradient of the step on the host: the worker's tasks done (accumulation,
+        speculative updates), every offloaded chunk's gradient copy landed."""
+        self.worker.drain()
+        for c in self.chunks.offloaded():
+            self.streams.host_wait(c.grads_on_host)
+
+    def _judge(self, inv_scale: float) -> tuple[bool, torch.Tensor | None]:
+        """The step's verdict over every rank: (overflow, global gradient norm), the loss
+        scale updated on it. Persistent chunks' gradients are averaged over the ranks first
+        (they are replicated)."""
+        dp = self.chunks.dp
+        if dp.world > 1:
+            for c in self.chunks.chunks:
+                if c.persistent:
+                    dp.all_reduce_(c.grad).div_(dp.world)
+        overflow, norm = self._verdict(inv_scale)
+        if self.loss_scaler is None:
+            return False, norm
+        self.overflow = overflow
+        self.loss_scaler.update_scale(self.overflow)
+        return overflow, norm
+
+    def _skip_step(self) -> None:
+        """fp16 overflow: nothing of the step stands - speculative updates undone, the host
+        copies of the parameters the gradients landed over put back, gradients cleared."""
+        log.info("protrain: fp16 overflow, step skipped; loss scale now %s", self.loss_scaler.cur_scale)
+        for i in self._applied():
+            self._rollback(self.chunks.chunks[i])
+        self._restore_params_after_skip()
+        self.speculation_on = False
+        self._reset()
+
+    def _coefficient(self, norm: torch.Tensor | None,
+                     inv_scale: float) -> tuple[torch.Tensor | None, bool]:
+        """(what every gradient is multiplied by in the update - clipping and loss unscaling
+        together; None: 1 - and whether the step clipped). Sets ``global_grad_norm``."""
+        coef = clip_coef = None
+        if self.clip > 0:
+            # DeepSpeed's coefficient, on the host (fp32 add, divide and min: the same bits
+            # as on the device); the device Adam gets its own copy.
+            self.global_grad_norm = float(norm)
+            max_norm = torch.tensor([float(self.clip)])
+            clip_coef = torch.min(torch.tensor([1.0]), max_norm / (norm + 1e-6))
+            coef = clip_coef if inv_scale == 1.0 else clip_coef * inv_scale
+        elif inv_scale != 1.0:
+            coef = torch.tensor([inv_scale])
+        return coef, clip_coef is not None and float(clip_coef) != 1.0
+
+    def _finish_offloaded(self, coef: torch.Tensor | None, clipped: bool) -> None:
+        """What is left of each offloaded chunk's update, decided here and done on the worker
+        in chunk order (the next forward's upload order)."""
+        for c in sorted(self.chunks.offloaded(), key=lambda c: c.index):
+            speculation = self._speculations.pop(c.index, None)
+            if speculation is not None and speculation.applied:
+                if not clipped and speculation.hypers == self._hypers(c, speculation.steps):
+                    action = "commit"      # exactly what the update with ``coef`` computes
+                    self.stats.overlapped_chunks += 1
+                else:
+                    action = "redo"
+                    for s, step in zip(c.slots, speculation.steps):
+                        s.step = step
+                    self.stats.rollbacks += 1
+            elif c.index in self._queued:
+                action = None              # updated exactly during backward
+                self.stats.overlapped_chunks += 1
+            else:
+                action = "update"
+            # Hyperparameters as of now: a scheduler steps after this returns.
+            segments = self._hypers(c) if action in ("redo", "update") else None
+            self._ready[c.index].clear()
+            self.worker.submit(lambda c=c, a=action, speculation=speculation, coef=coef, seg=segments:
+                               self._finish_chunk(c, a, speculation, coef, seg))
+
+    def _update_persistent(self, coef: torch.Tensor | None) -> float:
+        """Device Adam on the persistent chunks; returns the seconds it took."""
+        t_dev = time.perf_counter()
+        coef_dev = self.streams.to_device(coef) if coef is not None else None
+        for c in self.chunks.chunks:
+            if c.persistent:
+                self._device_update(c, coef_dev)
+                self._reset_chunk(c)
+        spent = time.perf_counter() - t_dev
+        self._trace("compute", "device_adam", "persistent chunks", t_dev)
+        return spent
+
+    def _finish_chunk(self, c: Chunk, action, speculation, coef, segments) -> None:
         """Worker: the rest of an offloaded chunk's step, then its gradients cleared for the
         next one, then its upload may go."""
         try:
@@ -448,7 +544,7 @@ class ChunkOptimizer:
                     self._commit(c)
                 elif action == "redo":
                     t = time.perf_counter()
-                    self._restore(c, sp)
+                    self._restore(c, speculation)
                     self._trace("cpu_adam", "rollback", f"chunk {c.index}", t)
                 if action in ("redo", "update"):
                     self._host_update(c, coef, segments, "redo" if action == "redo" else "adam")
@@ -479,27 +575,27 @@ class ChunkOptimizer:
         for s in c.slots:
             s.has_grad = False
 
-    def _settle(self) -> None:
+    def _zero_absent_grads(self) -> None:
         """The offloaded chunks that got no gradient copy in this step (no parameter of theirs
         was used, or their part's backward never ran): Adam steps them all the same, on zero
         gradients, as DeepSpeed does (see ``_update``). Their gradient regions are zeroed, so
         every reader (norm, overflow test, update) sees zeros there; and their device copies
         are dropped: a chunk still cached in a buffer would be reused by the next forward
         without waiting for this update (``upload`` waits for it; reuse does not)."""
-        for c in self.m.offloaded():
+        for c in self.chunks.offloaded():
             if c.index not in self._fresh:
-                self.m.evict(c)
-                self._landing(c).zero_()
+                self.chunks.evict(c)
+                self._host_grads(c).zero_()
 
     def _reset(self) -> None:
         self._queued.clear()
-        self._spec.clear()
+        self._speculations.clear()
         self._checks.clear()
-        if not self._dirty:
+        if self.step_state is StepState.IDLE:
             return
-        self._dirty = False
+        self.step_state = StepState.IDLE
         self._fresh.clear()                       # zeroed below
-        for c in self.m.chunks:
+        for c in self.chunks.chunks:
             if c.persistent:
                 c.grad.zero_()
             elif c.grad_acc is not None:
@@ -511,7 +607,7 @@ class ChunkOptimizer:
         """Gradients are cleared by ``step`` (DeepSpeed calls this right after it: nothing to
         do then, and the host updates keep running); an explicit zero_grad between micro-batches
         (not at a boundary) discards the accumulated ones, as torch's would."""
-        if not self._dirty:
+        if self.step_state is StepState.IDLE:
             return
         self.worker.drain()
         self._reset()
@@ -549,7 +645,7 @@ class ChunkOptimizer:
     def _update(self, c: Chunk, grads: torch.Tensor, kernel, coef, keep_grads: bool = False,
                 backup=None, segments=None) -> None:
         """Adam on every parameter of ``c``, those without a gradient in this step on zeros
-        (their regions hold zeros: ``offload_grads``, ``_settle``). DeepSpeed ZeRO-0 does the
+        (their regions hold zeros: ``offload_grads``, ``_zero_absent_grads``). DeepSpeed ZeRO-0 does the
         same on one rank as on several: at the boundary its all-reduce gives every parameter
         whose ``grad`` is None a zero one (engine._get_gradients_for_reduction), so its
         optimizer steps them all (moments decay, weight decay applies, the step count
@@ -592,24 +688,24 @@ class ChunkOptimizer:
         and the overflow check, and a redo updates from them)."""
         self.streams.host_wait(c.grads_on_host)
         with self._pause():
-            grads = self._landing(c)
+            grads = self._host_grads(c)
             check = self._checks.get(c.index) or self._host_check(c, grads)
-            sp = _Speculation(steps=[s.step for s in c.slots], hypers=self._hypers(c))
-            self._spec[c.index] = sp
+            speculation = _Speculation(steps=[s.step for s in c.slots], hypers=self._hypers(c))
+            self._speculations[c.index] = speculation
             if not check.finite:
                 return                      # this step overflows: step() skips it
             coef = None if inv_scale == 1.0 else torch.tensor([inv_scale])
             t = time.perf_counter()
             self._update(c, grads, self.host_kernel, coef, keep_grads=True, backup=self._backup[c.index])
             self._trace("cpu_adam", "backup_adam", f"chunk {c.index}", t)
-            sp.applied = True
+            speculation.applied = True
 
     def _check(self, c: Chunk) -> None:
         """Worker: ``c``'s part of the step's verdict, once its gradients are on the host."""
         self.streams.host_wait(c.grads_on_host)
         t = time.perf_counter()
         with self._pause():
-            self._host_check(c, self._landing(c))
+            self._host_check(c, self._host_grads(c))
         self._trace("cpu_adam", "check", f"chunk {c.index}", t)
 
     def _verdict_regions(self, offloaded: list[Chunk]) -> dict[int, torch.Tensor]:
@@ -659,25 +755,25 @@ class ChunkOptimizer:
         return check
 
     def _applied(self) -> list[int]:
-        return [i for i, sp in self._spec.items() if sp.applied]
+        return [i for i, speculation in self._speculations.items() if speculation.applied]
 
     def _commit(self, c: Chunk) -> None:
         """The speculation was right: the update stands; the upload copy follows it."""
         if c.shadow is not None:
             c.shadow.copy_(c.master)
 
-    def _restore(self, c: Chunk, sp: "_Speculation") -> None:
+    def _restore(self, c: Chunk, speculation: "_Speculation") -> None:
         """The speculation was wrong: put master, exp_avg and exp_avg_sq back exactly as they
         were before it (the segments it wrote)."""
-        for lo, hi, _, _ in sp.hypers:
+        for lo, hi, _, _ in speculation.hypers:
             for dst, src in zip((c.master, c.exp_avg, c.exp_avg_sq), self._backup[c.index]):
                 dst[lo:hi].copy_(src[lo:hi])
 
     def _rollback(self, c: Chunk) -> None:
         """Undo a speculative update entirely (states and step counts), now."""
-        sp = self._spec.pop(c.index)
-        self._restore(c, sp)
-        for s, step in zip(c.slots, sp.steps):
+        speculation = self._speculations.pop(c.index)
+        self._restore(c, speculation)
+        for s, step in zip(c.slots, speculation.steps):
             s.step = step
         self.stats.rollbacks += 1
 
@@ -689,7 +785,7 @@ class ChunkOptimizer:
         self.streams.host_wait(c.grads_on_host)
         t = time.perf_counter()
         with self._pause():
-            self._update(c, self._landing(c), self.host_kernel, coef, segments=segments)
+            self._update(c, self._host_grads(c), self.host_kernel, coef, segments=segments)
             if c.shadow is not None:
                 c.shadow.copy_(c.master)      # the next upload's source: updated parameters
         self._trace("cpu_adam", what, f"chunk {c.index}", t)
@@ -702,8 +798,8 @@ class ChunkOptimizer:
     # ---- clipping and overflow ----------------------------------------------------------------
     def _grad_view(self, p: nn.Parameter) -> torch.Tensor:
         """``p``'s gradient in its chunk (zeros where none arrived, as DeepSpeed fills them)."""
-        c, s = self.m.slot_of[p]
-        src = c.grad if c.persistent else self._landing(c)
+        c, s = self.chunks.slot_of[p]
+        src = c.grad if c.persistent else self._host_grads(c)
         return src[s.offset:s.stop].view(s.shape)
 
     def _verdict(self, inv_scale: float) -> tuple[bool, torch.Tensor | None]:
@@ -728,12 +824,12 @@ class ChunkOptimizer:
         parameter's norm, in module order, stacked, squared, summed, square-rooted, on the
         device. With several ranks the same, over gradients no rank holds whole
         (``_sharded_norms``), so the clipping coefficient is DeepSpeed ZeRO-0's to the bit."""
-        if self.m.dp.world > 1:
+        if self.chunks.dp.world > 1:
             norms = self._sharded_norms()
         else:
             found = {}
             for i, p in enumerate(self.params_in_order):
-                c, _ = self.m.slot_of[p]
+                c, _ = self.chunks.slot_of[p]
                 taken = self._checks.get(c.index)
                 if taken is not None and i in taken.at:
                     found[i] = taken.norm(i)
@@ -742,7 +838,7 @@ class ChunkOptimizer:
                 if g is not None:
                     found[i] = g.detach().float().norm(2)
             if not found:
-                return torch.zeros(1, device=self.m.device)
+                return torch.zeros(1, device=self.chunks.device)
             norms = self._stacked(found)
         total = norms.pow(2.0).sum().float().pow(1.0 / 2.0)
         total = total * 1.0 / 1.0
@@ -752,7 +848,7 @@ class ChunkOptimizer:
         """Per-parameter norms (module index -> 0-d fp32 tensor, on the host or the device)
         as one vector on the device in module order: those given, or every index below
         ``length`` with 0 for those missing. No host read: the host ones go up in one copy."""
-        dev = self.m.device
+        dev = self.chunks.device
         order = range(length) if length is not None else sorted(norms)
         up = [i for i in order if i in norms and norms[i].device.type == "cpu"] if dev.type != "cpu" else []
         if up:
@@ -771,12 +867,12 @@ class ChunkOptimizer:
         assembled whole first (each rank adds its piece into a zeroed buffer, one all-reduce:
         x + 0 is exact). Persistent chunks are replicated: rank 0 takes theirs. The norms then
         meet in one all-reduce of a vector (one parameter per entry, non-zero on one rank)."""
-        dp = self.m.dp
+        dp = self.chunks.dp
         params = self.params_in_order
         straddling = []               # (index, chunk, slot, offset in the assembly buffer)
         size = 0
         for i, p in enumerate(params):
-            c, s = self.m.slot_of[p]
+            c, s = self.chunks.slot_of[p]
             if not c.persistent and s.offset // c.shard_size != (s.stop - 1) // c.shard_size:
                 straddling.append((i, c, s, size))
                 size += s.stop - s.offset
@@ -785,19 +881,19 @@ class ChunkOptimizer:
             a, b = max(s.offset, c.shard_lo), min(s.stop, c.shard_hi)
             if a < b:
                 whole[at + a - s.offset:at + b - s.offset].copy_(
-                    self._landing(c)[a - c.shard_lo:b - c.shard_lo])
+                    self._host_grads(c)[a - c.shard_lo:b - c.shard_lo])
         if size:
             whole = dp.all_reduce_(self.streams.to_device(whole))
         norms = {}
         for i, p in enumerate(params):
-            c, s = self.m.slot_of[p]
+            c, s = self.chunks.slot_of[p]
             if c.persistent:
                 if dp.rank == 0:
                     norms[i] = c.grad[s.offset:s.stop].float().norm(2)
             elif c.index in self._checks and i in self._checks[c.index].at:
                 norms[i] = self._checks[c.index].norm(i)
             elif c.shard_lo <= s.offset and s.stop <= c.shard_hi:
-                norms[i] = self._landing(c)[s.offset - c.shard_lo:s.stop - c.shard_lo].float().norm(2)
+                norms[i] = self._host_grads(c)[s.offset - c.shard_lo:s.stop - c.shard_lo].float().norm(2)
         if dp.rank == 0:
             for i, c, s, at in straddling:
                 norms[i] = whole[at:at + s.stop - s.offset].norm(2)
@@ -807,23 +903,23 @@ class ChunkOptimizer:
         """1.0 if any gradient is not finite on any rank, else 0.0: a one-element fp32 tensor
         on the device (the offloaded chunks' flags mostly taken during backward, on the host
         by now)."""
-        dev = self.m.device
+        dev = self.chunks.device
         on_device, bad = [], False
-        for c in self.m.chunks:
+        for c in self.chunks.chunks:
             if c.persistent:
                 on_device.append(_has_inf_or_nan(c.grad))
             elif c.index in self._checks:
                 bad = bad or not self._checks[c.index].finite
             elif not bad:             # on the host: a host read, no synchronisation
-                bad = bool(_has_inf_or_nan(self._landing(c)[:c.shard_hi - c.shard_lo]))
+                bad = bool(_has_inf_or_nan(self._host_grads(c)[:c.shard_hi - c.shard_lo]))
         flag = torch.full((1,), float(bad), device=dev)
         if on_device:
             flag = torch.maximum(flag, torch.stack(on_device).any().float().reshape(1))
-        return self.m.dp.all_reduce_(flag, dist_max())
+        return self.chunks.dp.all_reduce_(flag, dist_max())
 
     def _restore_params_after_skip(self) -> None:
         """Gradients may have landed over the host copy of the parameters; put it back."""
-        for c in self.m.offloaded():
+        for c in self.chunks.offloaded():
             if c.shadow is not None and c.grad_acc is None:
                 c.shadow.copy_(c.master)
 

@@ -13,81 +13,55 @@ backward, entering part p: part p+1 is done, so chunks first used there have all
     bringing back the previous block's swapped activations.
 end of backward:           the remaining chunks' gradients are complete.
 
-Framework adapters (DeepSpeed engine, Megatron hooks) only call ``forward_context()``,
-``finish_backward()`` and ``step()``.
+The public surface adapters stop at: ``forward_context()``, ``begin_backward()``,
+``finish_backward()`` and ``step()`` for each iteration; ``export_state()`` on the runtime a
+re-plan replaces and ``import_state()`` on the one built for the new plan (or from a
+checkpoint's states); ``close()``; and the optimizer's events (``runtime.optimizer``:
+``can_redo_micro_batch``, ``holds_accumulated_gradients``, ``discard_gradients``,
+``scale_gradients``, ``zero_grad``, ``sync``). What the runtime is told besides its plan is in
+``options.py``.
 """
 from __future__ import annotations
 
 import bisect
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from ..block_mode import BlockMode
-from ..layout import ChunkLayout
 from ..plan import Plan
 from .meter import OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from .activations import ActivationRuntime
-from .adam import AdamHyper, CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
+from .adam import CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
 from .boundaries import part_boundaries
 from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
 from .compile import CompiledBlocks, CompileRequest
 from .full_state import FullStateDict
 from .optimizer import ChunkOptimizer
+from .options import OptimizerSetup, RuntimeOptions
+from .states import RuntimeState, assemble, export_pieces, import_pieces, redistribute
 from .streams import Streams
 
 
-@dataclass
-class OptimizerSetup:
-    """What the framework's optimizer configuration says, in the runtime's terms."""
-
-    param_groups: list[dict]
-    """The framework optimizer's param groups (shared: a scheduler's lr changes are seen)."""
-    hyper: Callable[[dict], AdamHyper]
-    """Adam hyper-parameters of a group, read at every step."""
-    adamw: bool
-    torch_adam: bool = False
-    """Use torch's Adam implementation everywhere (DeepSpeed's ``"torch_adam": true``)."""
-    grad_accumulation_steps: int = 1
-    clip: float = 0.0
-    loss_scaler: object | None = None
-    cpu_adam: str = "auto"
-    """Host Adam kernel: "native" (csrc, GIL-free), "deepspeed", or "auto" (native on a GPU
-    machine, DeepSpeed's on a CPU "device", where updates run inline)."""
-    host_thread: bool | None = None
-    """Run CPU Adam on a worker thread (None: when a GPU computes meanwhile; True also on a CPU
-    "device", e.g. to measure the overlap on CPU with torch and the kernel on a core each)."""
-    cpu_adam_threads: int = 0
-    """OpenMP threads of the host Adam kernel: the rank's share of the node's cores
-    (``runtime.node.NodeShare.threads``, or the user's ``cpu_adam_threads``); 0: the calling
-    thread's count (OMP_NUM_THREADS, else every core)."""
-    speculate_chunks: int | None = None
-    """How many offloaded chunks (the last in execution order) update speculatively during
-    backward when clipping or fp16 loss scaling is on; None: all of them, 0: none (CPU Adam
-    of every offloaded chunk then waits for the end of backward)."""
-    """DeepSpeed's loss scaler for fp16, else None."""
-
-
 class ProTrainRuntime:
-    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], plan: Plan,
-                 layout: ChunkLayout, param_names: Sequence[str], device: torch.device,
-                 setup: OptimizerSetup, *, swap_bytes: Sequence[int],
-                 is_boundary: Callable[[], bool] = lambda: True, accounting: bool = False,
-                 dp: DataParallel | None = None, ssd_root=None, ssd_verify: bool = False,
-                 ssd_min_bytes: int = 2**20, trace_file: str | None = None,
-                 compile: CompileRequest | None = None,
-                 gather_timeout_s: float | None = None, save_fix: str = ""):
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], plan: Plan, device: torch.device,
+                 setup: OptimizerSetup, options: RuntimeOptions = RuntimeOptions()):
+        """Put ``model``'s trainable parameters into ``plan``'s chunks (its layout of the
+        parameters it names) and hook up ``blocks`` (the model's transformer blocks, in order)
+        to run the plan's block modes."""
         self.model = model
         self.blocks = list(blocks)
         self.plan = plan
-        self.layout = layout
+        self.layout = layout = plan.layout()
+        param_names = [r.name for r in plan.params]
         self.device = device
         self.setup = setup
-        self.is_boundary = is_boundary
+        self.options = options
+        self.is_boundary = options.is_boundary
+        accounting = options.accounting
         self.n_parts = len(self.blocks) + 2
         self.streams = Streams(device)
         named = dict(model.named_parameters())
@@ -111,28 +85,25 @@ class ProTrainRuntime:
             chunk_parts=list(zip(layout.chunk_first_part, layout.chunk_last_part)),
             n_persist=plan.knobs.n_persist, n_buffer=plan.knobs.n_buffer,
             chunk_capacity=layout.chunk_numel, group_of=group_of, device=device,
-            streams=self.streams, grad_accumulation=setup.grad_accumulation_steps > 1, dp=dp)
+            streams=self.streams, grad_accumulation=setup.grad_accumulation_steps > 1, dp=options.dp)
         host_kernel, device_kernel = adam_kernels(device, setup, bool(self.chunks.offloaded()))
         self.accounting = DeviceAccounting(device) if accounting else None
         in_order = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = ChunkOptimizer(
-            self.chunks, self.streams, param_groups=setup.param_groups, hyper=setup.hyper,
-            host_kernel=host_kernel, device_kernel=device_kernel,
-            grad_accumulation_steps=setup.grad_accumulation_steps, clip=setup.clip,
-            loss_scaler=setup.loss_scaler, params_in_order=in_order,
-            pause_accounting=self.accounting.paused if self.accounting else None,
-            speculate_chunks=setup.speculate_chunks, host_thread=setup.host_thread)
+            self.chunks, self.streams, setup, host_kernel=host_kernel, device_kernel=device_kernel,
+            params_in_order=in_order, pause_accounting=self.accounting.paused if self.accounting else None)
         self._buffer_index = {t.data_ptr(): b for b, t in enumerate(self.chunks.pool.tensors)}
         self._persistent_ptrs = {c.data.data_ptr() for c in self.chunks.chunks if c.persistent}
         self._slot_offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
         # Compiled before the activation modes wrap the forwards: checkpoint goes around the
         # compiled code, and the saved-tensor hooks see what the compiled graphs save.
-        self.compiled = CompiledBlocks(self.blocks, plan.block_modes, compile,
+        self.compiled = CompiledBlocks(self.blocks, plan.block_modes, options.compile,
                                        plan.knobs.sequence_parallel)
         try:
-            self.activations = ActivationRuntime(self.blocks, plan.block_modes, self.streams, device,
-                                                 swap_bytes, self._param_lookup, ssd_root=ssd_root,
-                                                 ssd_verify=ssd_verify, ssd_min_bytes=ssd_min_bytes)
+            self.activations = ActivationRuntime(
+                self.blocks, plan.block_modes, self.streams, device, plan.block_saved_bytes,
+                self._param_lookup, ssd_root=options.ssd_root, ssd_verify=options.ssd_verify,
+                ssd_min_bytes=options.ssd_min_bytes)
         except BaseException:
             self.compiled.close()
             raise
@@ -145,18 +116,19 @@ class ProTrainRuntime:
         # The module's weights read through state_dict wait for the last step's host updates
         # (offloaded parameters are views of host memory CPU Adam may still be writing) and,
         # sharded over ranks, are gathered (every rank calls it; full_state.py).
-        self.full_state = FullStateDict(model, self.chunks, timeout_s=gather_timeout_s, fix=save_fix)
+        self.full_state = FullStateDict(model, self.chunks, timeout_s=options.gather_timeout_s,
+                                        fix=options.save_fix)
         self._hooks.callback(self.full_state.remove)
         self._part_chunks = [[self.chunks.chunks[c] for c in cs] for cs in layout.part_chunks]
         self._in_backward = False
         self.tracer = None
-        if trace_file:
+        if options.trace_file:
             from .timeline_recorder import TimelineRecorder
             memory = (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else (
                 (lambda: self.chunks.device_bytes() + getattr(getattr(self.accounting, "registry", None),
                                                               "live_bytes", 0)) if accounting else None)
             k = plan.knobs
-            self.tracer = TimelineRecorder(trace_file, memory=memory, title=(
+            self.tracer = TimelineRecorder(options.trace_file, memory=memory, title=(
                 f"{len(self.chunks.offloaded())} of {len(self.chunks.chunks)} chunks offloaded, blocks "
                 f"ckpt {k.n_checkpoint} swap {k.n_swap} ssd {k.n_ssd} sel {k.n_selective}"))
         self.chunks.tracer = self.optimizer.tracer = self.tracer
@@ -207,7 +179,7 @@ class ProTrainRuntime:
     def _begin_forward(self) -> None:
         if self._in_backward:
             self.finish_backward()
-        self.optimizer._dirty_before_forward = self.optimizer._dirty
+        self.optimizer.pre_forward()
         if self.accounting is not None:
             self.accounting.end(self.chunks.device_bytes())
         for c in self.chunks.offloaded():      # a forward without backward (evaluation)
@@ -245,7 +217,45 @@ class ProTrainRuntime:
         self.optimizer.step()
         self.iterations += 1
 
-    def resume_optimizer(self) -> None:
+    def export_state(self, *, grads: bool = False) -> RuntimeState:
+        """This rank's model states - weights, fp32 masters, Adam moments, step counts, and
+        with ``grads`` the gradients accumulated in this optimizer step - for ``import_state``
+        of the runtime a re-plan builds; the last thing asked of this runtime before ``close``.
+        Without ``grads`` the step's gradients are dropped here (the micro-batch in progress is
+        redone from its start). The host updates and the device's queued work finish first.
+        A collective with ``grads`` and several ranks (``export_pieces``)."""
+        self.optimizer.sync()                     # CPU Adam of the last step
+        self.streams.synchronize()                # copies into the gradient regions included
+        if not grads:
+            self.optimizer.discard_gradients()    # this micro-batch's partial gradients
+        return RuntimeState(pieces=export_pieces(self.chunks, grads=grads), grads=grads)
+
+    def import_state(self, state: RuntimeState, *, exchange: DataParallel | None = None) -> None:
+        """Take ``state`` (another runtime's ``export_state``, or a checkpoint's pieces) into
+        this runtime's chunks, whatever their layout or sharding, and go on from it bit for
+        bit: the Adam kernels primed to its step counts; the gradients it carries accumulated
+        onto, or without any every gradient of this runtime cleared. One rank's export with
+        several ranks is first exchanged over ``exchange`` (host tensors: a gloo group), so
+        each rank gets what its chunks hold now: a collective then."""
+        pieces = state.pieces
+        if state.local and self.chunks.dp.world > 1:
+            if exchange is None:
+                raise ValueError(f"import_state: the state holds one rank's pieces and the runtime "
+                                 f"runs on {self.chunks.dp.world} ranks; pass exchange= (a host-side "
+                                 f"group, collectives.host_side) to send each rank what it holds")
+            pieces = redistribute(pieces, self.chunks, exchange)
+        by_name: dict = {}
+        for piece in pieces:
+            by_name.setdefault(piece.name, []).append(piece)
+        import_pieces(self.chunks, lambda n, lo, hi: assemble(by_name, n, lo, hi),
+                      optimizer_states=state.optimizer_states, grads=state.grads)
+        self._prime_kernels()
+        if state.grads:
+            self.optimizer.carry_gradients()
+        else:
+            self.optimizer.discard_gradients()
+
+    def _prime_kernels(self) -> None:
         """After states were imported (checkpoint, re-plan): bring the Adam kernels to where an
         uninterrupted run would be, so training continues bit for bit."""
         steps = max((s.step for c in self.chunks.chunks for s in c.slots), default=0)

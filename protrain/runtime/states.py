@@ -1,5 +1,6 @@
 """Optimizer-level state of a runtime, per parameter: export it (checkpoints, re-planning)
-and import it into another runtime, whatever its chunk layout or world size.
+and import it into another runtime, whatever its chunk layout or world size (``RuntimeState``
+is what passes between them).
 
 A *piece* is what one rank holds of one parameter: an element range [lo, hi) of the flattened
 parameter with its fp32 master values, Adam m and v, and the parameter's step count. A
@@ -30,6 +31,23 @@ class Piece:
     step: int
     grad: torch.Tensor | None = None
     """Gradients accumulated so far in this optimizer step (fp32), when exported with them."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeState:
+    """The model states a runtime hands to another (``ProTrainRuntime.export_state`` /
+    ``import_state``): a re-plan's, or a checkpoint's read back."""
+
+    pieces: list[Piece]
+    """The pieces: this rank's (``local``) or every rank's."""
+    local: bool = True
+    """The pieces are this rank's only (a re-plan's export: with several ranks they are
+    exchanged on import, since the new plan shards otherwise); False: every rank's (a
+    checkpoint's files), from which each rank cuts what it holds."""
+    optimizer_states: bool = True
+    """Import Adam's moments and step counts; False: the weights only, Adam starts afresh."""
+    grads: bool = False
+    """The pieces carry the gradients accumulated so far in the optimizer step in progress."""
 
 
 def _local_range(m: ChunkManager, c: Chunk) -> tuple[int, int]:
