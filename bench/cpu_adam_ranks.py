@@ -11,8 +11,7 @@ the device Adam of the persistent chunk - every offloaded chunk's update as the 
 (kernel, passes, its own time per chunk). Predicted: the plan's CPU Adam busy time
 (``Prediction.cpu_optim_time``) with the node's figures shared by 2 ranks (cost.host_share);
 beside it the figure the model gave before ranks shared a host (the node's rates for each
-rank: ``ranks_per_node`` 1) and the one it gave before the share was measured (the node's rates
-split evenly: 1/ranks_per_node each). Each step's span (wall clock) on each rank and the rank thread's
+rank: ``ranks_per_node`` 1). Each step's span (wall clock) on each rank and the rank thread's
 CPU time in it (the kernel runs on that thread: one OpenMP thread per rank here) are kept, to
 tell the steps where the ranks updated together from those where other jobs on the VM's cores
 descheduled one of them.
@@ -92,7 +91,6 @@ def main(argv=None) -> dict:
         "errors": errors,
         "within_15_percent": sum(abs(e) <= 0.15 for e in errors),
         "error_one_rank_per_node_median": statistics.median(old),
-        "error_even_split_median": statistics.median(rd["error_even_split"] for r in ranks for rd in r["rounds"]),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "ranks"}, indent=1))
     if args.save:
@@ -165,15 +163,13 @@ def _rank(args) -> None:
         hw = engine._hardware(refresh=True)           # the node measured now, once
         coll, a2a = probe_links(dp, engine.device)   # as planned (measured once per process)
         hw = replace(hw, collective_bandwidth=coll, alltoall_bandwidth=a2a)
-        predicted = alone = even = None
+        predicted = alone = None
         if dp.rank == 0:           # the profile is rank 0's (it planned); the shards are equal
             config = _planner_config(engine, dp)
             predicted = evaluate(engine.protrain_profile, hw, plan.knobs, config).prediction.cpu_optim_time
             alone = evaluate(engine.protrain_profile, replace(hw, ranks_per_node=1), plan.knobs,
                              config).prediction.cpu_optim_time
-            even = evaluate(engine.protrain_profile, replace(hw, host_share=0.0), plan.knobs,
-                            config).prediction.cpu_optim_time
-        predicted, alone, even = dp.broadcast_object((predicted, alone, even))
+        predicted, alone = dp.broadcast_object((predicted, alone))
         took = run_steps(args.warmup + r * args.steps, args.steps)
         measured = statistics.median(took)
         rounds.append({"machine": hw.describe(), "cpu_adam_per_rank_gparam_s": rank_rates(hw).cpu_adam / 1e9,
@@ -181,13 +177,10 @@ def _rank(args) -> None:
                        "spans": list(spans), "cpu_s": list(cpu),
                        "error": predicted / measured - 1,
                        "predicted_one_rank_per_node_s": alone,
-                       "error_one_rank_per_node": alone / measured - 1,
-                       "host_share": hw.rank_share,
-                       "predicted_even_split_s": even, "error_even_split": even / measured - 1})
+                       "error_one_rank_per_node": alone / measured - 1})
         print(f"rank {args.rank} round {r}: CPU Adam per step predicted {predicted * 1e3:.1f} ms, "
               f"measured {measured * 1e3:.1f} ms ({rounds[-1]['error']:+.1%}); priced as one rank "
-              f"per node: {alone * 1e3:.1f} ms ({rounds[-1]['error_one_rank_per_node']:+.1%}); split evenly: "
-              f"{even * 1e3:.1f} ms ({rounds[-1]['error_even_split']:+.1%})", flush=True)
+              f"per node: {alone * 1e3:.1f} ms ({rounds[-1]['error_one_rank_per_node']:+.1%})", flush=True)
     rt = engine.protrain_runtime
     result = {"rank": args.rank, "ranks_per_node": engine._protrain_node.ranks_per_node,
               "kernel_threads": rt.optimizer.host_kernel.threads,

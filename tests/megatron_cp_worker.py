@@ -97,9 +97,9 @@ def _probe_at_parsing(rank: int, world: int, out_dir: str) -> dict:
     os.environ["PROTRAIN_CACHE"] = str(out / "probe-cache")
     real = probe._measure_rates
 
-    def measure(device, size_mib, adam_params, progress, threads, rank_threads, ranks_per_node=1):
+    def measure(device, size_mib, adam_params, progress, threads, rank_threads):
         start = time.time()
-        hw = real(device, 8, 2**18, progress, threads, rank_threads, ranks_per_node)
+        hw = real(device, 8, 2**18, progress, threads, rank_threads)
         time.sleep(0.5)
         with open(out / "measured.log", "a") as f:
             f.write(json.dumps({"rank": rank, "start": start, "end": time.time()}) + "\n")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -15,10 +14,8 @@ import torch
 
 from conftest import chain_profile, slow_link
 from protrain.cost.chunk_times import backup_times, check_times, chunk_transfer_times
-from protrain.cost.host_share import rank_rates
 from protrain.cost.time_model import simulate
 from protrain.layout import build_layout
-from protrain.measure import host_contention
 from protrain.plan import Plan
 from protrain.runtime import host_threads
 from protrain.runtime.node import NodeShare, from_launcher, node_share
@@ -172,7 +169,7 @@ def test_the_probe_cache_is_keyed_on_threads_and_ranks_per_node(tmp_path, monkey
     from protrain.measure import probe
     measured = []
 
-    def fake(device, size_mib, adam_params, progress, threads, rank_threads, ranks_per_node=1):
+    def fake(device, size_mib, adam_params, progress, threads, rank_threads):
         measured.append((threads, rank_threads))
         return slow_link(name=f"measured with {threads}")
     monkeypatch.setattr(probe, "_measure_rates", fake)
@@ -190,45 +187,3 @@ def test_the_probe_cache_is_keyed_on_threads_and_ranks_per_node(tmp_path, monkey
     entries = sorted(p.name for p in tmp_path.glob("hardware-*.json"))
     assert len(entries) == 3 and all(any(k in e for k in keys) for e in entries)
     assert not list(tmp_path.glob("*.tmp"))
-
-
-def test_a_measured_share_prices_the_ranks_it_was_measured_for():
-    """Hand-computed: the node's CPU Adam at 25 parameters/s; a share of 0.75 measured for 2
-    ranks gives each 18.75, and only while the profile is priced for 2 ranks."""
-    node = slow_link(cpu_cores=2, host_share=0.75, host_share_ranks=2, host_copy_bandwidth=600.0)
-    two = replace(node, ranks_per_node=2)
-    assert two.rank_share == 0.75
-    assert rank_rates(two).cpu_adam == pytest.approx(25 * 0.75)
-    assert rank_rates(two).host_copy == pytest.approx(600 * 0.75)
-    assert replace(node, ranks_per_node=4).rank_share == 0.25          # measured for 2, not 4
-    assert replace(node, ranks_per_node=1).rank_share == 1.0
-    assert replace(two, host_share=0.0).rank_share == 0.5              # not measured: split evenly
-    assert "measured share" in two.describe() and "18.75" not in two.describe()
-
-
-class _SleepingUpdates(host_contention._Updates):
-    """A team whose update takes 2 ms of wall time, holding ``lock`` (one memory bus the teams
-    queue for) or not (as many buses as teams)."""
-
-    lock = None
-
-    def __init__(self, params, threads, arrays=None):
-        self.arrays = (torch.zeros(params),)
-
-    def update(self):
-        if self.lock is not None:
-            with self.lock:
-                time.sleep(0.002)
-        else:
-            time.sleep(0.002)
-
-
-@pytest.mark.parametrize("shared_bus,expected", [(True, 0.5), (False, 1.0)])
-def test_the_share_is_measured_with_every_rank_at_once(monkeypatch, shared_bus, expected):
-    """Two teams queuing for one lock each get half of what one gets alone; teams that never
-    wait for each other get all of it (the timing windows overlap)."""
-    monkeypatch.setattr(_SleepingUpdates, "lock", threading.Lock() if shared_bus else None)
-    monkeypatch.setattr(host_contention, "_Updates", _SleepingUpdates)
-    share = host_contention.measure_host_share(2, 2, 16, rounds=2, window_s=0.1)
-    assert share == pytest.approx(expected, abs=0.15)
-    assert host_contention.measure_host_share(1, 2, 16) == 1.0

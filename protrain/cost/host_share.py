@@ -3,19 +3,15 @@
 ``HardwareProfile`` holds the node's figures, measured by one process with all the node's cores
 while the node's other ranks wait (``measure.probe``), and ``ranks_per_node``. When the ranks
 run host work at once - and data-parallel ranks in step do: each updates its shard of the same
-chunk as the same gradients land - each gets a share of it, ``HardwareProfile.rank_share``:
+chunk as the same gradients land - each gets about 1/ranks_per_node of it:
 
 - CPU Adam and the passes around it (``cost.host_update``), the gradient checks and the
-  speculative backup copies are memory streams. Where the node's memory bandwidth bounds them
-  (a server's tens of cores), it is split among the ranks: 1/ranks_per_node each. Where cores
-  bound them and one process scales badly over all of them (few cores, OpenMP's fork and join
-  per update), the ranks together get more than the one process measured. So the probe
-  measures the share (``measure.host_contention``: the kernel run by every rank's share of the
-  cores at once, against all the cores in one team) and each rank is priced at that fraction of
-  every shared host rate; 1/ranks_per_node where it was not measured (published machines,
-  ``protrain plan --ranks-per-node``). Measured on the 2-core VM of this project: DeepSpeed's
-  kernel 1.97 G parameters/s with 2 threads alone, 2 processes with a thread each at once
-  0.90-1.5 each depending on the VM's load: 1/2 priced 30% pessimistic when the VM was quiet.
+  speculative backup copies are memory-bound streams: the node's memory bandwidth is split
+  among the ranks. Where a kernel is compute-bound instead, the cores are split (each rank's
+  kernel runs on cores // ranks_per_node threads, ``runtime.node.NodeShare.threads``). Either
+  way a rank gets node rate / ranks_per_node. Measured on a 2-core VM: DeepSpeed's kernel 1.97
+  G parameters/s with 2 threads alone; 2 processes with a thread each at once, 0.90-1.08 each
+  (one alone: 1.6, so a rank's share measured alone would be 60% optimistic).
 - The per-chunk update overhead (``HardwareProfile.host_update_overhead``) is Python on one
   core and an OpenMP fork and join: a rank runs it on a core of its own while the ranks do not
   outnumber the cores, so it is not divided; beyond that they time-share the cores.
@@ -57,12 +53,11 @@ class RankRates:
 def rank_rates(hw: HardwareProfile) -> RankRates:
     """The figures one of ``hw.ranks_per_node`` ranks is priced at."""
     r = max(1, hw.ranks_per_node)
-    share = hw.rank_share
     on_host = hw.device_type == "cpu"          # the "device" is the host: its work is shared too
     return RankRates(
-        cpu_adam=hw.cpu_adam_rate * share, grad_check=hw.grad_check_rate * share,
-        host_copy=hw.host_copy_bandwidth * share,
+        cpu_adam=hw.cpu_adam_rate / r, grad_check=hw.grad_check_rate / r,
+        host_copy=hw.host_copy_bandwidth / r,
         update_overhead=hw.host_update_overhead * max(1.0, r / max(1, hw.cpu_cores)),
-        h2d=hw.h2d_bandwidth * share if on_host else hw.h2d_bandwidth,
-        d2h=hw.d2h_bandwidth * share if on_host else hw.d2h_bandwidth,
-        device_adam=hw.gpu_adam_rate * share if on_host else hw.gpu_adam_rate)
+        h2d=hw.h2d_bandwidth / r if on_host else hw.h2d_bandwidth,
+        d2h=hw.d2h_bandwidth / r if on_host else hw.d2h_bandwidth,
+        device_adam=hw.gpu_adam_rate / r if on_host else hw.gpu_adam_rate)

@@ -15,8 +15,7 @@ first process of the node to take the cache entry's file lock (``fcntl.flock`` i
 directory) measures; the node's other ranks wait on the lock - asleep, using no core - and then
 read what it wrote. The host rates are the node's: measured with all the cores the node's ranks
 run on (``runtime.node.node_cores``), whatever OMP_NUM_THREADS the launcher set for the training
-threads; the cost model gives each rank its share of them (``cost.host_share``), measured with
-every rank's share of the cores at once (``measure.host_contention``). The
+threads; the cost model gives each rank 1/ranks_per_node of them (``cost.host_share``). The
 per-chunk update overhead is measured with the kernel as one rank runs it (its share of the
 cores), so it depends on the ranks per node too: both are in the key.
 """
@@ -36,10 +35,9 @@ from pathlib import Path
 import torch
 
 from ..profile.hardware import HardwareProfile
-from .host_contention import measure_host_share
 from .update_overhead import measure_update_overhead
 
-PROBE_VERSION = 8
+PROBE_VERSION = 7
 """Bump when the probe measures differently, so old cache entries are not reused."""
 
 
@@ -123,8 +121,8 @@ def probe_hardware(device: torch.device | str | None = None, *, cache_dir: str |
             except (ValueError, KeyError, TypeError, json.JSONDecodeError):
                 pass  # a stale or damaged entry: measure again
         if rates is None:
-            rates = replace(_measure_rates(device, size_mib, adam_params, progress, threads, share,
-                                           ranks_per_node), ranks_per_node=ranks_per_node)
+            rates = replace(_measure_rates(device, size_mib, adam_params, progress, threads, share),
+                            ranks_per_node=ranks_per_node)
             try:
                 rates.save(path)
             except OSError:
@@ -169,20 +167,13 @@ def device_capacity(device: torch.device) -> int:
 
 
 def _measure_rates(device: torch.device, size_mib: int, adam_params: int, progress: bool,
-                   threads: int, rank_threads: int, ranks_per_node: int = 1) -> HardwareProfile:
+                   threads: int, rank_threads: int) -> HardwareProfile:
     """The cacheable part: rates and bandwidths (the memory fields are left at 0). Host work
     on ``threads`` OpenMP threads (the node's rates), the update overhead with the kernel on
-    ``rank_threads`` (as one rank runs it), the share of the host one of ``ranks_per_node``
-    ranks gets while all update at once."""
+    ``rank_threads`` (as one rank runs it)."""
     from ..runtime.host_threads import omp_threads
     with omp_threads(threads):
-        hw = _measure(device, size_mib, adam_params, progress, threads, rank_threads)
-    if ranks_per_node > 1:
-        if progress:
-            print(f"protrain: probe: CPU Adam by {ranks_per_node} ranks at once", flush=True)
-        hw = replace(hw, host_share=measure_host_share(ranks_per_node, threads, min(adam_params, 2**22)),
-                     host_share_ranks=ranks_per_node)
-    return hw
+        return _measure(device, size_mib, adam_params, progress, threads, rank_threads)
 
 
 def _measure(device, size_mib, adam_params, progress, threads, rank_threads) -> HardwareProfile:

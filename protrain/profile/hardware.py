@@ -89,14 +89,7 @@ class HardwareProfile(JsonValue):
     ranks_per_node: int = 1
     """Ranks sharing this host (``runtime.node``; ``protrain plan --ranks-per-node``). The
     host rates above are the node's, measured by one process with all its cores; each rank
-    is priced at ``rank_share`` of them (``cost.host_share``)."""
-    host_share: float = 0.0
-    """The fraction of the node's host rates one rank gets while ``host_share_ranks`` ranks run
-    host work at once, measured (``measure.host_contention``). 0: not measured."""
-    host_share_ranks: int = 0
-    """The ranks per node ``host_share`` was measured for: it applies only while
-    ``ranks_per_node`` is that count (a profile re-priced for another count falls back to
-    1/ranks_per_node)."""
+    is priced at 1/ranks_per_node of them (``cost.host_share``)."""
     versions: dict[str, str] = field(default_factory=dict)
     """Software versions the measurement was taken with (torch, cuda, deepspeed)."""
 
@@ -105,17 +98,6 @@ class HardwareProfile(JsonValue):
         """The same machine with the plan's memory budgets set to the given limits."""
         return replace(self, device_memory=device_memory or self.device_memory,
                        host_memory=host_memory or self.host_memory)
-
-    @property
-    def rank_share(self) -> float:
-        """The fraction of the node's host rates one of its ``ranks_per_node`` ranks is priced
-        at: the measured share where it was measured for this many ranks, else
-        1/ranks_per_node (host work bound by the node's memory bandwidth, split evenly)."""
-        if self.ranks_per_node <= 1:
-            return 1.0
-        if self.host_share > 0 and self.host_share_ranks == self.ranks_per_node:
-            return min(1.0, self.host_share)
-        return 1.0 / self.ranks_per_node
 
     def describe(self) -> str:
         return (f"{self.name} ({self.source}): device {fmt_bytes(self.device_memory)}, host "
@@ -127,7 +109,6 @@ class HardwareProfile(JsonValue):
                 + (f" + {self.host_update_overhead * 1e6:.0f} us per chunk update"
                    if self.host_update_overhead else "")
                 + (f"; host shared by {self.ranks_per_node} ranks per node: CPU Adam "
-                   f"{self.cpu_adam_rate * self.rank_share / 1e9:.3f} Gparam/s per rank"
-                   + (" (measured share)" if self.rank_share != 1.0 / self.ranks_per_node else "")
+                   f"{self.cpu_adam_rate / self.ranks_per_node / 1e9:.3f} Gparam/s per rank"
                    if self.ranks_per_node > 1 else ""))
 
