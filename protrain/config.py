@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from .units import MiB, parse_bytes
 
 KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "n_ssd",
-              "n_selective", "sequence_parallel")
+              "n_selective", "sequence_parallel", "n_nvme")
 MAX_COUNT = 2**31 - 1
 """Largest count a setting takes (chunks, blocks, steps, ranks): the search holds them in int64
 arrays and multiplies them by sizes."""
@@ -49,6 +49,10 @@ class KnobPins:
     sequence_parallel: int | None = None
     """Ulysses sequence-parallel degree P (ranks that split each sequence); None: the planner
     chooses among the degrees the world size, head counts and sequence length allow."""
+
+    n_nvme: int | None = None
+    """Number of offloaded chunks whose optimizer states live on NVMe (the last ones; needs an
+    SSD path)."""
 
     def pinned(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in KNOB_NAMES if getattr(self, k) is not None}

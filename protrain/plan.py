@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from .block_mode import BlockMode, layout_block_modes, modes_string, same_counts
 from .profile.model_profile import ParamRecord
 from .serde import JsonValue
+from .state_tier import nvme_chunk_ids
 from .timeline import Timeline
 from .units import fmt_bytes, fmt_seconds
 
@@ -36,6 +37,12 @@ class Knobs:
     """Ulysses sequence-parallel degree P: each sequence is split over P ranks, which hold 1/P
     of its tokens outside attention and 1/P of the heads inside it. The predictions are per
     rank; the runtime runs the P micro-batches of its group one after another."""
+
+    n_nvme: int = 0
+    """Of the offloaded chunks, how many keep their optimizer states (the fp32 master where it
+    is separate from the parameters, exp_avg, exp_avg_sq) on NVMe under ``ssd_path``: the last
+    ones (``protrain.state_tier.nvme_chunk_ids``). Their parameters and gradients stay in host
+    memory; CPU Adam streams their states through a ring of pinned staging buffers."""
 
     def as_tuple(self) -> tuple[int, ...]:
         """The knobs the inner search chooses, in its tie-break order (P is chosen outside)."""
@@ -199,6 +206,7 @@ class Plan(JsonValue):
             raise ValueError(f"Plan.block_modes {modes_string(self.block_modes)} do not hold "
                              f"n_ssd={k.n_ssd}, n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint}, "
                              f"n_selective={k.n_selective} blocks")
+        nvme_chunk_ids(self.chunks.n_chunks, k.n_persist, k.n_nvme)   # raises if out of range
 
 
     # ---- explanation ----------------------------------------------------------------------

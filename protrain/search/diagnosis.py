@@ -58,9 +58,11 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
         free = None
     # The sequence-parallel degree is not this search's (it plans one rank's profile). Pins
     # on every other knob but n_selective (a configuration written before that knob) name
-    # one plan too: the one without selective blocks (had it fit, the search found it).
+    # one plan too: the one without selective blocks (had it fit, the search found it); the
+    # same for n_nvme (states on the drive came later): unpinned, no states on the drive.
     fixed = {k: v for k, v in pins.items() if k != "sequence_parallel"}
     fixed.setdefault("n_selective", 0)
+    fixed.setdefault("n_nvme", 0)
     if len(fixed) == len(KNOB_NAMES) - 1:
         # Every knob fixed: say which constraint that one plan breaks.
         if pins["n_persist"] == ALL:     # "all": the chunk count of the pinned chunk size

@@ -132,7 +132,8 @@ class _SearchState:
         a = g.a[j]
         return Knobs(chunk_size=g.layout.chunk_bytes, n_persist=int(g.n_persist[j]), n_buffer=nb,
                      n_swap=int(self.acts.n_swap[a]), n_checkpoint=int(self.acts.n_ckpt[a]),
-                     n_ssd=int(self.acts.n_ssd[a]), n_selective=int(self.acts.n_sel[a]))
+                     n_ssd=int(self.acts.n_ssd[a]), n_selective=int(self.acts.n_sel[a]),
+                     n_nvme=int(self.config.pins.n_nvme or 0))   # issue 27: not yet searched
 
     def peak(self, i: int) -> int:
         g, j = self.grids[self.owner[i]], self.local[i]

@@ -1,0 +1,31 @@
+"""Where an offloaded chunk's optimizer states live: pinned host memory, or NVMe (issue 27).
+
+``Knobs.n_nvme`` counts the offloaded chunks whose optimizer states (the fp32 master where it is
+separate from the parameters, exp_avg, exp_avg_sq) live on the drive under ``ssd_path``. They
+are the last chunks: backward reaches them first, so their updates have the most time to hide
+the reads and write-backs around them. Their parameters (uploaded every iteration) and gradients
+stay in host memory. CPU Adam streams their states through ``STAGING_SLOTS`` pinned buffers of
+one chunk's states each (read chunk k+1 while updating chunk k and writing back chunk k-1),
+counted in the host budget. The runtime (``runtime.nvme_states``) and the cost model both read
+this module, so they agree on which chunks and how much staging.
+"""
+from __future__ import annotations
+
+STAGING_SLOTS = 3
+"""Pinned staging buffers, each one offloaded chunk's optimizer states: one being read, one
+being updated, one being written back."""
+
+
+def nvme_chunk_ids(n_chunks: int, n_persist: int, n_nvme: int) -> range:
+    """The chunk indices whose optimizer states live on NVMe: the last ``n_nvme`` chunks."""
+    offloaded = n_chunks - n_persist
+    if not 0 <= n_nvme <= max(0, offloaded):
+        raise ValueError(f"n_nvme={n_nvme}: states on NVMe are those of offloaded chunks, and "
+                         f"{max(0, offloaded)} of {n_chunks} chunks are offloaded (n_persist={n_persist})")
+    return range(n_chunks - n_nvme, n_chunks)
+
+
+def state_bytes_per_element(master_separate: bool) -> int:
+    """Bytes of optimizer state per parameter element: exp_avg and exp_avg_sq in fp32, and the
+    fp32 master when the parameters are 16-bit (in fp32 training the parameter is the master)."""
+    return 12 if master_separate else 8
