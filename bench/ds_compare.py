@@ -47,8 +47,10 @@ SYSTEMS = {
 }
 
 
-def worker(spec: dict) -> dict:
-    """Train ``spec['steps']`` steps of one system in this process and measure them."""
+def worker(spec: dict, meter=None) -> dict:
+    """Train ``spec['steps']`` steps of one system in this process and measure them; ``meter``
+    (optional) is told ``start()`` before the engine is built, ``step(engine, step)`` after each
+    step and ``finish(engine, out)`` at the end, to add its own measurements to ``out``."""
     for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())),
                  ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
@@ -69,6 +71,8 @@ def worker(spec: dict) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
+    if meter is not None:
+        meter.start()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     mb, seq = spec["micro_batch"], spec["seq"]
     losses, times = [], []
@@ -88,6 +92,8 @@ def worker(spec: dict) -> dict:
         if step >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        if meter is not None:
+            meter.step(engine, step)
     step_time = sorted(times)[len(times) // 2]          # median
     tokens = mb * seq / step_time
     # 6 N per token for the matmuls plus causal attention (fwd 2 b s^2 h per layer, x3 with bwd)
@@ -113,17 +119,20 @@ def worker(spec: dict) -> dict:
             # Device bytes above the chunks' (persistent states and buffers): activations and
             # transient buffers, the quantity the activation modes change.
             out["activation_peak"] = out["max_memory_allocated"] - out["state_bytes"]
+    if meter is not None:
+        meter.finish(engine, out)
     return out
 
 
-def run_systems(specs: list[dict]) -> list[dict]:
+def run_systems(specs: list[dict], script: str = __file__) -> list[dict]:
     """Run each spec (``system`` name, optional ``config`` replacing SYSTEMS[system], shape) in
-    a fresh process, one after the other; a failure is recorded with its output's tail."""
+    a fresh process of ``script`` (a bench whose ``parse`` runs ``--worker``), one after the
+    other; a failure is recorded with its output's tail."""
     results = []
     for i, spec in enumerate(specs):
         spec = dict(spec, index=i)
         print(f"== {spec['system']}", flush=True)
-        r = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
+        r = subprocess.run([sys.executable, script, "--worker", json.dumps(spec)],
                            capture_output=True, text=True)
         line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
         if r.returncode != 0 or not line:
@@ -167,12 +176,13 @@ def shape_args(ap: argparse.ArgumentParser, **defaults) -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
 
 
-def parse(ap: argparse.ArgumentParser):
-    """Parse the flags; in a worker process run the spec and return None; with --smoke shrink
-    the model to a CPU check."""
+def parse(ap: argparse.ArgumentParser, meter=None):
+    """Parse the flags; in a worker process run the spec (measured also by ``meter(spec)``
+    when given) and return None; with --smoke shrink the model to a CPU check."""
     args = ap.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        spec = json.loads(args.worker)
+        print("RESULT " + json.dumps(worker(spec, meter and meter(spec))), flush=True)
         return None
     if args.smoke:
         args.layers, args.hidden, args.heads, args.vocab, args.seq = 2, 64, 4, 256, 64

@@ -1,0 +1,306 @@
+"""Optimizer states on a drive: ProTrain's ``n_nvme`` against DeepSpeed's ZeRO-Infinity.
+
+One model, the same data and the same directory, each system in its own process, the systems
+interleaved in ``--rounds`` rounds (bench/ds_compare.py's harness); fp32, AdamW, clipping at 1.0:
+
+- zinf: DeepSpeed ZeRO-3 with ``offload_optimizer: {"device": "nvme"}`` (ZeRO-Infinity's fp32
+  master, exp_avg and exp_avg_sq in swap files under the directory, through DeepSpeed's
+  libaio op with O_DIRECT) and ``offload_param: {"device": "cpu"}`` (the parameters in host
+  memory, as ours stay: ZeRO-Infinity's docs put parameters on the drive only when host
+  memory cannot hold them); the buffer and aio values of DeepSpeed's NVMe example, with
+  ``pipeline_read`` / ``pipeline_write`` on (the next sub-group read and the last written
+  while one updates, as ours) and ``sub_group_size`` set to ProTrain's chunk (DeepSpeed's
+  1e9 default makes this model one sub-group, staged whole in pinned host buffers) and
+  ``buffer_count`` 12 (pipelining holds three sub-groups of four tensors: master, exp_avg,
+  exp_avg_sq, gradient; fewer stops it with "ran out of swap buffers");
+- nvme: ProTrain with every chunk but one offloaded and the states of all offloaded chunks on
+  the drive (``n_persist`` 1, ``n_nvme`` pinned to the offloaded count);
+- nvme_plan: ProTrain with ``n_nvme`` left to the planner under a ``host_memory`` budget of
+  ``--host-fraction`` of what the host reference's plan needs in host memory;
+- host: ProTrain with the same chunks and every offloaded chunk's states in host memory (the
+  reference; it runs first in every round, and its plan gives the chunk count the others pin).
+
+For each: tokens/s (each round's median step; the median over rounds), host bytes (the
+process's resident set: at the start of ``deepspeed.initialize``, its peak after it from
+VmHWM reset there, and at the end; ProTrain's ``protrain_stats()`` host_state_bytes and
+nvme_state_bytes; DeepSpeed's pinned swap buffers), drive bytes (the largest allocated size of
+the system's directory sampled after every step, and the storage bytes the process read and
+wrote per timed step from /proc/self/io), and for ProTrain the plan's predicted step against
+the measured median (also weighted by the fraction of steps that clipped, which run the
+speculation's rollback). Results go to bench/results/nvme_states-<device>-<tag>.json.
+
+DeepSpeed's async I/O op needs libaio: ``apt-get install -y libaio-dev`` (Debian/Ubuntu);
+DeepSpeed then builds it on first use into ~/.cache/torch_extensions.
+
+    python bench/nvme_states.py --dir /path/on/drive --rounds 3           # CPU, 26M GPT
+    python bench/nvme_states.py --smoke --dir /tmp                        # CPU check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from protrain.units import parse_bytes  # noqa: E402
+from ds_compare import default_tag, parse, run_systems, shape_args, shape_spec, write_record  # noqa: E402
+
+SYSTEMS = ("host", "nvme", "nvme_plan", "zinf")
+CLIP = 1.0
+LIBAIO_HINT = ("DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload) did not build: it needs "
+               "libaio. Install it with `apt-get install -y libaio-dev` (Debian/Ubuntu; "
+               "`dnf install libaio-devel` on Fedora) and run again; the op is built on first use "
+               "into ~/.cache/torch_extensions")
+
+
+def require_async_io() -> str:
+    """Build (or load from the cache) DeepSpeed's async_io op; exit with the libaio hint if not."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    try:
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            raise RuntimeError("AsyncIOBuilder().is_compatible() is False")
+        return AsyncIOBuilder().load(verbose=False).__file__
+    except Exception as e:                      # a build error is any exception type
+        raise SystemExit(f"{LIBAIO_HINT} ({type(e).__name__}: {e})") from e
+
+
+def _proc_kib(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _proc_io() -> dict[str, int]:
+    """The process's storage bytes (read_bytes, write_bytes: what reached the block layer)."""
+    pairs = (ln.split(": ") for ln in Path("/proc/self/io").read_text().splitlines())
+    return {k: int(v) for k, v in pairs}
+
+
+def dir_bytes(root: str) -> int:
+    """Bytes allocated on the drive by the files under ``root`` (st_blocks: sparse files count
+    what they hold)."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(dirpath, f)).st_blocks * 512
+            except FileNotFoundError:           # a scratch file removed while we walk
+                pass
+    return total
+
+
+class HostDriveMeter:
+    """Host and drive bytes of one system's run (bench/ds_compare.py's ``worker`` meter)."""
+
+    def __init__(self, spec: dict):
+        self.dir, self.warmup, self.steps = spec["drive_dir"], spec["warmup"], spec["steps"]
+        self.peak_dir = 0
+        self.io: dict[str, dict[str, int]] = {}
+        self.norms: list[float] = []
+
+    def start(self) -> None:
+        # "5" resets VmHWM to the current resident set: the peak then is the engine's and
+        # training's, not the model's construction.
+        Path("/proc/self/clear_refs").write_text("5")
+        self.rss_start = _proc_kib("VmRSS")
+
+    def step(self, engine, step: int) -> None:
+        self.peak_dir = max(self.peak_dir, dir_bytes(self.dir))
+        if step == self.warmup - 1:
+            self.io["start"] = _proc_io()
+        if step == self.warmup + self.steps - 1:
+            self.io["end"] = _proc_io()
+        if step >= self.warmup:
+            self.norms.append(_grad_norm(engine))
+
+    def finish(self, engine, out: dict) -> None:
+        io = {k: (self.io["end"][k] - self.io["start"][k]) / self.steps for k in ("read_bytes", "write_bytes")}
+        out.update(rss_start=self.rss_start, rss_peak=_proc_kib("VmHWM"), rss_end=_proc_kib("VmRSS"),
+                   drive_dir_peak_bytes=self.peak_dir, drive_dir_end_bytes=dir_bytes(self.dir),
+                   drive_read_bytes_per_step=io["read_bytes"], drive_write_bytes_per_step=io["write_bytes"],
+                   grad_norms=self.norms, clip_fraction=sum(n > CLIP for n in self.norms) / len(self.norms))
+        out["rss_growth_peak"] = out["rss_peak"] - self.rss_start
+        if getattr(engine, "protrain_runtime", None) is not None:
+            _protrain_side(engine, out)
+        else:
+            out["ds_swap_buffer_bytes"] = _ds_swap_buffer_bytes(engine)
+
+
+def _grad_norm(engine) -> float:
+    rt = getattr(engine, "protrain_runtime", None)
+    norm = rt.optimizer.global_grad_norm if rt is not None else engine.get_global_grad_norm()
+    return float(norm)
+
+
+def _protrain_side(engine, out: dict) -> None:
+    """The plan's predictions and the runtime's own count of where the states are."""
+    plan = engine.protrain_plan
+    p = plan.prediction
+    stats = engine.protrain_stats()
+    out.update(protrain_stats=stats, n_chunks=plan.chunks.n_chunks, n_nvme=plan.knobs.n_nvme,
+               n_persist=plan.knobs.n_persist, predicted_host_bytes=p.host_bytes,
+               predicted_ssd_bytes=p.ssd_bytes, predicted_step_time=p.step_time,
+               predicted_expected=p.expected_iter_time(out["clip_fraction"]))
+    out["step_ratio"] = p.step_time / out["step_time_median"]
+    out["expected_step_ratio"] = out["predicted_expected"] / out["step_time_median"]
+    nvme = getattr(engine.protrain_runtime.chunks, "nvme", None)
+    if nvme is not None:
+        out.update(nvme_backend=nvme.backend, nvme_read_bytes=nvme.read_bytes,
+                   nvme_written_bytes=nvme.written_bytes)
+
+
+def _ds_swap_buffer_bytes(engine) -> int | None:
+    """DeepSpeed's page-locked swap buffers for the optimizer states (its NVMe staging)."""
+    swapper = getattr(engine.optimizer, "optimizer_swapper", None)
+    mgr = getattr(swapper, "swap_buffer_manager", None)
+    if mgr is None:
+        return None
+    return sum(b.numel() * b.element_size() for b in mgr.all_buffers)
+
+
+def configs(system: str, drive: str, n_chunks: int | None, host_budget: int | None, chunk: str) -> dict:
+    """The DeepSpeed config section of one system; ``drive`` is its own directory."""
+    if system == "zinf":
+        return {"zero_optimization": {
+            "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "nvme", "nvme_path": drive, "pin_memory": True,
+                                  "buffer_count": 12, "fast_init": False,
+                                  "pipeline_read": True, "pipeline_write": True},
+            "sub_group_size": parse_bytes(chunk) // 4},          # fp32 elements of one chunk
+            "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1,
+                    "single_submit": False, "overlap_events": True}}
+    pt = {"enabled": True, "progress": False, "chunk_size": chunk, "n_persist": 1}
+    if system == "nvme":
+        pt.update(ssd_path=drive, n_nvme=n_chunks - 1)
+    elif system == "nvme_plan":
+        pt.update(ssd_path=drive, host_memory=host_budget)
+    return {"protrain": pt}
+
+
+def ordered(wanted: list[str]) -> list[str]:
+    """The host reference first: the nvme systems take its chunk count and host bytes."""
+    return sorted(wanted, key=lambda s: s != "host")
+
+
+def run_round(args, wanted: list[str], ref: dict | None) -> list[dict]:
+    """One round, each system in its own emptied directory; ``ref``: an earlier round's host
+    run, else this round's."""
+    shape = shape_spec(args)
+    results = []
+    for system in ordered(wanted):
+        if system.startswith("nvme") and ref is None:
+            results.append(dict(system=system, error="needs a successful host run for its chunk count"))
+            continue
+        drive = os.path.join(args.dir, f"nvme-bench-{system}")
+        shutil.rmtree(drive, ignore_errors=True)
+        os.makedirs(drive)
+        budget = int(args.host_fraction * ref["predicted_host_bytes"]) if ref else None
+        cfg = configs(system, drive, ref and ref["n_chunks"], budget, args.chunk_size)
+        r = run_systems([dict(system=system, config=cfg, drive_dir=drive, **shape)], script=__file__)[0]
+        # What the process left in its directory after it exited (DeepSpeed keeps its swap files).
+        r["drive_dir_after_exit_bytes"] = dir_bytes(drive)
+        shutil.rmtree(drive, ignore_errors=True)
+        if budget is not None and system == "nvme_plan":
+            r["host_memory_budget"] = budget
+        if system == "host" and "tokens_per_s" in r:
+            ref = r
+        results.append(r)
+    return results
+
+
+def summarize(rounds: list[list[dict]], wanted: list[str]) -> list[dict]:
+    """Per system: the round with the median tokens/s, with every round's tokens/s beside."""
+    out = []
+    for system in ordered(wanted):
+        runs = [r for rnd in rounds for r in rnd if r["system"] == system]
+        good = sorted((r for r in runs if "tokens_per_s" in r), key=lambda r: r["tokens_per_s"])
+        pick = good[(len(good) - 1) // 2] if good else runs[0]
+        out.append(dict(pick, rounds_tokens_per_s=[r.get("tokens_per_s") for r in runs],
+                        tokens_per_s_median=statistics.median(r["tokens_per_s"] for r in good) if good else None))
+    host = next((r for r in out if r["system"] == "host" and "losses" in r), None)
+    for r in out:
+        if host and "losses" in r and r["system"].startswith("nvme"):
+            r["losses_equal_host"] = r["losses"] == host["losses"]
+    return out
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f}"
+
+
+def report(results: list[dict]) -> dict:
+    """Print the table; the tokens/s ratios against ZeRO-Infinity and the host reference."""
+    ok = {r["system"]: r for r in results if r.get("tokens_per_s_median")}
+    ratios = {f"{s}/{ref}": ok[s]["tokens_per_s_median"] / ok[ref]["tokens_per_s_median"]
+              for s in ok for ref in ("zinf", "host") if ref in ok and s != ref}
+    print(f"\n{'system':<10}{'tokens/s':>9}{'vs zinf':>8}{'RSS MiB start/+peak':>21}{'host st.':>9}"
+          f"{'drive st.':>10}{'dir peak':>9}{'rd/wr MiB/step':>16}{'pred/meas':>10}")
+    for r in results:
+        if not r.get("tokens_per_s_median"):
+            print(f"{r['system']:<10}{'failed':>9}  {r.get('error', '')[-300:]}")
+            continue
+        st = r.get("protrain_stats") or {}
+        vs = ratios.get(f"{r['system']}/zinf")
+        pred = f"{r['step_ratio']:.2f}" if "step_ratio" in r else "-"
+        print(f"{r['system']:<10}{r['tokens_per_s_median']:>9,.0f}{(f'{vs:.2f}x' if vs else '-'):>8}"
+              f"{_mib(r['rss_start']) + '/+' + _mib(r['rss_growth_peak']):>21}"
+              f"{_mib(st.get('host_state_bytes', r.get('ds_swap_buffer_bytes'))):>9}"
+              f"{_mib(st.get('nvme_state_bytes')):>10}{_mib(r['drive_dir_peak_bytes']):>9}"
+              f"{_mib(r['drive_read_bytes_per_step']) + '/' + _mib(r['drive_write_bytes_per_step']):>16}"
+              f"{pred:>10}")
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    shape_args(ap, layers=8, hidden=512, heads=8, vocab=1024, seq=256, micro_batch=4, steps=6, warmup=3, tie=0)
+    ap.add_argument("--dir", help="directory on the drive both systems put states in (required)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--chunk-size", default="8MiB", help="ProTrain's chunk size, pinned for all its systems")
+    ap.add_argument("--host-fraction", type=float, default=0.5,
+                    help="nvme_plan's host_memory: this fraction of the host reference's planned host bytes")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    args = parse(ap, meter=HostDriveMeter)
+    if args is None:
+        return
+    if args.smoke:
+        args.chunk_size = "64KiB"
+    wanted = args.systems.split(",")
+    unknown = set(wanted) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if not 0 < args.host_fraction < 1:
+        ap.error(f"--host-fraction {args.host_fraction}: a fraction between 0 and 1 (of the host bytes planned)")
+    if not args.dir or not os.path.isdir(args.dir):
+        ap.error(f"--dir {args.dir}: not a directory; give an existing directory on the drive to test")
+    aio = require_async_io() if "zinf" in wanted else None
+    rounds, ref = [], None
+    for i in range(args.rounds):
+        print(f"-- round {i + 1}/{args.rounds}, load {os.getloadavg()[0]:.2f}", flush=True)
+        rounds.append(run_round(args, wanted, ref))
+        ref = ref or next((r for r in rounds[-1] if r["system"] == "host" and "tokens_per_s" in r), None)
+    results = summarize(rounds, wanted)
+    ratios = report(results)
+    fs = _filesystem(args.dir)
+    print(f"wrote {write_record('nvme_states', default_tag(args), args, results, ratios=ratios, dir=args.dir, filesystem=fs, async_io=aio, chunk_size=args.chunk_size, load_after=os.getloadavg(), rounds=rounds)}")
+
+
+def _filesystem(path: str) -> str:
+    """The mount under ``path`` from /proc/mounts: device, type (what the 'drive' really is)."""
+    best = ("", "?", "?")
+    real = os.path.realpath(path)
+    for line in Path("/proc/mounts").read_text().splitlines():
+        dev, mnt, typ = line.split()[:3]
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+            best = (mnt, dev, typ)
+    return f"{best[1]} ({best[2]}) mounted at {best[0]}"
+
+
+if __name__ == "__main__":
+    main()
