@@ -46,3 +46,18 @@ def test_ds_compare_reports_the_plan_and_the_speed(tmp_path):
     assert protrain["bytes_moved"] == 0          # no memory pressure: nothing moves
     assert zero0["system"] == "zero0" and zero0["tokens_per_s"] > 0
     assert record["ratios"]["protrain/zero0"] > 0
+
+
+def test_nvme_states_names_the_libaio_install_when_async_io_does_not_build(monkeypatch):
+    """ZeRO-Infinity's side needs DeepSpeed's async_io op; where it cannot build (no libaio) the
+    bench stops saying how to install it, not with DeepSpeed's build log."""
+    import pytest
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    sys.path.insert(0, str(BENCH))
+    try:
+        import nvme_states
+    finally:
+        sys.path.remove(str(BENCH))
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    with pytest.raises(SystemExit, match=r"apt-get install -y libaio-dev"):
+        nvme_states.require_async_io()
