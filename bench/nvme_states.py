@@ -15,15 +15,17 @@ interleaved in ``--rounds`` rounds (bench/ds_compare.py's harness); fp32, AdamW,
   exp_avg_sq, gradient; fewer stops it with "ran out of swap buffers");
 - nvme: ProTrain with every chunk but one offloaded and the states of all offloaded chunks on
   the drive (``n_persist`` 1, ``n_nvme`` pinned to the offloaded count);
-- nvme_plan: ProTrain with ``n_nvme`` left to the planner under a ``host_memory`` budget of
-  ``--host-fraction`` of what the host reference's plan needs in host memory;
+- nvme_plan: ProTrain with ``n_nvme`` left to the planner under a ``host_memory`` budget
+  ``--host-fraction`` of the way from what nvme's plan needs in host memory to what host's
+  needs (below what the states need there; the planner chooses how many go to the drive);
 - host: ProTrain with the same chunks and every offloaded chunk's states in host memory (the
-  reference; it runs first in every round, and its plan gives the chunk count the others pin).
+  reference; it runs first in every round, and its plan gives the chunk count nvme pins).
 
 For each: tokens/s (each round's median step; the median over rounds), host bytes (the
-process's resident set: at the start of ``deepspeed.initialize``, its peak after it from
-VmHWM reset there, and at the end; ProTrain's ``protrain_stats()`` host_state_bytes and
-nvme_state_bytes; DeepSpeed's pinned swap buffers), drive bytes (the largest allocated size of
+process's resident set at the start of ``deepspeed.initialize``, its peak over the warm-up
+and its peak over the timed steps, from VmHWM reset at each, and at the end; ProTrain's
+``protrain_stats()`` host_state_bytes and nvme_state_bytes; DeepSpeed's pinned swap buffers,
+the only host memory its NVMe offload reports), drive bytes (the largest allocated size of
 the system's directory sampled after every step, and the storage bytes the process read and
 wrote per timed step from /proc/self/io), and for ProTrain the plan's predicted step against
 the measured median (also weighted by the fraction of steps that clipped, which run the
@@ -82,6 +84,11 @@ def _proc_io() -> dict[str, int]:
     return {k: int(v) for k, v in pairs}
 
 
+def _reset_peak() -> None:
+    """Reset VmHWM to the current resident set ("5" to clear_refs, Linux 4.0+)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def dir_bytes(root: str) -> int:
     """Bytes allocated on the drive by the files under ``root`` (st_blocks: sparse files count
     what they hold)."""
@@ -105,14 +112,16 @@ class HostDriveMeter:
         self.norms: list[float] = []
 
     def start(self) -> None:
-        # "5" resets VmHWM to the current resident set: the peak then is the engine's and
-        # training's, not the model's construction.
-        Path("/proc/self/clear_refs").write_text("5")
+        _reset_peak()
         self.rss_start = _proc_kib("VmRSS")
 
     def step(self, engine, step: int) -> None:
         self.peak_dir = max(self.peak_dir, dir_bytes(self.dir))
         if step == self.warmup - 1:
+            # The warm-up's peak includes start-up transients (ProTrain's drive probe writes
+            # 256 MiB from a host buffer); the timed steps' peak is training's own.
+            self.rss_warmup_peak = _proc_kib("VmHWM")
+            _reset_peak()
             self.io["start"] = _proc_io()
         if step == self.warmup + self.steps - 1:
             self.io["end"] = _proc_io()
@@ -121,7 +130,8 @@ class HostDriveMeter:
 
     def finish(self, engine, out: dict) -> None:
         io = {k: (self.io["end"][k] - self.io["start"][k]) / self.steps for k in ("read_bytes", "write_bytes")}
-        out.update(rss_start=self.rss_start, rss_peak=_proc_kib("VmHWM"), rss_end=_proc_kib("VmRSS"),
+        out.update(rss_start=self.rss_start, rss_warmup_peak=self.rss_warmup_peak,
+                   rss_peak=_proc_kib("VmHWM"), rss_end=_proc_kib("VmRSS"),
                    drive_dir_peak_bytes=self.peak_dir, drive_dir_end_bytes=dir_bytes(self.dir),
                    drive_read_bytes_per_step=io["read_bytes"], drive_write_bytes_per_step=io["write_bytes"],
                    grad_norms=self.norms, clip_fraction=sum(n > CLIP for n in self.norms) / len(self.norms))
@@ -184,32 +194,42 @@ def configs(system: str, drive: str, n_chunks: int | None, host_budget: int | No
 
 
 def ordered(wanted: list[str]) -> list[str]:
-    """The host reference first: the nvme systems take its chunk count and host bytes."""
-    return sorted(wanted, key=lambda s: s != "host")
+    """The host reference first, then nvme: the others take their chunk count and host bytes."""
+    return sorted(wanted, key=lambda s: (s != "host", s != "nvme"))
 
 
-def run_round(args, wanted: list[str], ref: dict | None) -> list[dict]:
-    """One round, each system in its own emptied directory; ``ref``: an earlier round's host
-    run, else this round's."""
+def host_budget(refs: dict[str, dict], fraction: float) -> int:
+    """nvme_plan's host_memory: ``fraction`` of the way from what the plan with every offloaded
+    chunk's states on the drive needs in host memory to what the host reference needs - below
+    the states' need, above the least the drive leaves (parameters, gradients, staging ring)."""
+    least, most = refs["nvme"]["predicted_host_bytes"], refs["host"]["predicted_host_bytes"]
+    return int(least + fraction * (most - least))
+
+
+def run_round(args, wanted: list[str], refs: dict[str, dict]) -> list[dict]:
+    """One round, each system in its own emptied directory. ``refs``: the first successful host
+    and nvme runs so far (updated here)."""
     shape = shape_spec(args)
     results = []
     for system in ordered(wanted):
-        if system.startswith("nvme") and ref is None:
-            results.append(dict(system=system, error="needs a successful host run for its chunk count"))
+        needs = {"nvme": ("host",), "nvme_plan": ("host", "nvme")}.get(system, ())
+        if any(n not in refs for n in needs):
+            results.append(dict(system=system, error=f"needs successful {' and '.join(needs)} runs first"))
             continue
         drive = os.path.join(args.dir, f"nvme-bench-{system}")
         shutil.rmtree(drive, ignore_errors=True)
         os.makedirs(drive)
-        budget = int(args.host_fraction * ref["predicted_host_bytes"]) if ref else None
-        cfg = configs(system, drive, ref and ref["n_chunks"], budget, args.chunk_size)
+        budget = host_budget(refs, args.host_fraction) if system == "nvme_plan" else None
+        n_chunks = refs["host"]["n_chunks"] if "host" in refs else None
+        cfg = configs(system, drive, n_chunks, budget, args.chunk_size)
         r = run_systems([dict(system=system, config=cfg, drive_dir=drive, **shape)], script=__file__)[0]
         # What the process left in its directory after it exited (DeepSpeed keeps its swap files).
         r["drive_dir_after_exit_bytes"] = dir_bytes(drive)
         shutil.rmtree(drive, ignore_errors=True)
-        if budget is not None and system == "nvme_plan":
+        if budget is not None:
             r["host_memory_budget"] = budget
-        if system == "host" and "tokens_per_s" in r:
-            ref = r
+        if system in ("host", "nvme") and "tokens_per_s" in r:
+            refs.setdefault(system, r)
         results.append(r)
     return results
 
@@ -264,7 +284,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk-size", default="8MiB", help="ProTrain's chunk size, pinned for all its systems")
     ap.add_argument("--host-fraction", type=float, default=0.5,
-                    help="nvme_plan's host_memory: this fraction of the host reference's planned host bytes")
+                    help="nvme_plan's host_memory: this fraction of the way from nvme's planned host "
+                         "bytes to host's")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     args = parse(ap, meter=HostDriveMeter)
     if args is None:
@@ -276,15 +297,15 @@ def main() -> None:
     if unknown:
         ap.error(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     if not 0 < args.host_fraction < 1:
-        ap.error(f"--host-fraction {args.host_fraction}: a fraction between 0 and 1 (of the host bytes planned)")
+        ap.error(f"--host-fraction {args.host_fraction}: a fraction between 0 and 1 (of the way from "
+                 "nvme's planned host bytes to host's)")
     if not args.dir or not os.path.isdir(args.dir):
         ap.error(f"--dir {args.dir}: not a directory; give an existing directory on the drive to test")
     aio = require_async_io() if "zinf" in wanted else None
-    rounds, ref = [], None
+    rounds, refs = [], {}
     for i in range(args.rounds):
         print(f"-- round {i + 1}/{args.rounds}, load {os.getloadavg()[0]:.2f}", flush=True)
-        rounds.append(run_round(args, wanted, ref))
-        ref = ref or next((r for r in rounds[-1] if r["system"] == "host" and "tokens_per_s" in r), None)
+        rounds.append(run_round(args, wanted, refs))
     results = summarize(rounds, wanted)
     ratios = report(results)
     fs = _filesystem(args.dir)
