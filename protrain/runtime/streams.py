@@ -158,7 +158,7 @@ class Streams:
         host cannot give it now (``host_limits.check_pinning``), and where the allocator or
         the driver fails: pinned pages cannot be reclaimed, so an allocation past the limit
         would end in the OOM killer, not an error."""
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         check_pinning(nbytes, what)
         try:
             t = torch.empty(numel, dtype=dtype)

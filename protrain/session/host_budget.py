@@ -26,10 +26,6 @@ from ..search import InfeasibleError
 from ..units import fmt_bytes
 
 
-class HostMemoryError(InfeasibleError):
-    """A plan needs more host memory than this rank can have."""
-
-
 def default_budget(limits: HostLimits, reserve: float) -> int:
     """The host bytes a search may plan for on this rank when ``host_memory`` is not set: its
     share of the binding limit, less ``reserve`` of it."""
@@ -54,12 +50,13 @@ def describe_budget(limits: HostLimits, planner: PlannerConfig) -> str:
 
 def admit(plan: Plan, limits: HostLimits, planner: PlannerConfig, *,
           ssd_path: str | None) -> str | None:
-    """Refuse ``plan`` (``HostMemoryError``) when it needs more host memory than this rank can
-    have; a warning to print when it leaves less than the reserve; None when it fits."""
+    """Refuse ``plan`` (an ``InfeasibleError``, which the adapters word on every rank) when it
+    needs more host memory than this rank can have; a warning to print when it leaves less
+    than the reserve; None when it fits."""
     need = plan.prediction.host_bytes
     share = limits.share
     if need > share:
-        raise HostMemoryError(
+        raise InfeasibleError(
             f"this rank's host memory cannot hold the plan: it needs {fmt_bytes(need)} "
             f"(offloaded chunks' states and buffers {fmt_bytes(need - plan.prediction.swap_host_bytes)}, "
             f"swapped activations {fmt_bytes(plan.prediction.swap_host_bytes)}) and this rank can "
