@@ -40,6 +40,7 @@ from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
 from .compile import CompiledBlocks, CompileRequest
 from .full_state import FullStateDict
+from .host_limits import check_pinning
 from .optimizer import ChunkOptimizer
 from .options import OptimizerSetup, RuntimeOptions
 from .states import RuntimeState, assemble, export_pieces, import_pieces, redistribute
@@ -80,6 +81,10 @@ class ProTrainRuntime:
         if absent:
             raise ValueError(f"parameters {absent[:3]} are trainable but in no optimizer param group; "
                              f"give every trainable parameter to the optimizer or freeze it")
+        # All the host memory the plan holds, refused before any of it is taken (not part-way
+        # through, nor by the OOM killer once the pages are touched).
+        check_pinning(plan.prediction.host_bytes, "the plan's host memory (offloaded chunks' "
+                      "states, swapped activations)")
         self.chunks = ChunkManager(
             named_params=params, param_chunk=list(layout.param_chunk),
             chunk_parts=list(zip(layout.chunk_first_part, layout.chunk_last_part)),
