@@ -306,14 +306,21 @@ class ProTrainEngine(DeepSpeedEngine):
         - ``cpu_adam_rollbacks``: speculative chunk updates undone and redone after backward
           because the step clipped, overflowed or its hyperparameters changed (cumulative);
         - ``cpu_adam_exposed_s``: the last optimizer step's wall time after backward: the
-          optimizer work backward did not hide.
+          optimizer work backward did not hide;
+        - ``host_state_bytes``: offloaded chunks' optimizer states resident in host memory now
+          (with their speculation backups and the staging buffers of the states on NVMe);
+        - ``nvme_state_bytes``: optimizer states on the drive (``n_nvme`` chunks' current copy;
+          ``nvme_file_bytes``: the file holding them, two places per chunk).
         """
         st = self._protrain_overlap
         if st is None:
             raise RuntimeError("protrain_stats(): ProTrain has not planned yet (it plans on the "
                                "first forward); call it after a training step")
-        return {"cpu_adam_overlapped_chunks": st.overlapped_chunks,
-                "cpu_adam_rollbacks": st.rollbacks, "cpu_adam_exposed_s": st.exposed_s}
+        out = {"cpu_adam_overlapped_chunks": st.overlapped_chunks,
+               "cpu_adam_rollbacks": st.rollbacks, "cpu_adam_exposed_s": st.exposed_s}
+        if self.protrain_runtime is not None:
+            out.update(self.protrain_runtime.state_bytes())
+        return out
 
     def protrain_sync(self) -> None:
         """Wait for the last step's CPU Adam updates. ``step()`` returns while offloaded chunks
@@ -472,6 +479,10 @@ class ProTrainEngine(DeepSpeedEngine):
         if backend and self.global_rank == 0 and self.protrain_config.verbosity >= 1:
             print(f"ProTrain: {plan.knobs.n_ssd} block(s) on NVMe via {backend} in "
                   f"{self.protrain_runtime.activations.rundir.path}", flush=True)
+        nvme = self.protrain_runtime.chunks.nvme
+        if nvme is not None and self.global_rank == 0 and self.protrain_config.verbosity >= 1:
+            print(f"ProTrain: optimizer states of {plan.knobs.n_nvme} offloaded chunk(s) on NVMe "
+                  f"({nvme.describe()}) via {nvme.backend} in {nvme.rundir.path}", flush=True)
 
     def _protrain_close_sp(self) -> None:
         if self._protrain_sp is not None:
