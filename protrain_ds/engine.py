@@ -494,7 +494,9 @@ class ProTrainEngine(DeepSpeedEngine):
     def _protrain_launchable(self, plan: Plan) -> Plan:
         """``plan`` with a sequence-parallel degree this launch can run: a loaded plan (plan
         file, checkpoint) may come from another world size; a pinned degree wins. The other
-        knobs are kept (delete the plan file to re-plan them)."""
+        knobs are kept (delete the plan file to re-plan them), but where the optimizer states
+        live is this machine's (``_protrain_states_here``)."""
+        plan = self._protrain_states_here(plan)
         world = DataParallel().world
         p = plan.knobs.sequence_parallel
         pin = self.protrain_config.planner.pins.sequence_parallel
@@ -507,6 +509,23 @@ class ProTrainEngine(DeepSpeedEngine):
             print(f"ProTrain: the plan was made for sequence_parallel={p}; this launch of {world} "
                   f"rank(s) runs it with sequence_parallel={want}", flush=True)
         return replace(plan, knobs=replace(plan.knobs, sequence_parallel=want))
+
+    def _protrain_states_here(self, plan: Plan) -> Plan:
+        """A loaded plan's ``n_nvme`` as this launch can run it: a pinned n_nvme wins (within
+        the plan's offloaded chunks), and without an ssd_path no states go to a drive (a
+        checkpoint saved with states on NVMe resumes on a machine without one)."""
+        have = plan.knobs.n_nvme
+        pin = self.protrain_config.planner.pins.n_nvme
+        offloaded = max(0, plan.chunks.n_chunks - plan.knobs.n_persist)
+        want = min(pin, offloaded) if pin is not None else have
+        if not self.protrain_config.ssd_path:
+            want = 0
+        if want == have:
+            return plan
+        if self.global_rank == 0:
+            print(f"ProTrain: the plan keeps the optimizer states of {have} chunk(s) on NVMe; this "
+                  f"launch keeps {want} there (protrain.n_nvme, protrain.ssd_path)", flush=True)
+        return replace(plan, knobs=replace(plan.knobs, n_nvme=want))
 
     # ---- checkpoints (DeepSpeed's signatures; see checkpoint.py) ---------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006

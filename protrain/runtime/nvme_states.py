@@ -20,9 +20,13 @@ memory: a chunk's *current* place holds its states as of the last step that stoo
 writes the other place; an exact one makes it current at once, a speculative one (clipping or
 fp16 loss scaling not decided yet) only when ``commit`` says so. A rollback (``discard``)
 keeps the current place, so the redo re-reads the states from before the speculation, bit for
-bit. This trades the 12 bytes per parameter of host backup a host-resident chunk keeps for
-twice the chunk's states on the drive, and a redo costs one extra read of the chunk's states
-(the same bytes the first read moved), paid only in steps that clip.
+bit. In fp32 training the master is the parameters, in host memory, and a speculative update
+changes it in place: the staging buffer then has a third field, the master as it was before
+(``keep_master``), written with the speculative states, and read back into the parameters
+after a rollback (``restore_master``). This trades the 12 bytes per parameter of host backup
+a host-resident chunk keeps for twice the chunk's states (and that field) on the drive; a
+redo costs one extra read of the chunk's states (the same bytes the first read moved) and in
+fp32 of its master, paid only in steps that clip.
 
 Order on the drive: a write waits for the previous write to its place (two writes in flight to
 one place on a thread pool could land in either order); a read waits for the write that made
@@ -83,7 +87,8 @@ class _Use:
 
     chunk: int
     fields: int
-    """Leading fields read (1: the master only, for a shadow refresh; else all of them)."""
+    """Leading fields read (0: none; 1: the master only, for a shadow refresh; else the
+    states)."""
     slot: _Staging | None = None
     read: cf.Future | None = None
     held: bool = False
@@ -101,6 +106,11 @@ class _Place:
     """The place a speculative update wrote, until ``commit`` or ``discard``."""
     written: list = field(default_factory=lambda: [None, None])
     """The last write to each place (a future), which reads and later writes wait for."""
+    written_bytes: list = field(default_factory=lambda: [0, 0])
+    """Its length (a read of the same length checks its checksum in verify mode)."""
+    undo: int | None = None
+    """fp32: the place whose master field holds the parameters from before the speculative
+    update just discarded, until ``restore_master`` puts them back."""
 
 
 class _AfterWrite:
@@ -118,7 +128,10 @@ class NvmeStates:
     ``root``, streamed through a ring of ``slots`` pinned staging buffers."""
 
     def __init__(self, ids: Collection[int], root, streams: Streams, device: torch.device, *,
-                 verify: bool = False, slots: int = STAGING_SLOTS, store=None):
+                 speculative: bool = False, verify: bool = False, slots: int = STAGING_SLOTS,
+                 store=None):
+        """``speculative``: updates may be speculative (clipping, fp16 loss scaling): in fp32
+        the staging buffers and places hold the master from before them too."""
         if root is None:
             raise StorageConfigError(
                 f"the plan keeps the optimizer states of {len(ids)} chunk(s) on NVMe (n_nvme) but "
@@ -132,7 +145,13 @@ class NvmeStates:
         self.n_slots = slots
         self.store = store
         self.rundir = self.file = None
+        self.speculative = speculative
         self.fields = 0
+        """Fields of a staging buffer and of a place on the drive."""
+        self.state_fields = 0
+        """Of them, the optimizer states (the master first in 16-bit training)."""
+        self.master_backup = False
+        """fp32 with speculation: a last field keeps the master from before a speculative update."""
         self.field_stride = 0
         """Bytes of one field (one fp32 tensor of the largest shard), 4 KiB-aligned."""
         self._places: dict[int, _Place] = {}
@@ -153,7 +172,9 @@ class NvmeStates:
         the store and the staging ring. ``master_separate``: the fp32 master is a state of its
         own (16-bit training) rather than the parameters (fp32)."""
         mine = [c for c in chunks if c.index in self.ids]
-        self.fields = 3 if master_separate else 2
+        self.state_fields = 3 if master_separate else 2
+        self.master_backup = self.speculative and not master_separate
+        self.fields = self.state_fields + self.master_backup
         self.field_stride = _aligned(4 * max((c.shard_size for c in mine), default=1))
         region = self.fields * self.field_stride
         at = 0
@@ -183,7 +204,7 @@ class NvmeStates:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on the drive (one current copy of each chunk's)."""
-        return sum(4 * self.fields * p.shard_size for p in self._places.values())
+        return sum(4 * self.state_fields * p.shard_size for p in self._places.values())
 
     def file_bytes(self) -> int:
         """Bytes the state file takes on the drive (two places per chunk, 4 KiB-aligned)."""
@@ -198,7 +219,7 @@ class NvmeStates:
         ``master`` (any dtype; 16-bit training) - through a staging buffer, waited for."""
         u = self.want(c, fresh=True)
         slot = self._wait_slot(u)
-        views = self._views(slot, self._places[c.index].shard_size, self.fields)
+        views = self._views(slot, self._places[c.index].shard_size, self.state_fields)
         for v in views:
             v.zero_()
         if master is not None:
@@ -212,7 +233,7 @@ class NvmeStates:
         worker: start their read as soon as a staging buffer is free and the uses wanted
         before it have theirs. ``master_only``: the master field only (16-bit training);
         ``fresh``: nothing is read (the holder writes every state)."""
-        u = _Use(c.index, 0 if fresh else 1 if master_only else self.fields)
+        u = _Use(c.index, 0 if fresh else 1 if master_only else self.state_fields)
         with self._cv:
             self._raise_if_failed()
             self._waiting.append(u)
@@ -261,9 +282,37 @@ class NvmeStates:
 
     def discard(self, c) -> None:
         """The step does not stand as speculated: ``c``'s current place keeps the states from
-        before the speculative update (a redo reads them there)."""
+        before the speculative update (a redo reads them there); in fp32 ``restore_master``
+        must put the parameters back before anything reads them."""
         with self._cv:
-            self._places[c.index].pending = None
+            p = self._places[c.index]
+            if self.master_backup and p.pending is not None:
+                p.undo = p.pending
+            p.pending = None
+
+    def keep_master(self, c) -> None:
+        """Holder, before a speculative update in fp32: keep ``c``'s master (the parameters,
+        changed in place) in the held buffer's last field, written back with the states."""
+        if self.master_backup:
+            with self._cv:
+                u = next(u for u in self._active if u.chunk == c.index and u.held)
+            self._views(u.slot, c.shard_size, self.fields)[-1].copy_(c.master)
+
+    def restore_master(self, c) -> None:
+        """fp32, after ``discard``: read the parameters from before the discarded speculative
+        update back into ``c.master`` (host memory nobody else uses until the chunk's redo is
+        done), waiting for the speculative write first."""
+        with self._cv:
+            p = self._places[c.index]
+            place, p.undo = p.undo, None
+            if place is None:
+                return
+            last = p.written[place]
+            offset = p.offset + (place * self.fields + self.fields - 1) * self.field_stride
+        n = 4 * c.shard_size
+        self.store.read(self.file, offset, c.master.view(torch.uint8)[:n],
+                        after=_AfterWrite(last) if last is not None else None).result()
+        self.read_bytes += n
 
     def fail(self) -> None:
         """The host worker failed (its tasks are skipped): wake whoever waits for a buffer."""
@@ -320,13 +369,13 @@ class NvmeStates:
             nbytes = u.fields * self.field_stride
             offset = p.offset + p.current * self.fields * self.field_stride
             last = p.written[p.current]
+            whole = nbytes == p.written_bytes[p.current]
             if nbytes == 0:
                 u.read = cf.Future()
                 u.read.set_result(None)
                 self._cv.notify_all()
                 continue
-            # The checksum covers the whole place: checked only on a whole read.
-            whole = u.fields == self.fields
+            # The checksum covers what was written: checked only on a read of as much.
             u.read = self.store.read(self.file, offset, slot.buf[:nbytes],
                                      written=last if whole else None,
                                      after=_AfterWrite(last) if last is not None and not whole else None)
@@ -360,10 +409,12 @@ class NvmeStates:
             target = 1 - p.current
             prev = p.written[target]
             region = self.fields * self.field_stride
-            done = self.store.write(self.file, p.offset + target * region, slot.buf[:region],
+            # A speculative write keeps the master from before it too (fp32, keep_master).
+            nbytes = (self.fields if outcome is Outcome.SPECULATED else self.state_fields) * self.field_stride
+            done = self.store.write(self.file, p.offset + target * region, slot.buf[:nbytes],
                                     after=_AfterWrite(prev) if prev is not None else None)
-            self.written_bytes += region
-            p.written[target] = done
+            self.written_bytes += nbytes
+            p.written[target], p.written_bytes[target] = done, nbytes
             if outcome is Outcome.UPDATED:
                 p.current, p.pending = target, None
             else:
@@ -386,7 +437,7 @@ class NvmeStates:
 
     def _attach(self, c, slot: _Staging, fields: int) -> None:
         views = self._views(slot, c.shard_size, fields)
-        if self.fields == 3:
+        if self.state_fields == 3:
             c.master = views[0]
             if fields == 3:
                 c.exp_avg, c.exp_avg_sq = views[1], views[2]
@@ -394,7 +445,7 @@ class NvmeStates:
             c.exp_avg, c.exp_avg_sq = views
 
     def _detach(self, c) -> None:
-        if self.fields == 3:
+        if self.state_fields == 3:
             c.master = None
         c.exp_avg = c.exp_avg_sq = None
 
@@ -403,4 +454,5 @@ class NvmeStates:
         ids = sorted(self.ids)
         which = f"chunks {ids[0]}..{ids[-1]}" if len(ids) > 1 else f"chunk {ids[0]}"
         return (f"{which}: {fmt_bytes(self.state_bytes())} of optimizer states, {self.n_slots} "
-                f"staging buffers of {fmt_bytes(self.fields * self.field_stride)}")
+                f"staging buffers of {fmt_bytes(self.fields * self.field_stride)}"
+                + (" (states and the master before a speculative update)" if self.master_backup else ""))

@@ -590,9 +590,12 @@ class ChunkOptimizer:
                 if action == "commit":
                     with self._held(c, use, "UNCHANGED"):
                         self._commit(c)
-                elif action == "redo" and use is None:
+                elif action == "redo":
                     t = time.perf_counter()
-                    self._restore(c, speculation)
+                    if use is None:
+                        self._restore(c, speculation)
+                    else:                 # the states are re-read from the drive by the redo
+                        self.nvme.restore_master(c)
                     self._trace("cpu_adam", "rollback", f"chunk {c.index}", t)
                 if action in ("redo", "update"):
                     self._host_update(c, coef, segments, "redo" if action == "redo" else "adam", use)
@@ -752,6 +755,8 @@ class ChunkOptimizer:
             coef = None if inv_scale == 1.0 else torch.tensor([inv_scale])
             t = time.perf_counter()
             with self._held(c, use, "SPECULATED"):
+                if use is not None:
+                    self.nvme.keep_master(c)      # fp32: the parameters change in place
                 self._update(c, grads, self.host_kernel, coef, keep_grads=True,
                              backup=self._backup.get(c.index))
             self._trace("cpu_adam", "backup_adam", f"chunk {c.index}", t)
@@ -831,7 +836,7 @@ class ChunkOptimizer:
         speculation = self._speculations.pop(c.index)
         if self.chunks.on_nvme(c):
             self.nvme.discard(c)          # its current place on the drive was never changed
-        else:
+            self.nvme.restore_master(c)   # fp32: the parameters, changed in place
             self._restore(c, speculation)
         for s, step in zip(c.slots, speculation.steps):
             s.step = step

@@ -84,6 +84,7 @@ class ProTrainRuntime:
                              f"give every trainable parameter to the optimizer or freeze it")
         nvme_ids = nvme_chunk_ids(layout.n_chunks, plan.knobs.n_persist, plan.knobs.n_nvme)
         nvme = NvmeStates(nvme_ids, options.ssd_root, self.streams, device,
+                          speculative=setup.clip > 0 or setup.loss_scaler is not None,
                           verify=options.ssd_verify) if nvme_ids else None
         try:
             self.chunks = ChunkManager(
