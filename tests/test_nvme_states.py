@@ -13,7 +13,7 @@ import time
 import torch
 
 from deferred_streams import deferred_streams
-from dpworker import launch, launch_runs
+from dpworker import free_port, launch, launch_runs
 from dstrain import UNTIED, base_config, train, with_protrain
 from test_ds_engine import deepspeed_run
 
@@ -79,20 +79,23 @@ def test_bf16_with_the_master_on_nvme_matches_the_host_resident_run(tmp_path, mo
     """16-bit training: the fp32 master goes to the drive too (12 bytes per element). Clipping
     with speculation: a committed speculation refreshes the upload copy from the master on
     the drive. Losses and weights equal the run with every state in host memory."""
-    cfg = base_config(bf16={"enabled": True}, **json.loads(CLIP))
+    # Gradient norms 1.01, 0.79, 0.73, 0.78, 0.62, ... at this loss factor: clipping at 0.75
+    # rolls back the speculation of step 3, and the later ones stand.
+    cfg = base_config(bf16={"enabled": True}, gradient_clipping=0.75)
+    pins = dict(PINS, chunk_size="55KiB")          # bf16: the same 14 chunks
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     with deferred_streams(monkeypatch):
-        host_losses, host_weights, engine = train(with_protrain(cfg, **PINS), UNTIED, 8, loss_factor=FACTOR)
+        host_losses, host_weights, engine = train(with_protrain(cfg, **pins), UNTIED, 8, loss_factor=0.25)
         host_rollbacks = engine.protrain_stats()["cpu_adam_rollbacks"]
         engine.destroy()
-        losses, weights, engine = train(with_protrain(cfg, **PINS, n_nvme=N_NVME, ssd_path=str(ssd)),
-                                        UNTIED, 8, loss_factor=FACTOR)
+        losses, weights, engine = train(with_protrain(cfg, **pins, n_nvme=N_NVME, ssd_path=str(ssd)),
+                                        UNTIED, 8, loss_factor=0.25)
     stats = engine.protrain_stats()
     on_drive = [c for c in engine.protrain_runtime.chunks.offloaded()
                 if engine.protrain_runtime.chunks.on_nvme(c)]
     assert stats["nvme_state_bytes"] == sum(12 * c.shard_size for c in on_drive) > 0
-    assert stats["cpu_adam_rollbacks"] == host_rollbacks
+    assert stats["cpu_adam_rollbacks"] == host_rollbacks > 0
     assert stats["cpu_adam_overlapped_chunks"] > 0
     engine.destroy()
     assert losses == host_losses
@@ -122,8 +125,11 @@ def _kill_mid_training(ssd) -> str:
     """Train with states on NVMe in a subprocess and kill -9 it after two steps; the run
     directory it leaves behind."""
     code = _KILLED.format(tests=os.path.dirname(__file__), pins=PINS, n=N_NVME, ssd=str(ssd))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    # Its own rendezvous port: this process's may be held by an engine of an earlier test.
+    env = dict(os.environ, MASTER_PORT=str(free_port()))
+    log = open(ssd.parent / "killed.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log,
+                            text=True, env=env)
     try:
         deadline = time.monotonic() + 300
         steps = 0
@@ -132,11 +138,12 @@ def _kill_mid_training(ssd) -> str:
             if not line:
                 break
             steps += line.strip() == "stepped"
-        assert steps == 2, "the training subprocess did not step"
+        assert steps == 2, open(log.name).read()[-3000:]
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         proc.stdout.close()
+        log.close()
     left = _runs_under(ssd)
     assert len(left) == 1 and list((ssd / left[0]).glob("*.opt")), left   # kill -9 skips cleanup
     return left[0]
@@ -166,6 +173,8 @@ def test_checkpoints_move_states_off_and_onto_the_drive_and_a_killed_run_is_reap
         "host": dict(base, protrain=dict(PINS, n_nvme=0), steps=3, start=6, load=a, save=b),
         "back": dict(base, protrain=nvme, steps=3, start=9, load=b),
     }, str(tmp_path / "resumed"))
+    assert full["n_nvme"] == runs["nvme"][0]["n_nvme"] == runs["back"][0]["n_nvme"] == N_NVME
+    assert runs["host"][0]["n_nvme"] == 0
     assert runs["nvme"][0]["losses"] == full["losses"][6:]
     assert runs["host"][0]["losses"] == full["losses"][6:9]
     assert runs["back"][0]["losses"] == full["losses"][9:]
