@@ -392,7 +392,7 @@ class ChunkOptimizer:
         if not self.speculative:
             self._queued.add(c.index)
             use = self._want(c)
-            self.worker.submit(lambda c=c, use=use: self._host_update(c, coef=None, use=use))
+            self.worker.submit(lambda c=c, use=use: self._host_update(c, None, None, "adam", use))
         elif c.index in self.speculative_chunks and self.speculation_on:
             self._queued.add(c.index)
             inv_scale = self._inv_scale()
@@ -837,6 +837,7 @@ class ChunkOptimizer:
         if self.chunks.on_nvme(c):
             self.nvme.discard(c)          # its current place on the drive was never changed
             self.nvme.restore_master(c)   # fp32: the parameters, changed in place
+        else:
             self._restore(c, speculation)
         for s, step in zip(c.slots, speculation.steps):
             s.step = step
