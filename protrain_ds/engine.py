@@ -41,6 +41,7 @@ from protrain.profile.blocks import find_blocks
 from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
 from protrain.runtime.collectives import DataParallel, host_side
+from protrain.runtime.host_limits import read_host_limits
 from protrain.runtime.node import NodeShare, node_share
 from protrain.runtime.options import RuntimeOptions
 from protrain.runtime.runtime import ProTrainRuntime
@@ -401,7 +402,9 @@ class ProTrainEngine(DeepSpeedEngine):
                 cfg.plan_file, self.module, len(find_blocks(self.module)[1]), planner, target,
                 verbose=cfg.verbosity >= 1),
             measure=self._protrain_measure, machine=self._protrain_machine,
-            search=self._protrain_search, word=_rank0_failure, together=self._protrain_probe_links)
+            search=self._protrain_search, word=_rank0_failure, together=self._protrain_probe_links,
+            host=lambda: read_host_limits(ranks_per_node=self._protrain_node.ranks_per_node),
+            ssd_path=cfg.ssd_path)
 
     @property
     def protrain_profile(self) -> ModelProfile | None:

@@ -41,6 +41,7 @@ from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
 from .compile import CompiledBlocks, CompileRequest
 from .full_state import FullStateDict
+from .host_limits import check_pinning
 from .nvme_states import NvmeStates
 from .optimizer import ChunkOptimizer
 from .options import OptimizerSetup, RuntimeOptions
@@ -82,6 +83,10 @@ class ProTrainRuntime:
         if absent:
             raise ValueError(f"parameters {absent[:3]} are trainable but in no optimizer param group; "
                              f"give every trainable parameter to the optimizer or freeze it")
+        # All the host memory the plan holds, refused before any of it is taken (not part-way
+        # through, nor by the OOM killer once the pages are touched).
+        check_pinning(plan.prediction.host_bytes, "the plan's host memory (offloaded chunks' "
+                      "states, swapped activations)")
         nvme_ids = nvme_chunk_ids(layout.n_chunks, plan.knobs.n_persist, plan.knobs.n_nvme)
         nvme = NvmeStates(nvme_ids, options.ssd_root, self.streams, device,
                           speculative=setup.clip > 0 or setup.loss_scaler is not None,
