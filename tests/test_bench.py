@@ -48,6 +48,30 @@ def test_ds_compare_reports_the_plan_and_the_speed(tmp_path):
     assert record["ratios"]["protrain/zero0"] > 0
 
 
+def test_nvme_states_measures_states_on_the_drive_against_the_host(tmp_path):
+    """The bench's ProTrain side (DeepSpeed's needs libaio, which CI does not install): every
+    offloaded chunk's states on the drive train the same losses as in host memory, with fewer
+    host state bytes, bytes in the directory and through the drive during the steps, none left
+    after the process exits, and the predicted step beside the measured one."""
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    out = _run("nvme_states.py", "--dir", str(drive), "--systems", "host,nvme", "--rounds", "1",
+               "--results-dir", str(tmp_path))
+    record = json.loads((tmp_path / "nvme_states-cpu-smoke.json").read_text())
+    host, nvme = record["results"]
+    assert (host["system"], nvme["system"]) == ("host", "nvme") and "error" not in nvme, out
+    assert host["n_nvme"] == 0 and nvme["n_nvme"] == nvme["n_chunks"] - 1 == host["n_chunks"] - 1
+    assert nvme["losses_equal_host"] is True
+    hs, ns = host["protrain_stats"], nvme["protrain_stats"]
+    assert hs["nvme_state_bytes"] == 0 < ns["nvme_state_bytes"] == hs["host_state_bytes"]
+    assert ns["host_state_bytes"] < hs["host_state_bytes"]
+    assert host["drive_dir_peak_bytes"] == 0 < ns["nvme_state_bytes"] <= nvme["drive_dir_peak_bytes"]
+    assert nvme["drive_write_bytes_per_step"] > 0 and nvme["drive_dir_after_exit_bytes"] == 0
+    assert nvme["step_ratio"] > 0 and nvme["rss_peak"] >= nvme["rss_end"] > 0
+    assert record["filesystem"] and record["ratios"]["nvme/host"] > 0
+    assert not list(drive.iterdir())
+
+
 def test_nvme_states_names_the_libaio_install_when_async_io_does_not_build(monkeypatch):
     """ZeRO-Infinity's side needs DeepSpeed's async_io op; where it cannot build (no libaio) the
     bench stops saying how to install it, not with DeepSpeed's build log."""
