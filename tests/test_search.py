@@ -8,13 +8,15 @@ import pytest
 from protrain.block_mode import layout_block_modes, layout_codes
 from protrain.config import KnobPins, PlannerConfig
 from protrain.layout import build_layout, chunk_capacities
-from protrain.cost.memory import norm_scratch_bytes, predict_memory, ssd_bytes, state_bytes, swap_host_bytes
+from protrain.cost.memory import (norm_scratch_bytes, nvme_state_top, predict_memory, ssd_bytes, state_bytes,
+                                  swap_host_bytes)
 from protrain.cost.time_model import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
 from protrain.profile.machines import machine
 from protrain.search import (InfeasibleError, bytes_moved, evaluate, hedged_key, max_ssd_blocks, plan_key,
                              search)
 from protrain.search.evaluation import boundary_times
+from protrain.search.policy import planned_state_bytes
 from protrain.units import GiB, MiB
 
 SMALL = ModelShape("small", "gpt2", n_layers=4, hidden=256, heads=4, vocab=2048, seq_len=256,
@@ -277,7 +279,7 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
     codes = acts.codes(np.arange(len(acts.n_ckpt)))
     assert (acts.swap_host == swap_host_bytes(prof, codes)).all()
     assert (acts.ssd == ssd_bytes(prof, codes)).all()
-    checked = 0
+    checked = on_drive = 0
     for cap in chunk_capacities(prof, sizes):
         grid = space.candidate_grid(prof, hw, config, acts, cap, budget, {})
         if not len(grid.lower_bound):
@@ -290,12 +292,16 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
         assert (refined <= t * (1 + 1e-12)).all()
         # The closed-form bytes the hedge orders by equal what the simulation moves.
         args = (prof, grid.layout, hw, grid.n_persist, grid.n_buffer, acts.codes(grid.a))
-        step = simulate(*args, cpu_overlap=overlap, world=world)
-        micro = simulate(*args, optimizer_step=False, world=world) if gas > 1 else None
-        sim = bytes_moved(step, micro, gas, acts.ssd[grid.a].astype(float), hw)
+        step = simulate(*args, cpu_overlap=overlap, world=world, n_nvme=grid.n_nvme)
+        micro = simulate(*args, optimizer_step=False, world=world, n_nvme=grid.n_nvme) if gas > 1 else None
+        states = nvme_state_top(grid.layout, planned_state_bytes(prof, config), world)[grid.n_nvme]
+        sim = bytes_moved(step, micro, gas, acts.ssd[grid.a].astype(float), hw, 2.0 * states)
         assert np.allclose(grid.moved, sim, rtol=1e-12, atol=0)
         checked += len(idx)
+        on_drive += int((grid.n_nvme > 0).sum())
     assert checked > 0
+    if ssd == "gds" and host < 64 * MiB:      # the host-bound case puts states on the drive
+        assert on_drive > 0
 
 
 def test_search_equals_brute_force_with_pins():

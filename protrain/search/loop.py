@@ -2,7 +2,9 @@
 
 Exhaustive over chunk size, n_persist, n_checkpoint and n_swap; exact over n_buffer through a
 property of the runtime model (more buffers never delay anything), so each point takes the
-most buffers that still fit, and only ties are re-checked with fewer. Points are evaluated in
+most buffers that still fit, and only ties are re-checked with fewer. n_nvme (optimizer states
+on the drive) is the fewest that fit the host (``space._drive_states`` says why that is the
+fastest), so it adds no points. Points are evaluated in
 order of a lower bound on their iteration time (compute alone, each copy queue alone, the CPU
 optimizer alone) and the search stops when no remaining bound can beat the best time found:
 the answer equals a brute-force search over all five knobs (tests check it), in a fraction of
@@ -133,7 +135,7 @@ class _SearchState:
         return Knobs(chunk_size=g.layout.chunk_bytes, n_persist=int(g.n_persist[j]), n_buffer=nb,
                      n_swap=int(self.acts.n_swap[a]), n_checkpoint=int(self.acts.n_ckpt[a]),
                      n_ssd=int(self.acts.n_ssd[a]), n_selective=int(self.acts.n_sel[a]),
-                     n_nvme=int(self.config.pins.n_nvme or 0))   # issue 27: not yet searched
+                     n_nvme=int(g.n_nvme[j]))
 
     def peak(self, i: int) -> int:
         g, j = self.grids[self.owner[i]], self.local[i]
