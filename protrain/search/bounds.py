@@ -161,8 +161,7 @@ class SpeculatingIterationBound:
     where the two cross (one search over prefix sums of the layout's chunks from the top, the
     same for every plan of the layout; the falling side taken as its running minimum, which
     only lowers it). Chunks with states on the drive (the last ``n_nvme``) need no backup:
-    ``at`` counts those of the others among the top s, ``least`` the backups of the top s
-    less those of the top n_nvme (no more: the same search serves every plan). Their turns
+    ``at`` and ``least`` count those of the others among the top s. Their turns
     take the drive's time where it outlasts the update (``drive_wait_top``): in ``chain``
     all of them, in ``after`` (``at`` only) those left for after backward. For a model
     bound by its CPU Adam this lies within a few hundredths of a per cent of the simulated time, where the CPU's busy time alone leaves out the backups,
@@ -206,13 +205,18 @@ class SpeculatingIterationBound:
         # from s_cross on.
         fall = np.maximum.accumulate(self.adam_top - self.up_next)
         s_lim = np.minimum(s_max, self.n_off - 1)
-        s_cross = np.searchsorted(self.backup_top + self.up_next + fall,
-                                  self.backward - self.checks - self.lead + self.backup_shift - self.wait,
-                                  side="left")
+        # The backups of the top s: none up to n_nvme, then those above it - the crossing in
+        # the first range, else in the second (both searches over one array for every plan).
+        rise = self.up_next + fall
+        goal = self.backward - self.checks - self.lead - self.wait
+        s_cross = np.searchsorted(rise, goal, side="left")
+        s_cross = np.where(s_cross <= self.n_nvme, s_cross,
+                           np.searchsorted(self.backup_top + self.up_next + fall, goal + self.backup_shift,
+                                           side="left"))
         best = np.full(np.shape(s_lim), np.inf)
         for s in (s_cross - 1, s_cross):
             s = np.clip(s, 0, np.maximum(s_lim, 0))
-            v = np.maximum(self._chain(s, self.backup_top[s] - self.backup_shift),
+            v = np.maximum(self._chain(s, np.maximum(self.backup_top[s] - self.backup_shift, 0.0)),
                            self.backward + self.adam - fall[s])
             best = np.where(s_lim >= 0, np.minimum(best, v), best)
         return np.where(s_max >= self.n_off, np.minimum(best, self.at(self.n_off)), best)

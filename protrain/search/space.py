@@ -9,7 +9,8 @@ import numpy as np
 
 from ..block_mode import CKPT, SEL, layout_codes
 from ..config import ALL, PlannerConfig
-from ..cost.host_share import nvme_free_share
+from ..cost.chunk_times import state_io_times
+from ..cost.host_share import nvme_free_share, rank_rates
 from ..cost.memory import activation_walk, buffer_numel, nvme_state_top, offload_bytes, staging_bytes
 from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
@@ -22,23 +23,51 @@ from .infeasible import InfeasibleError
 from .policy import drive_states_possible, norm_scratch, planned_state_bytes
 
 
-def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile) -> int:
+def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile, states_busy: float = 0.0) -> int:
     """SSD blocks worth considering: the leading blocks whose writes the drive can absorb
-    within one iteration's compute (SSDTrain's adaptive amount, bounded more loosely). More
-    would make the drive the bottleneck; CKPT and SWAP remain for the memory beyond that."""
-    if hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0:
+    within one iteration's compute (SSDTrain's adaptive amount, bounded more loosely), less
+    ``states_busy``, the seconds it writes optimizer states in every plan
+    (``least_state_drive_time``). More would make the drive the bottleneck; CKPT and SWAP
+    remain for the memory beyond that."""
+    rr = rank_rates(hw)
+    if rr.nvme_write <= 0 or rr.nvme_read <= 0:
         return 0
-    budget = sum(p.fwd_time + p.bwd_time for p in profile.parts)
+    budget = sum(p.fwd_time + p.bwd_time for p in profile.parts) - states_busy
     total, n = 0.0, 0
     for b in profile.blocks:
-        total += offload_bytes(b) / hw.nvme_write_bandwidth
+        total += offload_bytes(b) / rr.nvme_write
         if total > budget:
             break
         n += 1
     return n
 
 
-def activation_counts(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile) -> np.ndarray:
+def least_state_drive_time(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile, caps,
+                           budget: float) -> float:
+    """Seconds the drive writes optimizer states in every plan: where no plan fits the host
+    without the drive (not even with the most persistent chunks the device takes and no
+    swapped activations), the write-backs of the fewest chunks' states that fit it, over the
+    chunk sizes ``caps`` (the pin where n_nvme is pinned); else 0."""
+    if not drive_states_possible(config, hw):
+        return 0.0
+    least = np.inf
+    for cap in caps:
+        layout = build_layout(profile, cap)
+        persist, host_state = model_state_bytes(profile, config, layout)
+        np_hi = int(_persistent_counts(profile, config, layout, persist, budget)[-1])
+        top = _state_top(profile, config, layout)
+        ring = int(staging_bytes(layout, planned_state_bytes(profile, config), config.data_parallel_size, 1))
+        excess = host_state[np_hi] - hw.host_memory
+        k = (config.pins.n_nvme if config.pins.n_nvme is not None else
+             0 if excess <= 0 else int(np.searchsorted(top, excess + ring, side="left")))
+        if k <= layout.n_chunks - np_hi:
+            t_write = state_io_times(layout, hw, config.data_parallel_size, profile.param_bytes < 4)[1]
+            least = min(least, float(t_write[layout.n_chunks - k:].sum()))
+    return least if np.isfinite(least) else 0.0
+
+
+def activation_counts(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile,
+                      states_busy: float = 0.0) -> np.ndarray:
     """[A, 4] rows (n_checkpoint, n_swap, n_ssd, n_selective) the search enumerates.
 
     With the selective mode available (profile.has_selective), the blocks that are neither
@@ -56,7 +85,7 @@ def activation_counts(profile: ModelProfile, config: PlannerConfig, hw: Hardware
                                   f"(protrain.ssd_path); set one or pin n_ssd to 0")
         ssds = np.array([pins.n_ssd])
     else:
-        ssds = np.arange(min(n, max_ssd_blocks(profile, hw)) + 1)
+        ssds = np.arange(min(n, max_ssd_blocks(profile, hw, states_busy)) + 1)
     if pins.n_selective is not None:
         if pins.n_selective and not profile.has_selective:
             raise InfeasibleError(
@@ -109,12 +138,12 @@ def candidate_capacities(profile: ModelProfile, config: PlannerConfig) -> tuple[
 _WALK_BATCH = 4096
 
 
-def activation_configs(profile: ModelProfile, config: PlannerConfig,
-                       hw: HardwareProfile) -> ActivationConfigs:
+def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile,
+                       states_busy: float = 0.0) -> ActivationConfigs:
     """Every activation configuration (``activation_counts``) with its activation peak, host
     and NVMe bytes, recompute time and forward's write bound."""
     n = profile.n_blocks
-    nc, ns, nd, nl = activation_counts(profile, config, hw).T
+    nc, ns, nd, nl = activation_counts(profile, config, hw, states_busy).T
     # Layout (block_mode.layout_codes): SSD blocks first, then swapped ones, recomputed blocks
     # spread over the rest. Byte sums over those leading ranges are prefix-sum differences.
     saved = np.array([offload_bytes(b) for b in profile.blocks], dtype=np.int64)
@@ -227,18 +256,18 @@ def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget
     else:
         nb = np.clip(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0, nch - np_idx)
     peak = acts.act_peak[a_idx] + persist[np_idx] + nb * buf + scratch[np_idx]
-    host = host_state[np_idx] + acts.swap_host[a_idx]
+    if pins.n_buffer is not None and len(nbmin) and not (nb >= nbmin).any():
+        stats["buffers_needed"] = min(stats.get("buffers_needed", 1 << 30), int(nbmin.min()))
     # Buffers beyond the offloaded chunks would hold nothing (a pinned n_buffer then caps
     # n_persist); at least the chunks one part spans are needed.
     dev_ok = (peak <= budget) & (nb >= nbmin) & (nb <= nch - np_idx)
-    nv, host, drive = _drive_states(profile, hw, config, layout, np_idx, host, acts.ssd[a_idx], stats, dev_ok)
-    host_ok = (host <= hw.host_memory) & (nv <= nch - np_idx) & (drive <= drive_room)
-    if dev_ok.any():
-        need = host[dev_ok].min()
+    a_idx, np_idx, nb, nbmin, peak = (x[dev_ok] for x in (a_idx, np_idx, nb, nbmin, peak))
+    host = host_state[np_idx] + acts.swap_host[a_idx]
+    nv, host, drive = _drive_states(profile, hw, config, layout, np_idx, host, acts.ssd[a_idx], stats)
+    if len(host):
+        need = host.min()
         stats["host_needed"] = min(stats.get("host_needed", need), need)
-    if pins.n_buffer is not None and len(nbmin) and not (nb >= nbmin).any():
-        stats["buffers_needed"] = min(stats.get("buffers_needed", 1 << 30), int(nbmin.min()))
-    ok = dev_ok & host_ok
+    ok = (host <= hw.host_memory) & (nv <= nch - np_idx) & (drive <= drive_room)
     return tuple(x[ok] for x in (a_idx, np_idx, nb, nbmin, peak, host, nv))
 
 
@@ -247,7 +276,7 @@ def _state_top(profile, config, layout) -> np.ndarray:
     return nvme_state_top(layout, planned_state_bytes(profile, config), config.data_parallel_size)
 
 
-def _drive_states(profile, hw, config, layout, np_idx, host, ssd, stats: dict, dev_ok):
+def _drive_states(profile, hw, config, layout, np_idx, host, ssd, stats: dict):
     """(n_nvme, host bytes, drive bytes) of each point: the pin, else the fewest chunks with
     their optimizer states on the drive that bring the host bytes within the host memory
     (none where they fit already, or without a drive). ``drive``: what one rank puts on the
@@ -287,7 +316,7 @@ def _drive_states(profile, hw, config, layout, np_idx, host, ssd, stats: dict, d
     nv_c = np.minimum(nv, layout.n_chunks - np_idx)
     host = host - top[nv_c] + np.where(nv_c > 0, ring, 0)
     drive = ssd + drive_state_bytes(top[nv_c])
-    fit = dev_ok & (host <= hw.host_memory) & (nv <= layout.n_chunks - np_idx)
+    fit = (host <= hw.host_memory) & (nv <= layout.n_chunks - np_idx)
     if fit.any() and (nv_c > 0).any():
         need = drive[fit].min()
         stats["drive_needed"] = min(stats.get("drive_needed", need), need)
