@@ -28,7 +28,7 @@ def small_hw(**over):
     return replace(hw, **over)
 
 
-def brute_force(profile, hw, config):
+def brute_force(profile, hw, config, states_on_drive: bool = False):
     """Every combination of the knobs, each simulated: the reference the search must match
     exactly (same preference: within the time tolerance of the fastest, the fewest bytes
     moved; then time, peak, knobs). Kept, checkpointed and selective blocks are never all three
@@ -49,13 +49,13 @@ def brute_force(profile, hw, config):
     for n in names:
         setattr(memory_mod, n, once_per_layout(real[n]))
     try:
-        return _brute_force(profile, hw, config)
+        return _brute_force(profile, hw, config, states_on_drive)
     finally:
         for n in names:
             setattr(memory_mod, n, real[n])
 
 
-def _brute_force(profile, hw, config):
+def _brute_force(profile, hw, config, states_on_drive=False):
     budget = hw.device_memory / (1 + config.memory_margin)
     gas = config.grad_accumulation_steps
     world = config.data_parallel_size
@@ -85,23 +85,28 @@ def _brute_force(profile, hw, config):
                             and pins.n_checkpoint is None:
                         continue
                     modes = layout_block_modes(n, ns, nc, nd, nl)
-                    mem = predict_memory(profile, layout, np_, nb, modes, sb, world, int(scratch[np_]))
-                    if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory and \
-                            mem.ssd_bytes <= hw.nvme_free_bytes / (1 + config.memory_margin):
-                        rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes, nd, nl,
-                                     mem.ssd_bytes, mem.host_bytes))
+                    for nv in range(nch - np_ + 1) if states_on_drive else (0,):
+                        mem = predict_memory(profile, layout, np_, nb, modes, sb, world, int(scratch[np_]),
+                                             n_nvme=nv)
+                        if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory and \
+                                mem.ssd_bytes + mem.nvme_state_bytes <= hw.nvme_free_bytes / (1 + config.memory_margin):
+                            rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes, nd, nl,
+                                         mem.ssd_bytes, mem.host_bytes, nv, mem.nvme_state_io_bytes))
         if not rows:
             continue
         args = (profile, layout, hw, [r[0] for r in rows], [r[1] for r in rows],
                 np.array([[m.code for m in r[4]] for r in rows]))
-        t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world)   # bytes moved
+        nvs = np.array([r[10] for r in rows])
+        t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world, n_nvme=nvs)   # bytes moved
         # the boundary's time as the search defines it (carry-over, speculation), every point
-        boundary = boundary_times(*args[:3], config, *args[3:], [r[9] for r in rows])[0]
-        micro = simulate(*args, optimizer_step=False, world=world) if gas > 1 else None
+        boundary = boundary_times(*args[:3], config, *args[3:], [r[9] for r in rows], nvs)[0]
+        micro = simulate(*args, optimizer_step=False, world=world, n_nvme=nvs) if gas > 1 else None
         step = boundary + ((gas - 1) * micro.iter_time if micro is not None else 0.0)
-        moved = bytes_moved(t, micro, gas, np.array([float(r[8]) for r in rows]), hw)
+        moved = bytes_moved(t, micro, gas, np.array([float(r[8]) for r in rows]), hw,
+                            np.array([float(r[11]) for r in rows]))
         for r, ti, mi in zip(rows, step, moved):
-            points.append((mi, ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3], r[6], r[7])))
+            points.append((mi, ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3], r[6], r[7])
+                           + ((r[10],) if states_on_drive else ())))
     if not points:
         return None
     band = min(p[1] for p in points) * (1 + config.time_tolerance)

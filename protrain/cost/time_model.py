@@ -57,6 +57,9 @@ class TimePrediction:
     of the last CPU Adam step."""
     h2d_bytes: np.ndarray
     d2h_bytes: np.ndarray
+    drive_time: np.ndarray | None = None
+    """Seconds the drive is busy in its busier direction: activations of SSD blocks and
+    optimizer states of NVMe chunks (``cost.time_state_io``)."""
     spec_useful: np.ndarray | None = None
     """With ``speculate_from``: how many of the speculating chunks (from the first one CPU
     Adam reaches) had their backup done before backward's end - the rest would only have
@@ -104,5 +107,5 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         iter_time=end.iter_time, fwd_time=fwd_end, bwd_time=bwd_end - fwd_end,
         gpu_optim_time=end.gpu_optim_time, cpu_optim_time=q.cpu_busy,
         cpu_optim_exposed=end.cpu_optim_exposed,
-        h2d_bytes=q.h2d_bytes, d2h_bytes=q.d2h_bytes,
+        h2d_bytes=q.h2d_bytes, d2h_bytes=q.d2h_bytes, drive_time=q.drive_busy.max(axis=0),
         spec_useful=(q.spec_ready < bwd_end[None, :]).sum(axis=0) if q.spec_ready is not None else None)

@@ -96,8 +96,6 @@ class _SearchState:
     """(candidates left, the most they could be faster) when the search stopped early."""
     fewer_buffers: dict[int, tuple[int, int]] = field(default_factory=dict)
     """(n_buffer, peak) of the tied points whose fewest buffers keep their time and bytes."""
-    on_drive: bool = False
-    """Some points keep optimizer states on the drive (``_hedge_settled`` may end the search)."""
 
     @classmethod
     def over(cls, profile, hw, config, acts, grids: list[CandidateGrid]) -> _SearchState:
@@ -108,8 +106,7 @@ class _SearchState:
                    moved=np.concatenate([g.moved for g in grids]),
                    owner=np.concatenate([np.full(len(g.lower_bound), i) for i, g in enumerate(grids)]),
                    local=np.concatenate([np.arange(len(g.lower_bound)) for g in grids]),
-                   times=np.full(total, np.inf), simulated=np.zeros(total, dtype=bool),
-                   on_drive=any(bool((g.n_nvme > 0).any()) for g in grids))
+                   times=np.full(total, np.inf), simulated=np.zeros(total, dtype=bool))
 
     @property
     def total(self) -> int:
@@ -206,31 +203,12 @@ def _find_fastest(st: _SearchState) -> None:
         if st.evaluated >= EXACT_SIMULATIONS and lowest >= st.best * (1 - TIE_TOLERANCE):
             st.early = (st.total - int(st.simulated.sum()), (st.best - lowest) / st.best)
             break
-        if st.on_drive and st.evaluated and _hedge_settled(st, lowest):
-            st.early = (st.total - int(st.simulated.sum()), (st.best - lowest) / st.best)
-            break
         for gi, sel in st.by_grid(take):
-            sel = sel[~st.simulated[sel]]             # the hedge's check may have simulated some
             lbs[sel] = refine_cpu_bound(st.profile, st.hw, st.config, st.acts, st.grids[gi], st.local[sel])
             sel = sel[lbs[sel] <= st.best * tie]     # best only falls: the others can never win
             if len(sel):
                 st.simulate(gi, sel)
                 st.best = min(st.best, st.times[sel].min())
-
-
-def _hedge_settled(st: _SearchState, lowest: float) -> bool:
-    """Whether the hedge's choice is already the one the whole search would make, with no
-    point left whose bound lies below ``lowest``. The hedge takes, among the plans within the
-    band of the fastest, the one moving the fewest bytes (``_hedge_ties``). The fastest can
-    only fall to ``lowest``, so the true band is within the current one: every plan of it
-    moving no more bytes than the current choice is simulated here (``_simulate_hedge_band``),
-    and if the choice's own time lies within the band of ``lowest``, it stays in the true band
-    and nothing left can displace it. (The note's fastest time and the runner-ups are then of
-    the plans simulated.) Used where states on the drive tie thousands of plans within a
-    fraction of a per cent - CPU Adam and the drive's state traffic bound the step alike -
-    where the bounds cannot tell them apart but the hedge needs only a few of them."""
-    _simulate_hedge_band(st)
-    return _hedge_ties(st)[1][1] <= lowest * (1.0 + st.config.time_tolerance)
 
 
 def _simulate_hedge_band(st: _SearchState) -> None:
