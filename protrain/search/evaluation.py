@@ -266,6 +266,9 @@ def _check_fit(hw: HardwareProfile, config: PlannerConfig, knobs: Knobs, mem: Me
     need = mem.peak_device_bytes * (1 + config.memory_margin)
     drive = mem.ssd_bytes + mem.nvme_state_bytes
     if drive and drive * (1 + config.memory_margin) > nvme_free_share(hw):
+        if not mem.nvme_state_bytes and hw.ranks_per_node <= 1:
+            raise InfeasibleError(f"plan {knobs} writes {fmt_bytes(mem.ssd_bytes)} of activations "
+                                  f"to NVMe but the SSD path has {fmt_bytes(hw.nvme_free_bytes)} free")
         raise InfeasibleError(drive_space_message(hw, config, drive, what=f"plan {knobs}"))
     if need > hw.device_memory or mem.host_bytes > hw.host_memory:
         raise InfeasibleError(
