@@ -90,6 +90,10 @@ def check_settings(config: PlannerConfig, facts: ModelFacts, *, world: int, ssd_
         raise ConfigError(f"{where}.n_ssd = {pins.n_ssd}: blocks on SSD need {where}.ssd_path (a "
                           f"directory on an NVMe drive); set ssd_path, pin n_ssd to 0, "
                           f"{_FIX_AUTO}")
+    if pins.n_nvme and not ssd_path:
+        raise ConfigError(f"{where}.n_nvme = {pins.n_nvme}: optimizer states on NVMe need "
+                          f"{where}.ssd_path (a directory on an NVMe drive); set ssd_path, pin "
+                          f"n_nvme to 0, {_FIX_AUTO}")
     _check_chunk_pins(config, facts, where)
     if profile_seq_len is not None and facts.max_positions and profile_seq_len > facts.max_positions:
         raise ConfigError(f"{where}.profile_seq_len = {profile_seq_len}: the model's position table "

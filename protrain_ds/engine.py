@@ -41,6 +41,7 @@ from protrain.profile.blocks import find_blocks
 from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
 from protrain.runtime.collectives import DataParallel, host_side
+from protrain.runtime.host_limits import read_host_limits
 from protrain.runtime.node import NodeShare, node_share
 from protrain.runtime.options import RuntimeOptions
 from protrain.runtime.runtime import ProTrainRuntime
@@ -306,14 +307,21 @@ class ProTrainEngine(DeepSpeedEngine):
         - ``cpu_adam_rollbacks``: speculative chunk updates undone and redone after backward
           because the step clipped, overflowed or its hyperparameters changed (cumulative);
         - ``cpu_adam_exposed_s``: the last optimizer step's wall time after backward: the
-          optimizer work backward did not hide.
+          optimizer work backward did not hide;
+        - ``host_state_bytes``: offloaded chunks' optimizer states resident in host memory now
+          (with their speculation backups and the staging buffers of the states on NVMe);
+        - ``nvme_state_bytes``: optimizer states on the drive (``n_nvme`` chunks' current copy;
+          ``nvme_file_bytes``: the file holding them, two places per chunk).
         """
         st = self._protrain_overlap
         if st is None:
             raise RuntimeError("protrain_stats(): ProTrain has not planned yet (it plans on the "
                                "first forward); call it after a training step")
-        return {"cpu_adam_overlapped_chunks": st.overlapped_chunks,
-                "cpu_adam_rollbacks": st.rollbacks, "cpu_adam_exposed_s": st.exposed_s}
+        out = {"cpu_adam_overlapped_chunks": st.overlapped_chunks,
+               "cpu_adam_rollbacks": st.rollbacks, "cpu_adam_exposed_s": st.exposed_s}
+        if self.protrain_runtime is not None:
+            out.update(self.protrain_runtime.state_bytes())
+        return out
 
     def protrain_sync(self) -> None:
         """Wait for the last step's CPU Adam updates. ``step()`` returns while offloaded chunks
@@ -394,7 +402,9 @@ class ProTrainEngine(DeepSpeedEngine):
                 cfg.plan_file, self.module, len(find_blocks(self.module)[1]), planner, target,
                 verbose=cfg.verbosity >= 1),
             measure=self._protrain_measure, machine=self._protrain_machine,
-            search=self._protrain_search, word=_rank0_failure, together=self._protrain_probe_links)
+            search=self._protrain_search, word=_rank0_failure, together=self._protrain_probe_links,
+            host=lambda: read_host_limits(ranks_per_node=self._protrain_node.ranks_per_node),
+            ssd_path=cfg.ssd_path)
 
     @property
     def protrain_profile(self) -> ModelProfile | None:
@@ -472,6 +482,10 @@ class ProTrainEngine(DeepSpeedEngine):
         if backend and self.global_rank == 0 and self.protrain_config.verbosity >= 1:
             print(f"ProTrain: {plan.knobs.n_ssd} block(s) on NVMe via {backend} in "
                   f"{self.protrain_runtime.activations.rundir.path}", flush=True)
+        nvme = self.protrain_runtime.chunks.nvme
+        if nvme is not None and self.global_rank == 0 and self.protrain_config.verbosity >= 1:
+            print(f"ProTrain: optimizer states of {plan.knobs.n_nvme} offloaded chunk(s) on NVMe "
+                  f"({nvme.describe()}) via {nvme.backend} in {nvme.rundir.path}", flush=True)
 
     def _protrain_close_sp(self) -> None:
         if self._protrain_sp is not None:
@@ -483,7 +497,9 @@ class ProTrainEngine(DeepSpeedEngine):
     def _protrain_launchable(self, plan: Plan) -> Plan:
         """``plan`` with a sequence-parallel degree this launch can run: a loaded plan (plan
         file, checkpoint) may come from another world size; a pinned degree wins. The other
-        knobs are kept (delete the plan file to re-plan them)."""
+        knobs are kept (delete the plan file to re-plan them), but where the optimizer states
+        live is this machine's (``_protrain_states_here``)."""
+        plan = self._protrain_states_here(plan)
         world = DataParallel().world
         p = plan.knobs.sequence_parallel
         pin = self.protrain_config.planner.pins.sequence_parallel
@@ -496,6 +512,23 @@ class ProTrainEngine(DeepSpeedEngine):
             print(f"ProTrain: the plan was made for sequence_parallel={p}; this launch of {world} "
                   f"rank(s) runs it with sequence_parallel={want}", flush=True)
         return replace(plan, knobs=replace(plan.knobs, sequence_parallel=want))
+
+    def _protrain_states_here(self, plan: Plan) -> Plan:
+        """A loaded plan's ``n_nvme`` as this launch can run it: a pinned n_nvme wins (within
+        the plan's offloaded chunks), and without an ssd_path no states go to a drive (a
+        checkpoint saved with states on NVMe resumes on a machine without one)."""
+        have = plan.knobs.n_nvme
+        pin = self.protrain_config.planner.pins.n_nvme
+        offloaded = max(0, plan.chunks.n_chunks - plan.knobs.n_persist)
+        want = min(pin, offloaded) if pin is not None else have
+        if not self.protrain_config.ssd_path:
+            want = 0
+        if want == have:
+            return plan
+        if self.global_rank == 0:
+            print(f"ProTrain: the plan keeps the optimizer states of {have} chunk(s) on NVMe; this "
+                  f"launch keeps {want} there (protrain.n_nvme, protrain.ssd_path)", flush=True)
+        return replace(plan, knobs=replace(plan.knobs, n_nvme=want))
 
     # ---- checkpoints (DeepSpeed's signatures; see checkpoint.py) ---------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006

@@ -25,6 +25,7 @@ from protrain.profile.hardware import HardwareProfile
 from protrain.profile.model_profile import ModelProfile
 from protrain.profile.transforms import scale_figures
 from protrain.runtime.collectives import DataParallel
+from protrain.runtime.host_limits import read_host_limits
 from protrain.search import InfeasibleError, evaluate, search
 from protrain.session import PlanFailure, PlanningSession, PlanningSteps, PlanRanks
 from protrain.units import fmt_bytes, fmt_seconds
@@ -225,7 +226,10 @@ class _MegatronSteps:
             load=lambda planner, target: _load(self.plan_file, self.n_layers, self.states,
                                                self.device_memory, _sample_shape(self.sample)),
             measure=self.measure, machine=self.machine, search=self.search, word=self.word,
-            measured_together=True)
+            measured_together=True, ssd_path=self.ssd_path,
+            # this host's limits, shared by its ranks (a given machine keeps its own figures)
+            host=None if self.hardware is not None else
+            lambda: read_host_limits(ranks_per_node=_ranks_per_node()))
 
     def measure(self, _batch) -> ModelProfile:
         """Every rank: the profile of ``sample``; the analytic one (``fallback_profile``) on

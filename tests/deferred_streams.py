@@ -49,6 +49,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from protrain.runtime.host_limits import check_pinning
 from protrain.runtime.streams import Streams
 
 
@@ -436,7 +437,8 @@ class DeferredStreams(Streams):
         dst.copy_(src)
 
     # ---- pinned memory ----------------------------------------------------------------------
-    def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def pinned(self, numel: int, dtype: torch.dtype, what: str = "a host buffer") -> torch.Tensor:
+        check_pinning(numel * dtype.itemsize, what)     # refused as Streams refuses it
         t = torch.empty(numel, dtype=dtype)      # registered as Streams does on CUDA
         if numel and self._register(t):
             self._registered.append(t)

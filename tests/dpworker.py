@@ -102,6 +102,7 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     if rt is not None:
         result["host_bytes"] = rt.chunks.host_bytes()
         result["plan"] = list(engine.protrain_plan.knobs.as_tuple())
+        result["n_nvme"] = engine.protrain_plan.knobs.n_nvme
         result["offloaded"] = len(rt.chunks.offloaded())
         result["most_pending_copies"] = getattr(rt.streams, "most_pending", None)
         result["races"] = getattr(rt.streams, "races", None)

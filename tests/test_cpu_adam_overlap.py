@@ -136,9 +136,9 @@ def test_speculative_updates_under_clipping_train_exactly_like_deepspeed(regime,
     speculated, norms = [0], []                 # speculative updates submitted, per step
     speculate, step = ChunkOptimizer._speculate, ChunkOptimizer.step
 
-    def counted(self, c, inv_scale):
+    def counted(self, c, inv_scale, *rest):
         speculated[-1] += 1
-        speculate(self, c, inv_scale)
+        speculate(self, c, inv_scale, *rest)
 
     def stepping(self):
         step(self)
@@ -178,9 +178,9 @@ def test_speculation_with_accumulation_and_a_scheduler_trains_exactly_like_deeps
     updates, norms = [], []
     speculate, step = ChunkOptimizer._speculate, ChunkOptimizer.step
 
-    def counted(self, c, inv_scale):
+    def counted(self, c, inv_scale, *rest):
         updates.append(c.index)
-        speculate(self, c, inv_scale)
+        speculate(self, c, inv_scale, *rest)
 
     def stepping(self):
         step(self)

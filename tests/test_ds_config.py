@@ -79,6 +79,7 @@ REFUSED_AT_INITIALIZE = [
     ({"n_checkpoint": 3, "n_swap": 3}, ["protrain.n_checkpoint = 3, protrain.n_swap = 3", "add up to 6",
                                         "at most 4"]),
     ({"n_ssd": 1}, ["protrain.n_ssd = 1", "protrain.ssd_path", "pin n_ssd to 0"]),
+    ({"n_nvme": 1}, ["protrain.n_nvme = 1", "protrain.ssd_path", "pin n_nvme to 0"]),
     ({"profile_seq_len": 4096}, ["protrain.profile_seq_len = 4096", "64 positions", "1 to 64",
                                  "remove it"]),
     ({"ssd_min_bytes": 1.5}, ["protrain.ssd_min_bytes", "1.5", "whole number of bytes", "64MiB"]),

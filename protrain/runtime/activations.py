@@ -110,7 +110,8 @@ class HostStash:
                             "beyond the arena); extra pinned memory this iteration, a larger arena "
                             "from the next. Re-plan if shapes changed for good.",
                             self.used - self.arena.numel())
-            self.extra.append(self.streams.pinned(nbytes, torch.uint8))
+            self.extra.append(self.streams.pinned(nbytes, torch.uint8, "a swapped block's activations "
+                                                  "beyond its arena"))
             return self.extra[-1]
         return self.arena[start:start + nbytes]
 
@@ -157,7 +158,7 @@ class HostStash:
                 self.streams.unpin(t)
             self.extra = []
             self.streams.unpin(self.arena)
-            self.arena = self.streams.pinned(self.need, torch.uint8)
+            self.arena = self.streams.pinned(self.need, torch.uint8, "a swapped block's larger arena")
         self.need = 0
 
     def close(self) -> None:
@@ -234,7 +235,8 @@ class ActivationRuntime:
                                            self.store, streams, min_bytes=ssd_min_bytes)
         for i, m in enumerate(self.modes):
             if m == BlockMode.SWAP:
-                self.stashes[i] = HostStash(streams.pinned(caps[i], torch.uint8), streams)
+                self.stashes[i] = HostStash(streams.pinned(caps[i], torch.uint8, f"block {i}'s swapped "
+                                                           f"activations"), streams)
         self._checkpoint_context_fn = checkpoint_context_fn
         self._ckpt = None
         self.wrap_blocks()

@@ -28,15 +28,19 @@ once, here.
 from __future__ import annotations
 
 import enum
-from typing import Callable
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from .collectives import DataParallel
 from .streams import Streams
+
+if TYPE_CHECKING:
+    from .nvme_states import NvmeStates
 
 
 class ChunkState(enum.Enum):
@@ -153,7 +157,10 @@ class ChunkManager:
     def __init__(self, *, named_params: list[tuple[str, nn.Parameter]], param_chunk: list[int],
                  chunk_parts: list[tuple[int, int]], n_persist: int, n_buffer: int,
                  chunk_capacity: int, group_of: dict[nn.Parameter, int], device: torch.device,
-                 streams: Streams, grad_accumulation: bool, dp: DataParallel | None = None):
+                 streams: Streams, grad_accumulation: bool, dp: DataParallel | None = None,
+                 nvme: "NvmeStates | None" = None):
+        """``nvme``: where the optimizer states of the chunks it names live instead of host
+        memory (nvme_states.py; opened here, once the shards are known)."""
         if not named_params:
             raise ValueError("no parameters to place in chunks")
         self.device = device
@@ -183,11 +190,17 @@ class ChunkManager:
         self.pool = BufferPool(n_buffer if n_persist < n_chunks else 0,
                                -(-chunk_capacity // world) * world, self.dtype, device)
         self._empty = torch.empty(0, dtype=self.dtype)
+        self.nvme = nvme
         self._materialize(grad_accumulation)
 
     # ---- allocation ----------------------------------------------------------------------
     def _materialize(self, grad_accumulation: bool) -> None:
-        """Copy every parameter's current value into its chunk and repoint ``.data``."""
+        """Copy every parameter's current value into its chunk and repoint ``.data``. The
+        optimizer states of chunks on NVMe go to the drive, not host memory."""
+        for c in self.offloaded():
+            c.shard_lo, c.shard_hi, c.shard_size = self.dp.shard(c.numel)
+        if self.nvme is not None:
+            self.nvme.open(self.offloaded(), master_separate=self.half)
         for c in self.chunks:
             if c.persistent:
                 c.data = torch.empty(c.numel, dtype=self.dtype, device=self.device)
@@ -199,27 +212,46 @@ class ChunkManager:
                 c.exp_avg_sq = torch.zeros(c.numel, dtype=torch.float32, device=self.device)
                 c.state = ChunkState.RESIDENT
             else:
-                c.shard_lo, c.shard_hi, c.shard_size = self.dp.shard(c.numel)
                 flat = torch.zeros(c.shard_size, dtype=self.dtype)
                 for sl in c.slots:    # this rank's part of each parameter
                     a, b = max(sl.offset, c.shard_lo), min(sl.stop, c.shard_hi)
                     if a < b:
                         flat[a - c.shard_lo:b - c.shard_lo].copy_(
                             sl.param.data.detach().reshape(-1)[a - sl.offset:b - sl.offset])
+                on_nvme = self.nvme is not None and c in self.nvme
                 if self.half:
                     c.shadow = self.streams.pinned(c.shard_size, self.dtype)
                     c.shadow.copy_(flat)
-                    c.master = flat.float()
+                    c.master = None if on_nvme else flat.float()
                 else:
                     c.master = self.streams.pinned(c.shard_size, torch.float32)
                     c.master.copy_(flat)
                 if grad_accumulation or not self.half:
                     c.grad_acc = self.streams.pinned(c.shard_size, torch.float32)
                     c.grad_acc.zero_()
-                c.exp_avg = torch.zeros(c.shard_size, dtype=torch.float32)
-                c.exp_avg_sq = torch.zeros(c.shard_size, dtype=torch.float32)
+                if on_nvme:
+                    self.nvme.store_initial(c, flat if self.half else None)
+                else:
+                    c.exp_avg = torch.zeros(c.shard_size, dtype=torch.float32)
+                    c.exp_avg_sq = torch.zeros(c.shard_size, dtype=torch.float32)
                 del flat
             self._point_params(c)
+
+    def on_nvme(self, c: Chunk) -> bool:
+        """Whether ``c``'s optimizer states live on the drive (held in a staging buffer only
+        while CPU Adam or a checkpoint uses them)."""
+        return self.nvme is not None and c in self.nvme
+
+    @contextmanager
+    def host_states(self, c: Chunk, *, write: bool = False):
+        """``c``'s master, exp_avg and exp_avg_sq readable (and writable) in the body, for
+        checkpoints and re-plans: where they are for a host or device chunk; read from the
+        drive into a staging buffer, and written back with ``write``, for a chunk on NVMe."""
+        if self.on_nvme(c):
+            with self.nvme.loaded(c, write=write):
+                yield
+        else:
+            yield
 
     def host_params(self, c: Chunk) -> torch.Tensor:
         """The host region the parameters of an offloaded chunk are uploaded from."""
@@ -374,12 +406,26 @@ class ChunkManager:
         return total
 
     def host_bytes(self) -> int:
-        total = 0
-        for c in self.chunks:
-            if not c.persistent:
-                tensors = {id(t): t for t in (c.shadow, c.grad_acc, c.master, c.exp_avg, c.exp_avg_sq)
-                           if t is not None}
-                total += sum(t.numel() * t.element_size() for t in tensors.values())
+        """Host bytes the offloaded chunks hold: parameters, gradients, and the optimizer
+        states of those not on NVMe (theirs: the staging ring)."""
+        total = self.nvme.staging_bytes() if self.nvme is not None else 0
+        for c in self.offloaded():
+            states = () if self.on_nvme(c) else (c.master, c.exp_avg, c.exp_avg_sq)
+            if self.on_nvme(c) and not self.half:
+                states = (c.master,)                    # fp32: the master is the parameters
+            tensors = {id(t): t for t in (c.shadow, c.grad_acc, *states) if t is not None}
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        return total
+
+    def host_state_bytes(self) -> int:
+        """Host bytes of offloaded chunks' optimizer states - exp_avg, exp_avg_sq, and the
+        fp32 master where it is separate from the parameters (16-bit training) - plus the
+        staging ring those on NVMe pass through."""
+        total = self.nvme.staging_bytes() if self.nvme is not None else 0
+        for c in self.offloaded():
+            if not self.on_nvme(c):
+                states = (c.master, c.exp_avg, c.exp_avg_sq) if self.half else (c.exp_avg, c.exp_avg_sq)
+                total += sum(t.numel() * t.element_size() for t in states if t is not None)
         return total
 
     def gathered(self, chunks: list[Chunk] | None = None, *, what: str = "state_dict",
@@ -436,6 +482,8 @@ class ChunkManager:
         self._drop()
 
     def _drop(self) -> None:
+        if self.nvme is not None:
+            self.nvme.close()               # its store's I/O done before its buffers go
         self.streams.release_pinned()       # waits for the copies still queued first
         self.pool.tensors = []
         self.pool.owner = [None] * len(self.pool.owner)

@@ -49,6 +49,7 @@ import logging
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Callable
@@ -58,6 +59,7 @@ from torch import nn
 
 from .adam import SIMD_ELEMENTS, update_as_per_tensor
 from .chunks import Chunk, ChunkManager
+from .nvme_states import Outcome
 from .options import OptimizerSetup
 from .streams import Streams
 
@@ -205,10 +207,15 @@ class ChunkOptimizer:
         # The last chunks in execution order finish backward first: most time to hide behind.
         self.speculative_chunks = ({c.index for c in offloaded[len(offloaded) - n_speculative:]}
                                    if self.speculative else set())
+        self.nvme = chunks.nvme
+        """Where the states of the chunks on NVMe are (nvme_states.py), or None."""
         self._backup = {c.index: tuple(torch.empty(c.shard_size, dtype=torch.float32) for _ in range(3))
-                        for c in offloaded if c.index in self.speculative_chunks}
-        """Per speculating chunk, where master, exp_avg and exp_avg_sq are kept before its
-        speculative update (allocated once: 12 bytes per parameter of the chunk's shard)."""
+                        for c in offloaded if c.index in self.speculative_chunks
+                        and not chunks.on_nvme(c)}
+        """Per speculating chunk in host memory, where master, exp_avg and exp_avg_sq are kept
+        before its speculative update (allocated once: 12 bytes per parameter of the chunk's
+        shard). A chunk on NVMe needs none: its speculative update goes to the other of its
+        two places on the drive (NvmeStates)."""
         self._speculations: dict[int, _Speculation] = {}
         """This step's speculative updates, by chunk index (written by the worker)."""
         self._ready = {c.index: threading.Event() for c in offloaded}
@@ -217,6 +224,8 @@ class ChunkOptimizer:
             e.set()
         # A failed worker skips the tasks that would set them: wake the waiters to raise.
         self.worker.on_error(lambda: [e.set() for e in self._ready.values()])
+        if self.nvme is not None:
+            self.worker.on_error(self.nvme.fail)
         self.chunks.host_ready = self.wait_host_ready
         self.chunks.host_sync = self.sync
         self.tracer = None               # runtime/timeline_recorder.py's, when a trace is on
@@ -382,11 +391,13 @@ class ChunkOptimizer:
             return
         if not self.speculative:
             self._queued.add(c.index)
-            self.worker.submit(lambda c=c: self._host_update(c, coef=None))
+            use = self._want(c)
+            self.worker.submit(lambda c=c, use=use: self._host_update(c, None, None, "adam", use))
         elif c.index in self.speculative_chunks and self.speculation_on:
             self._queued.add(c.index)
             inv_scale = self._inv_scale()
-            self.worker.submit(lambda c=c: self._speculate(c, inv_scale))
+            use = self._want(c)
+            self.worker.submit(lambda c=c, use=use: self._speculate(c, inv_scale, use))
         elif self.gas > 1:
             # Accumulated gradients: their part of the verdict is taken on the host, by the
             # worker after this micro-step's accumulation, while backward goes on.
@@ -519,9 +530,10 @@ class ChunkOptimizer:
                 action = "update"
             # Hyperparameters as of now: a scheduler steps after this returns.
             segments = self._hypers(c) if action in ("redo", "update") else None
+            use = self._settle_on_drive(c, action)
             self._ready[c.index].clear()
-            self.worker.submit(lambda c=c, a=action, speculation=speculation, coef=coef, seg=segments:
-                               self._finish_chunk(c, a, speculation, coef, seg))
+            self.worker.submit(lambda c=c, a=action, speculation=speculation, coef=coef, seg=segments,
+                               use=use: self._finish_chunk(c, a, speculation, coef, seg, use))
 
     def _update_persistent(self, coef: torch.Tensor | None) -> float:
         """Device Adam on the persistent chunks; returns the seconds it took."""
@@ -535,22 +547,65 @@ class ChunkOptimizer:
         self._trace("compute", "device_adam", "persistent chunks", t_dev)
         return spent
 
-    def _finish_chunk(self, c: Chunk, action, speculation, coef, segments) -> None:
+    def _settle_on_drive(self, c: Chunk, action):
+        """Main thread, deciding ``c``'s step (the worker is drained: every speculative
+        write-back is queued): for a chunk on NVMe, make its speculative update current or drop
+        it, and want its states for the worker's part (None: it needs none)."""
+        if not self.chunks.on_nvme(c):
+            return None
+        if action == "commit":
+            self.nvme.commit(c)
+            # 16-bit: the upload copy follows the committed master (on the drive now).
+            return self.nvme.want(c, master_only=True) if c.shadow is not None else None
+        if action == "redo":
+            self.nvme.discard(c)          # the redo re-reads the states from before it
+        return self.nvme.want(c) if action in ("redo", "update") else None
+
+    def _want(self, c: Chunk):
+        """Before submitting a task that updates ``c``: for a chunk on NVMe, start reading its
+        states in the worker's order."""
+        return self.nvme.want(c) if self.chunks.on_nvme(c) else None
+
+    @contextmanager
+    def _held(self, c: Chunk, use, outcome):
+        """Worker: ``c``'s states from the drive for the body (``use`` from ``_want``; None: a
+        chunk in host memory), written back after it per ``outcome`` (nvme_states.Outcome,
+        the name of its member); nothing is written back if the body fails."""
+        if use is None:
+            yield
+            return
+        self.nvme.hold(c, use)
+        done = Outcome.UNCHANGED
+        try:
+            yield
+            done = Outcome[outcome]
+        finally:
+            self.nvme.release(c, use, done)
+
+    def _finish_chunk(self, c: Chunk, action, speculation, coef, segments, use=None) -> None:
         """Worker: the rest of an offloaded chunk's step, then its gradients cleared for the
         next one, then its upload may go."""
         try:
             with self._pause():
                 if action == "commit":
-                    self._commit(c)
+                    with self._held(c, use, "UNCHANGED"):
+                        self._commit(c)
                 elif action == "redo":
                     t = time.perf_counter()
-                    self._restore(c, speculation)
+                    if use is None:
+                        self._restore(c, speculation)
+                    else:                 # the states are re-read from the drive by the redo
+                        self.nvme.restore_master(c)
                     self._trace("cpu_adam", "rollback", f"chunk {c.index}", t)
                 if action in ("redo", "update"):
-                    self._host_update(c, coef, segments, "redo" if action == "redo" else "adam")
+                    self._host_update(c, coef, segments, "redo" if action == "redo" else "adam", use)
                 self._reset_chunk(c)
         finally:
             self._ready[c.index].set()
+
+    def backup_bytes(self) -> int:
+        """Host bytes of the speculation backups (chunks in host memory that speculate)."""
+        return sum(t.numel() * t.element_size() for b in self._backup.values() for t in b)
 
     def wait_host_ready(self, c: Chunk) -> None:
         """Block until ``c``'s host states are final (its upload's source)."""
@@ -682,10 +737,11 @@ class ChunkOptimizer:
                 s.step = n
 
     # ---- speculation (clipping / fp16 loss scaling) -------------------------------------------
-    def _speculate(self, c: Chunk, inv_scale: float) -> None:
+    def _speculate(self, c: Chunk, inv_scale: float, use=None) -> None:
         """Worker: update ``c`` as if the step clips nothing and overflows nowhere, keeping
-        what a rollback needs. Gradients are left as they are (step() reads them for the norm
-        and the overflow check, and a redo updates from them)."""
+        what a rollback needs (a backup in host memory; on NVMe, the states from before in
+        their place on the drive). Gradients are left as they are (step() reads them for the
+        norm and the overflow check, and a redo updates from them)."""
         self.streams.host_wait(c.grads_on_host)
         with self._pause():
             grads = self._host_grads(c)
@@ -693,10 +749,16 @@ class ChunkOptimizer:
             speculation = _Speculation(steps=[s.step for s in c.slots], hypers=self._hypers(c))
             self._speculations[c.index] = speculation
             if not check.finite:
+                if use is not None:
+                    self.nvme.release(c, use, Outcome.UNCHANGED)
                 return                      # this step overflows: step() skips it
             coef = None if inv_scale == 1.0 else torch.tensor([inv_scale])
             t = time.perf_counter()
-            self._update(c, grads, self.host_kernel, coef, keep_grads=True, backup=self._backup[c.index])
+            with self._held(c, use, "SPECULATED"):
+                if use is not None:
+                    self.nvme.keep_master(c)      # fp32: the parameters change in place
+                self._update(c, grads, self.host_kernel, coef, keep_grads=True,
+                             backup=self._backup.get(c.index))
             self._trace("cpu_adam", "backup_adam", f"chunk {c.index}", t)
             speculation.applied = True
 
@@ -772,7 +834,11 @@ class ChunkOptimizer:
     def _rollback(self, c: Chunk) -> None:
         """Undo a speculative update entirely (states and step counts), now."""
         speculation = self._speculations.pop(c.index)
-        self._restore(c, speculation)
+        if self.chunks.on_nvme(c):
+            self.nvme.discard(c)          # its current place on the drive was never changed
+            self.nvme.restore_master(c)   # fp32: the parameters, changed in place
+        else:
+            self._restore(c, speculation)
         for s, step in zip(c.slots, speculation.steps):
             s.step = step
         self.stats.rollbacks += 1
@@ -781,10 +847,10 @@ class ChunkOptimizer:
         if self.tracer is not None:
             self.tracer.add(lane, what, label, start, time.perf_counter())
 
-    def _host_update(self, c: Chunk, coef, segments=None, what: str = "adam") -> None:
+    def _host_update(self, c: Chunk, coef, segments=None, what: str = "adam", use=None) -> None:
         self.streams.host_wait(c.grads_on_host)
         t = time.perf_counter()
-        with self._pause():
+        with self._pause(), self._held(c, use, "UPDATED"):
             self._update(c, self._host_grads(c), self.host_kernel, coef, segments=segments)
             if c.shadow is not None:
                 c.shadow.copy_(c.master)      # the next upload's source: updated parameters
@@ -918,10 +984,12 @@ class ChunkOptimizer:
         return self.chunks.dp.all_reduce_(flag, dist_max())
 
     def _restore_params_after_skip(self) -> None:
-        """Gradients may have landed over the host copy of the parameters; put it back."""
+        """Gradients may have landed over the host copy of the parameters; put it back (from
+        the master on the drive for a chunk on NVMe)."""
         for c in self.chunks.offloaded():
             if c.shadow is not None and c.grad_acc is None:
-                c.shadow.copy_(c.master)
+                with self.chunks.host_states(c):
+                    c.shadow.copy_(c.master)
 
 
 def _has_inf_or_nan(x: torch.Tensor) -> torch.Tensor:

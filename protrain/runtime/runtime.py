@@ -32,6 +32,7 @@ from torch import nn
 
 from ..block_mode import BlockMode
 from ..plan import Plan
+from ..state_tier import nvme_chunk_ids
 from .meter import OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from .activations import ActivationRuntime
 from .adam import CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
@@ -40,6 +41,8 @@ from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
 from .compile import CompiledBlocks, CompileRequest
 from .full_state import FullStateDict
+from .host_limits import check_pinning
+from .nvme_states import NvmeStates
 from .optimizer import ChunkOptimizer
 from .options import OptimizerSetup, RuntimeOptions
 from .states import RuntimeState, assemble, export_pieces, import_pieces, redistribute
@@ -80,12 +83,26 @@ class ProTrainRuntime:
         if absent:
             raise ValueError(f"parameters {absent[:3]} are trainable but in no optimizer param group; "
                              f"give every trainable parameter to the optimizer or freeze it")
-        self.chunks = ChunkManager(
-            named_params=params, param_chunk=list(layout.param_chunk),
-            chunk_parts=list(zip(layout.chunk_first_part, layout.chunk_last_part)),
-            n_persist=plan.knobs.n_persist, n_buffer=plan.knobs.n_buffer,
-            chunk_capacity=layout.chunk_numel, group_of=group_of, device=device,
-            streams=self.streams, grad_accumulation=setup.grad_accumulation_steps > 1, dp=options.dp)
+        # All the host memory the plan holds, refused before any of it is taken (not part-way
+        # through, nor by the OOM killer once the pages are touched).
+        check_pinning(plan.prediction.host_bytes, "the plan's host memory (offloaded chunks' "
+                      "states, swapped activations)")
+        nvme_ids = nvme_chunk_ids(layout.n_chunks, plan.knobs.n_persist, plan.knobs.n_nvme)
+        nvme = NvmeStates(nvme_ids, options.ssd_root, self.streams, device,
+                          speculative=setup.clip > 0 or setup.loss_scaler is not None,
+                          verify=options.ssd_verify) if nvme_ids else None
+        try:
+            self.chunks = ChunkManager(
+                named_params=params, param_chunk=list(layout.param_chunk),
+                chunk_parts=list(zip(layout.chunk_first_part, layout.chunk_last_part)),
+                n_persist=plan.knobs.n_persist, n_buffer=plan.knobs.n_buffer,
+                chunk_capacity=layout.chunk_numel, group_of=group_of, device=device,
+                streams=self.streams, grad_accumulation=setup.grad_accumulation_steps > 1,
+                dp=options.dp, nvme=nvme)
+        except BaseException:
+            if nvme is not None:
+                nvme.close()
+            raise
         host_kernel, device_kernel = adam_kernels(device, setup, bool(self.chunks.offloaded()))
         self.accounting = DeviceAccounting(device) if accounting else None
         in_order = [p for p in model.parameters() if p.requires_grad]
@@ -106,6 +123,8 @@ class ProTrainRuntime:
                 ssd_min_bytes=options.ssd_min_bytes)
         except BaseException:
             self.compiled.close()
+            if nvme is not None:
+                nvme.close()
             raise
         self._needs_saved_hooks = bool(self.chunks.offloaded()) or any(
             m in (BlockMode.SWAP, BlockMode.SSD) for m in plan.block_modes)
@@ -343,6 +362,16 @@ class ProTrainRuntime:
         return s.param, t.storage_offset() - s.offset
 
     # ---- accounting -------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Where the offloaded chunks' optimizer states are now: ``host_state_bytes`` (in host
+        memory: those not on NVMe, their speculation backups, and the staging ring the others
+        pass through) and ``nvme_state_bytes`` (on the drive: one current copy of each chunk's
+        states on NVMe; the file holds two places per chunk, ``nvme_file_bytes``)."""
+        nvme = self.chunks.nvme
+        return {"host_state_bytes": self.chunks.host_state_bytes() + self.optimizer.backup_bytes(),
+                "nvme_state_bytes": nvme.state_bytes() if nvme is not None else 0,
+                "nvme_file_bytes": nvme.file_bytes() if nvme is not None else 0}
+
     def device_peak(self) -> int:
         """Highest device bytes seen (accounting mode): chunk states + live activations."""
         if self.accounting is None:

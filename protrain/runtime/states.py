@@ -70,20 +70,27 @@ def export_pieces(m: ChunkManager, *, grads: bool = False) -> list[Piece]:
             averaged = m.dp.all_reduce_(c.grad.clone()).div_(m.dp.world)
         if c.persistent and m.dp.rank != 0:
             continue
-        lo, hi = _local_range(m, c)
-        for s in c.slots:
-            a, b = max(s.offset, lo), min(s.stop, hi)
-            if a >= b:
-                continue
-            sl = slice(a - lo, b - lo)
-            acc = averaged if averaged is not None else c.grad if c.persistent else c.grad_acc
-            pieces.append(Piece(s.name, a - s.offset, b - s.offset,
-                                c.master[sl].detach().float().cpu().clone(),
-                                c.exp_avg[sl].detach().cpu().clone(),
-                                c.exp_avg_sq[sl].detach().cpu().clone(), s.step,
-                                acc[sl].detach().float().cpu().clone()
-                                if grads and acc is not None else None))
+        acc = averaged if averaged is not None else c.grad if c.persistent else c.grad_acc
+        with m.host_states(c):                     # read from the drive for chunks on NVMe
+            pieces += _chunk_pieces(m, c, acc if grads else None)
     return pieces
+
+
+def _chunk_pieces(m: ChunkManager, c: Chunk, acc: torch.Tensor | None) -> list[Piece]:
+    """Copies of the pieces ``c``'s tensors hold (with the gradients in ``acc``, if given)."""
+    lo, hi = _local_range(m, c)
+    out = []
+    for s in c.slots:
+        a, b = max(s.offset, lo), min(s.stop, hi)
+        if a >= b:
+            continue
+        sl = slice(a - lo, b - lo)
+        out.append(Piece(s.name, a - s.offset, b - s.offset,
+                         c.master[sl].detach().float().cpu().clone(),
+                         c.exp_avg[sl].detach().cpu().clone(),
+                         c.exp_avg_sq[sl].detach().cpu().clone(), s.step,
+                         acc[sl].detach().float().cpu().clone() if acc is not None else None))
+    return out
 
 
 def held_ranges(m: ChunkManager) -> list[tuple[str, int, int]]:
@@ -150,32 +157,37 @@ def import_pieces(m: ChunkManager, fetch: Callable[[str, int, int], tuple], *,
     m.host_sync()
     m.evict_all()
     for c in m.chunks:
-        lo, hi = _local_range(m, c)
-        for s in c.slots:
-            a, b = max(s.offset, lo), min(s.stop, hi)
-            if a >= b:
-                continue
-            master, ea, eas, step, *rest = fetch(s.name, a - s.offset, b - s.offset)
-            sl = slice(a - lo, b - lo)
-            acc = c.grad if c.persistent else c.grad_acc
-            if grads and rest and rest[0] is not None and acc is not None:
-                acc[sl].copy_(rest[0])
-                s.has_grad = True
-            c.master[sl].copy_(master)
-            if optimizer_states:
-                c.exp_avg[sl].copy_(ea)
-                c.exp_avg_sq[sl].copy_(eas)
-                s.step = int(step)
-            else:
-                c.exp_avg[sl].zero_()
-                c.exp_avg_sq[sl].zero_()
-                s.step = 0
-        # The training-dtype copies follow the masters.
-        if c.persistent:
-            if c.master is not c.data:
-                c.data.copy_(c.master)
-        elif c.shadow is not None:
-            c.shadow.copy_(c.master)
+        with m.host_states(c, write=True):         # written back to the drive for chunks on NVMe
+            _fill_chunk(m, c, fetch, optimizer_states, grads)
+
+
+def _fill_chunk(m: ChunkManager, c: Chunk, fetch, optimizer_states: bool, grads: bool) -> None:
+    lo, hi = _local_range(m, c)
+    for s in c.slots:
+        a, b = max(s.offset, lo), min(s.stop, hi)
+        if a >= b:
+            continue
+        master, ea, eas, step, *rest = fetch(s.name, a - s.offset, b - s.offset)
+        sl = slice(a - lo, b - lo)
+        acc = c.grad if c.persistent else c.grad_acc
+        if grads and rest and rest[0] is not None and acc is not None:
+            acc[sl].copy_(rest[0])
+            s.has_grad = True
+        c.master[sl].copy_(master)
+        if optimizer_states:
+            c.exp_avg[sl].copy_(ea)
+            c.exp_avg_sq[sl].copy_(eas)
+            s.step = int(step)
+        else:
+            c.exp_avg[sl].zero_()
+            c.exp_avg_sq[sl].zero_()
+            s.step = 0
+    # The training-dtype copies follow the masters.
+    if c.persistent:
+        if c.master is not c.data:
+            c.data.copy_(c.master)
+    elif c.shadow is not None:
+        c.shadow.copy_(c.master)
 
 
 def assemble(pieces_by_name: dict[str, list[Piece]], name: str, lo: int, hi: int) -> tuple:

@@ -17,6 +17,8 @@ from contextlib import nullcontext
 
 import torch
 
+from .host_limits import check_pinning, pinning_failed
+
 
 class Streams:
     def __init__(self, device: torch.device):
@@ -147,15 +149,23 @@ class Streams:
             torch.cuda.synchronize(self.device)
 
     # ---- pinned host memory -----------------------------------------------------------------
-    def pinned(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def pinned(self, numel: int, dtype: torch.dtype, what: str = "a host buffer") -> torch.Tensor:
         """Host memory for copies: page-locked on CUDA, plain on CPU. Registered with
         cudaHostRegister rather than taken from torch's pinned caching allocator, which rounds
         every block up to a power of two and keeps it after it is freed (up to 2x the host
         memory the plan counted, for the whole run). Give it back with ``unpin`` or
-        ``release_pinned``."""
-        t = torch.empty(numel, dtype=dtype)
-        if numel and self._register(t):
-            self._registered.append(t)
+        ``release_pinned``. Refused with a ``PinnedMemoryError`` naming ``what`` where the
+        host cannot give it now (``host_limits.check_pinning``), and where the allocator or
+        the driver fails: pinned pages cannot be reclaimed, so an allocation past the limit
+        would end in the OOM killer, not an error."""
+        nbytes = numel * dtype.itemsize
+        check_pinning(nbytes, what)
+        try:
+            t = torch.empty(numel, dtype=dtype)
+            if numel and self._register(t):
+                self._registered.append(t)
+        except RuntimeError as e:      # the allocator's, or cudaHostRegister's (a CudaError)
+            raise pinning_failed(nbytes, what, e) from e
         return t
 
     def unpin(self, t: torch.Tensor) -> None:

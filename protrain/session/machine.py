@@ -1,5 +1,5 @@
-"""The machine a plan is priced on: the node's probed figures, the SSD tier's, the links
-between the ranks, and this rank's share of its host.
+"""The machine a plan is priced on: the node's probed figures, the SSD tier's, and the links
+between the ranks (this rank's share of the host's memory: host_budget.py).
 
 The links are measured by every rank together (a collective) once per process and world;
 the rest by the deciding rank alone.
@@ -32,8 +32,8 @@ def probe_links(dp: DataParallel, device: torch.device) -> tuple[float, float]:
 def with_storage_and_links(hw: HardwareProfile, *, device: torch.device, ssd_path: str | None,
                            world: int, links: tuple[float, float], verbose: bool) -> HardwareProfile:
     """``hw`` (the node's figures) with the SSD tier at ``ssd_path`` measured now, and with
-    several ranks the links between them (``probe_links``) and this rank's share of the
-    host's memory."""
+    several ranks the links between them (``probe_links``). This rank's host budget is the
+    session's (``host_budget.with_host_budget``: its share of what the host can give)."""
     if ssd_path:
         from ..measure.probe import probe_storage
         ssd = probe_storage(ssd_path, device)
@@ -44,6 +44,5 @@ def with_storage_and_links(hw: HardwareProfile, *, device: torch.device, ssd_pat
                   f"{fmt_bytes(ssd['nvme_free_bytes'])} free", flush=True)
         hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
     if world > 1:
-        hw = replace(hw, collective_bandwidth=links[0], alltoall_bandwidth=links[1],
-                     host_memory=hw.host_memory // hw.ranks_per_node)
+        hw = replace(hw, collective_bandwidth=links[0], alltoall_bandwidth=links[1])
     return hw

@@ -24,8 +24,10 @@ from ..config import PlannerConfig
 from ..plan import Plan
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
+from ..runtime.host_limits import HostLimits
 from ..search import InfeasibleError, search
 from ..units import fmt_bytes
+from .host_budget import admit, describe_budget, with_host_budget
 from .ranks import PlanRanks, Wording, share_decision
 
 
@@ -49,6 +51,13 @@ class PlanningSteps:
     """Every rank of the group profiles (tensor-parallel ranks run the forward together)."""
     together: Callable[[], None] | None = None
     """What every rank measures together before each decision (the links between them)."""
+    host: Callable[[], HostLimits] | None = None
+    """The decider: this process's host memory limits, shared by its node's ranks (asked once
+    per session, before any runtime holds host memory). They give the search its default host
+    budget and admit each plan (host_budget.py). None: the machine's ``host_memory`` is the
+    budget, and plans are not checked."""
+    ssd_path: str | None = None
+    """Where optimizer states may go: named in the fixes of a plan refused for host memory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +85,45 @@ class PlanningSession:
         self.margin = 0.0
         """The memory margin the out-of-memory re-plans reached (0: none yet)."""
         self._machine: HardwareProfile | None = None
+        self._host: HostLimits | None = None
 
     def machine(self) -> HardwareProfile:
         """The decider: the hardware the plans are made for (measured once per session)."""
         if self._machine is None:
             self._machine = self.steps.machine()
         return self._machine
+
+    def host(self) -> HostLimits | None:
+        """The decider: the host memory limits the plans are made for and admitted against
+        (read once per session: a re-plan's runtime is built while the old one's states are
+        still held, which the limits read then would count against it)."""
+        if self._host is None and self.steps.host is not None:
+            self._host = self.steps.host()
+        return self._host
+
+    def _priced(self, planner: PlannerConfig) -> HardwareProfile:
+        """The machine with this rank's host budget (host_budget.with_host_budget)."""
+        limits = self.host()
+        hw = self.machine()
+        return hw if limits is None else with_host_budget(hw, limits, planner)
+
+    def _admit(self, plan: Plan, planner: PlannerConfig) -> None:
+        """Refuse a plan this rank's host memory cannot hold; warn when it leaves less than
+        the reserve (host_budget.admit)."""
+        limits = self.host()
+        if limits is not None:
+            warning = admit(plan, limits, planner, ssd_path=self.steps.ssd_path)
+            if warning:
+                print(warning, flush=True)
+
+    def _with_budget(self, error: Exception, planner: PlannerConfig) -> Exception:
+        """A search's ``InfeasibleError`` with where the host budget it was given comes from."""
+        limits = self.host()
+        if type(error) is not InfeasibleError or limits is None:
+            return error
+        return InfeasibleError(f"{error} ({describe_budget(limits, planner)})",
+                               device_needed=error.device_needed, host_needed=error.host_needed,
+                               micro_batch_fit=error.micro_batch_fit)
 
     def decide(self, planner: PlannerConfig, target: BatchShape | None, *, load: bool = True,
                batch=None) -> Decision:
@@ -98,6 +140,8 @@ class PlanningSession:
         if self.ranks.decides and load:
             try:
                 plan = steps.load(planner, target)
+                if plan is not None:
+                    self._admit(plan, planner)
             except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast below
                 failure = e
         loaded = plan is not None
@@ -113,11 +157,12 @@ class PlanningSession:
                 if self.profile is None:
                     self.profile = steps.measure(batch)
                     profile_seconds = time.perf_counter() - t0
-                plan = steps.search(self.profile, self.machine(), planner, target)
+                plan = steps.search(self.profile, self._priced(planner), planner, target)
+                self._admit(plan, planner)
                 if self.plan_file:
                     plan.save(self.plan_file)
             except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast below
-                failure = e
+                failure = self._with_budget(e, planner)
         plan, loaded = share_decision(self.ranks, plan, loaded, failure, steps.word)
         return Decision(plan, loaded, profile_seconds)
 
@@ -134,6 +179,8 @@ class PlanningSession:
         plan = decision.plan
         if self.ranks.decides and verbosity >= 1:
             print(plan.explain(), flush=True)
+            if self.host() is not None:
+                print(f"ProTrain: {describe_budget(self.host(), planner)}", flush=True)
             if decision.loaded:
                 print(f"ProTrain: plan loaded from {self.plan_file} (no profiling or search)", flush=True)
             else:

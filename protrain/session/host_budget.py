@@ -1,0 +1,93 @@
+"""This rank's host budget: what the plans are searched under, and the check a plan passes
+before any rank builds it.
+
+The budget a search gets is this rank's share of what the host can give (``runtime.host_limits``:
+MemAvailable and the memory cgroup, divided among the node's ranks), less
+``PlannerConfig.host_reserve`` for the data loader, the OS and the framework;
+``protrain.host_memory`` replaces it. With ``ssd_path`` set the search then moves optimizer
+states to the drive (``Knobs.n_nvme``) rather than past the budget.
+
+A plan, searched or loaded from a plan file, is admitted by the deciding rank:
+
+- it needs more than the rank's share: refused, naming what it needs, what each limit allows,
+  which one binds, and the fixes (a plan made under a larger ``host_memory``, or on another
+  machine, would otherwise be killed while pinning: DeepSpeed issues 4571, 5290, 2918, 4380);
+- it leaves less than the reserve: admitted with a warning at start-up ("at least a warning").
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import PlannerConfig
+from ..plan import Plan
+from ..profile.hardware import HardwareProfile
+from ..runtime.host_limits import HostLimits
+from ..search import InfeasibleError
+from ..units import fmt_bytes
+
+
+def default_budget(limits: HostLimits, reserve: float) -> int:
+    """The host bytes a search may plan for on this rank when ``host_memory`` is not set: its
+    share of the binding limit, less ``reserve`` of it."""
+    return int(limits.share * (1.0 - reserve))
+
+
+def with_host_budget(hw: HardwareProfile, limits: HostLimits, planner: PlannerConfig) -> HardwareProfile:
+    """``hw`` with this rank's default host budget (the search replaces it with
+    ``planner.host_memory`` where that is set)."""
+    return replace(hw, host_memory=default_budget(limits, planner.host_reserve))
+
+
+def describe_budget(limits: HostLimits, planner: PlannerConfig) -> str:
+    """Where the host budget comes from, in one line."""
+    if planner.host_memory is not None:
+        return (f"host budget {fmt_bytes(planner.host_memory)} (protrain.host_memory); this rank "
+                f"can have {fmt_bytes(limits.share)}: {limits.describe()}")
+    return (f"host budget {fmt_bytes(default_budget(limits, planner.host_reserve))}: this rank's "
+            f"{fmt_bytes(limits.share)} less the {planner.host_reserve:.0%} host_reserve; "
+            f"{limits.describe()}")
+
+
+def admit(plan: Plan, limits: HostLimits, planner: PlannerConfig, *,
+          ssd_path: str | None) -> str | None:
+    """Refuse ``plan`` (an ``InfeasibleError``, which the adapters word on every rank) when it
+    needs more host memory than this rank can have; a warning to print when it leaves less
+    than the reserve; None when it fits."""
+    need = plan.prediction.host_bytes
+    share = limits.share
+    if need > share:
+        raise InfeasibleError(
+            f"this rank's host memory cannot hold the plan: it needs {fmt_bytes(need)} "
+            f"(offloaded chunks' states and buffers {fmt_bytes(need - plan.prediction.swap_host_bytes)}, "
+            f"swapped activations {fmt_bytes(plan.prediction.swap_host_bytes)}) and this rank can "
+            f"have {fmt_bytes(share)}: {limits.describe()}. "
+            + _fixes(plan, limits, planner, ssd_path=ssd_path), host_needed=need)
+    left = share - need
+    if left < share * planner.host_reserve:
+        return (f"ProTrain: warning: the plan pins {fmt_bytes(need)} of host memory and leaves "
+                f"{fmt_bytes(left)} of this rank's {fmt_bytes(share)} (less than the "
+                f"{planner.host_reserve:.0%} host_reserve) for the data loader, the OS and the "
+                f"framework: if they need more, the OOM killer stops the run. {limits.describe()}. "
+                + _fixes(plan, limits, planner, ssd_path=ssd_path))
+    return None
+
+
+def _fixes(plan: Plan, limits: HostLimits, planner: PlannerConfig, *, ssd_path: str | None) -> str:
+    """What would make the plan fit, most direct first."""
+    budget = default_budget(limits, planner.host_reserve)
+    fixes = []
+    if planner.host_memory is not None and planner.host_memory > budget:
+        fixes.append(f"set protrain.host_memory to at most {fmt_bytes(budget)} (it is "
+                     f"{fmt_bytes(planner.host_memory)}), or remove it: the default is this budget")
+    elif plan.host_memory > budget:
+        fixes.append(f"plan again (the plan was made for {fmt_bytes(plan.host_memory)} of host "
+                     f"memory; delete the plan file, the default budget here is {fmt_bytes(budget)})")
+    if not ssd_path:
+        fixes.append("set protrain.ssd_path to an NVMe directory so optimizer states go to the drive")
+    else:
+        fixes.append("let the planner put more optimizer states on the drive (unpin n_nvme)")
+    fixes.append("spread the run over more nodes (the offloaded states are sharded over the "
+                 "data-parallel ranks, and the ranks of a node share its memory)")
+    if limits.binding.startswith("cgroup"):
+        fixes.append("raise the container's or job's memory limit")
+    return "Fix: " + "; or ".join(fixes)

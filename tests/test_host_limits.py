@@ -1,0 +1,205 @@
+"""Host memory made real (issue 27, item 3): the limits this process has (MemAvailable, the
+memory cgroup v2 or v1, RLIMIT_MEMLOCK) read from injected files, shared by a node's ranks;
+the search's default host budget; a plan refused (or warned about) naming the numbers; and
+pinning refused before the allocation instead of the OOM killer."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from protrain.runtime import host_limits
+from protrain.runtime.host_limits import (HostLimits, HostPaths, PinnedMemoryError, check_pinning,
+                                          read_host_limits)
+from protrain.runtime.streams import Streams
+from protrain.units import fmt_bytes
+
+GiB, MiB, KiB = 2**30, 2**20, 2**10
+
+
+def fake_host(root: Path, *, total: int, available: int, cgroup: str = "0::/",
+              v2: dict[str, dict[str, str]] | None = None, v1: dict[str, dict[str, str]] | None = None,
+              vmlck: int = 0) -> HostPaths:
+    """A /proc and /sys/fs/cgroup of our making under ``root``: ``v2`` / ``v1`` map a cgroup
+    directory (relative to the mount) to its files."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "meminfo").write_text(f"MemTotal:       {total // KiB} kB\nMemFree:        1 kB\n"
+                                  f"MemAvailable:   {available // KiB} kB\n")
+    (root / "cgroup").write_text(cgroup + "\n")
+    (root / "status").write_text(f"Name:\tpython3\nVmLck:\t{vmlck // KiB} kB\n")
+    for mount, tree in (("cg2", v2), ("cg1", v1)):
+        (root / mount).mkdir(exist_ok=True)
+        if mount == "cg2" and v2 is not None:
+            (root / mount / "cgroup.controllers").write_text("cpu memory\n")
+        for d, files in (tree or {}).items():
+            (root / mount / d).mkdir(parents=True, exist_ok=True)
+            for name, text in files.items():
+                (root / mount / d / name).write_text(text + "\n")
+    return HostPaths(meminfo=root / "meminfo", proc_cgroup=root / "cgroup", cgroup_v2=root / "cg2",
+                     cgroup_v1_memory=root / "cg1", proc_status=root / "status")
+
+
+def test_the_binding_limit_and_each_ranks_share_from_meminfo_and_cgroups(tmp_path):
+    # cgroup v2: the job's memory.max binds (3 GiB less its working set: 1 GiB used, of which
+    # 256 MiB inactive file cache the kernel reclaims first); the step below it has no limit.
+    job = {"memory.max": str(3 * GiB), "memory.current": str(GiB),
+           "memory.stat": f"anon 1\ninactive_file {256 * MiB}\nactive_file 5"}
+    v2 = fake_host(tmp_path / "v2", total=64 * GiB, available=40 * GiB, cgroup="0::/job/step",
+                   v2={"": {"memory.max": "max"}, "job": job,
+                       "job/step": {"memory.max": "max", "memory.current": str(GiB)}})
+    lim = read_host_limits(v2, ranks_per_node=4)
+    room = 3 * GiB - (GiB - 256 * MiB)
+    assert lim.cgroup == str(tmp_path / "v2/cg2/job/memory.max") and lim.cgroup_limit == 3 * GiB
+    assert lim.binding == f"cgroup {lim.cgroup}" and lim.node_room == room
+    assert lim.share == room // 4
+    assert lim.mem_available == 40 * GiB and lim.mem_total == 64 * GiB
+    # MemAvailable below the cgroup's room binds instead.
+    tight = fake_host(tmp_path / "tight", total=64 * GiB, available=GiB, cgroup="0::/job/step",
+                      v2={"job": job})
+    lim = read_host_limits(tight, ranks_per_node=2)
+    assert (lim.binding, lim.node_room, lim.share) == ("MemAvailable", GiB, GiB // 2)
+    # A tighter limit deeper down (the leaf) binds over its ancestor's.
+    leaf = fake_host(tmp_path / "leaf", total=64 * GiB, available=40 * GiB, cgroup="0::/job/step",
+                     v2={"job": job, "job/step": {"memory.max": str(GiB), "memory.current": str(GiB // 4)}})
+    lim = read_host_limits(leaf)
+    assert lim.cgroup.endswith("job/step/memory.max") and lim.node_room == GiB - GiB // 4
+
+    # cgroup v1 in a container: /proc/self/cgroup names a host path the mount does not show,
+    # so the mount's root is this container's cgroup; its hierarchical limit (a parent job's)
+    # is tighter than its own.
+    v1 = fake_host(tmp_path / "v1", total=64 * GiB, available=40 * GiB,
+                   cgroup="4:memory:/docker/abc\n0::/",
+                   v1={"": {"memory.limit_in_bytes": str(4 * GiB), "memory.usage_in_bytes": str(GiB),
+                            "memory.stat": f"hierarchical_memory_limit {2 * GiB}\n"
+                                           f"total_inactive_file {128 * MiB}"}})
+    lim = read_host_limits(v1)
+    assert lim.cgroup_limit == 2 * GiB and lim.cgroup_used == GiB - 128 * MiB
+    assert lim.node_room == GiB + 128 * MiB and "hierarchical_memory_limit" in lim.binding
+    # v1's "no limit" (the largest page counter) is no limit: MemAvailable binds.
+    unlimited = fake_host(tmp_path / "v1u", total=64 * GiB, available=40 * GiB, cgroup="4:memory:/",
+                          v1={"": {"memory.limit_in_bytes": "9223372036854771712",
+                                   "memory.usage_in_bytes": str(GiB)}})
+    lim = read_host_limits(unlimited, ranks_per_node=8)
+    assert lim.cgroup is None and lim.binding == "MemAvailable" and lim.share == 5 * GiB
+    assert "no cgroup memory limit" in lim.describe() and "8 ranks" in lim.describe()
+
+
+def test_rlimit_memlock_lowered_in_a_subprocess_is_read_but_does_not_bind_cuda_pinning(tmp_path):
+    """NVIDIA's driver pins with pin_user_pages and never charges locked_vm, which is what
+    RLIMIT_MEMLOCK bounds (host_limits' module doc): lowering it leaves the budget as it was.
+    Were it to bind (``memlock_binds``), the budget would follow it, per process."""
+    paths = fake_host(tmp_path / "h", total=64 * GiB, available=8 * GiB, vmlck=16 * KiB)
+    code = f"""
+import json, resource
+from protrain.runtime.host_limits import HostPaths, read_host_limits
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
+p = HostPaths(**{{k: Path(v) for k, v in {json.dumps({k: str(getattr(paths, k)) for k in HostPaths.__slots__})}.items()}})
+a = read_host_limits(p, ranks_per_node=2)
+b = read_host_limits(p, ranks_per_node=2, memlock_binds=True)
+print(json.dumps([a.memlock, a.share, a.binding, b.share, b.binding]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    memlock, share, binding, bound_share, bound_binding = json.loads(out.strip().splitlines()[-1])
+    assert memlock == 64 * KiB
+    assert (share, binding) == (read_host_limits(paths, ranks_per_node=2).share, "MemAvailable")
+    assert share == 4 * GiB
+    # Per process: each rank may lock its own 64 KiB less what it has locked (VmLck 16 KiB).
+    assert (bound_share, bound_binding) == (64 * KiB - 16 * KiB, "RLIMIT_MEMLOCK")
+
+
+def test_pinning_beyond_the_limits_is_refused_before_the_allocation(tmp_path, monkeypatch):
+    small = fake_host(tmp_path / "s", total=64 * MiB, available=8 * MiB)
+    monkeypatch.setattr(host_limits, "SYSTEM", small)
+    streams = Streams(torch.device("cpu"))
+    ok = streams.pinned(1024, torch.float32, "a small buffer")     # 4 KiB: fits
+    assert ok.numel() == 1024
+    tried = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: tried.append(a) or real_empty(*a, **k))
+    with pytest.raises(PinnedMemoryError) as err:
+        streams.pinned(2 * MiB, torch.float32, "chunk 3's fp32 master")      # 8 MiB
+    assert tried == []             # refused before torch.empty was asked
+    msg = str(err.value)
+    headroom = min(host_limits.GUARD_HEADROOM, 64 * MiB // 64)
+    assert "chunk 3's fp32 master" in msg and fmt_bytes(8 * MiB) in msg
+    assert f"{fmt_bytes(8 * MiB - headroom)} is left" in msg and "MemAvailable" in msg
+    assert "protrain.ssd_path" in msg and "protrain.host_memory" in msg
+    monkeypatch.setattr(torch, "empty", real_empty)
+    # The allocator's own failure (256 TiB: past the address space) is named the same way.
+    monkeypatch.setattr(host_limits, "SYSTEM", fake_host(tmp_path / "big", total=2**62, available=2**61))
+    with pytest.raises(PinnedMemoryError, match="could not pin 256.0 TiB of host memory for a huge arena"):
+        streams.pinned(2**46, torch.float32, "a huge arena")
+    # and the whole plan's host memory, checked before the runtime takes any of it
+    with pytest.raises(PinnedMemoryError, match="the plan's host memory"):
+        check_pinning(2**62, "the plan's host memory", limits=read_host_limits(small))
+
+
+def test_a_deepspeed_plan_beyond_the_hosts_limits_is_refused_naming_the_numbers(tmp_path, monkeypatch, capsys):
+    """The budget the search gets is this rank's real share less host_reserve; a plan that
+    needs more than the share (a host_memory set too high) is refused at the first forward,
+    before the runtime pins anything; with no host_memory the search itself finds no plan and
+    says where its budget came from."""
+    from dstrain import UNTIED, base_config, train, with_protrain
+
+    from protrain.measure.probe import probe_hardware
+    from protrain.search import InfeasibleError
+    from protrain.session.host_budget import admit, default_budget
+    probe_hardware(torch.device("cpu"), progress=False)    # cached: measured under the real limits
+    offloaded = dict(chunk_size="230KiB", n_persist=0, n_buffer=2, n_swap=0, n_checkpoint=0)
+    job = {"memory.max": str(3 * GiB), "memory.current": str(GiB), "memory.stat": f"inactive_file {256 * MiB}"}
+    roomy = fake_host(tmp_path / "roomy", total=64 * GiB, available=40 * GiB, cgroup="0::/job", v2={"job": job})
+    monkeypatch.setattr(host_limits, "SYSTEM", roomy)
+    # (ssd_path does not change the budget, only what the search may do under it; its probe
+    # costs 20 s here)
+    _, _, engine = train(with_protrain(base_config(), **offloaded), UNTIED, steps=1)
+    plan, planner = engine.protrain_plan, engine.protrain_config.planner
+    engine.destroy()
+    limits = read_host_limits(roomy)
+    assert plan.host_memory == default_budget(limits, planner.host_reserve) == int((3 * GiB - 768 * MiB) * 0.9)
+    need = plan.prediction.host_bytes
+    assert need > MiB
+
+    # The tiers of admission, on this plan: fits; leaves less than the reserve; beyond the share.
+    def at(share):
+        return replace(limits, mem_available=share, cgroup=None, cgroup_limit=None)
+    assert admit(plan, at(2 * need), planner, ssd_path=None) is None
+    warning = admit(plan, at(need + need // 20), planner, ssd_path=None)
+    assert warning.startswith("ProTrain: warning") and fmt_bytes(need) in warning and "OOM killer" in warning
+    with pytest.raises(InfeasibleError, match="cannot hold the plan"):
+        admit(plan, at(need - 1), planner, ssd_path=None)
+
+    # A host of less than the plan needs: MemAvailable binds.
+    tight = fake_host(tmp_path / "tight", total=64 * MiB, available=need // 2)
+    monkeypatch.setattr(host_limits, "SYSTEM", tight)
+    share = read_host_limits(tight).share
+    def first_step(ds_config):
+        import deepspeed
+        from protrain.models import GPT, synthetic_batch
+        model = GPT(UNTIED)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+        try:
+            engine.backward(engine(*synthetic_batch(UNTIED, ds_config["train_micro_batch_size_per_gpu"])))
+        finally:
+            engine.destroy()
+
+    with pytest.raises(InfeasibleError) as err:      # host_memory set above what the host has
+        first_step(with_protrain(base_config(), **offloaded, host_memory="1GiB"))
+    msg = str(err.value)
+    assert err.value.host_needed == need
+    for words in (f"it needs {fmt_bytes(need)}", f"this rank can have {fmt_bytes(share)}",
+                  f"MemAvailable binds at {fmt_bytes(share)}", "RLIMIT_MEMLOCK",
+                  f"set protrain.host_memory to at most {fmt_bytes(int(share * 0.9))}",
+                  "set protrain.ssd_path"):
+        assert words in msg, (words, msg)
+    with pytest.raises(InfeasibleError) as err:      # the default budget: the search says why
+        first_step(with_protrain(base_config(), **offloaded))
+    assert "cannot hold the plan" not in str(err.value)
+    assert f"host budget {fmt_bytes(int(share * 0.9))}: this rank's {fmt_bytes(share)} less the 10% " \
+           f"host_reserve" in str(err.value), str(err.value)

@@ -1,0 +1,185 @@
+"""Optimizer states on NVMe (issue 27, ``n_nvme``): the states of the last offloaded chunks live
+in a file under ssd_path and stream through CPU Adam; training stays DeepSpeed's bit for bit
+(clipping and speculation included), checkpoints move them in and out of the drive, and the
+drive's files are scratch."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+from deferred_streams import deferred_streams
+from dpworker import free_port, launch, launch_runs
+from dstrain import UNTIED, base_config, train, with_protrain
+from test_ds_engine import deepspeed_run
+
+from protrain.state_tier import STAGING_SLOTS
+
+# Every chunk but one offloaded (110 KiB chunks of the untied tiny GPT: 14 chunks), the last
+# N_NVME of them with their states on the drive; all offloaded chunks speculate under clipping.
+N_NVME = 5
+PINS = dict(chunk_size="110KiB", n_persist=1, n_buffer=4, n_swap=0, n_checkpoint=0,
+            speculate_chunks=99)
+CLIP = '{"gradient_clipping": 1.0}'
+FACTOR = 0.6          # gradient norms wander around 1.0: some steps clip, some speculations roll back
+
+
+def _runs_under(root) -> list[str]:
+    return sorted(p for p in os.listdir(root) if not p.startswith("."))
+
+
+def test_states_on_nvme_train_exactly_like_deepspeed_under_clipping(tmp_path, monkeypatch):
+    """fp32, clipping at 1.0, 13 of 14 chunks offloaded, 5 with their states on the drive: every
+    loss and weight equals plain DeepSpeed ZeRO-0's, through steps that clip (speculative
+    updates of chunks on NVMe undone by reading back the place they did not write). Host
+    memory holds no states of those chunks, only the staging ring; the file holds them; the
+    directory is empty after the engine is destroyed."""
+    ref_losses, ref_weights = deepspeed_run(UNTIED, CLIP, 20, loss_factor=FACTOR)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    with deferred_streams(monkeypatch):
+        losses, weights, engine = train(
+            with_protrain(base_config(**json.loads(CLIP)), **PINS, n_nvme=N_NVME, ssd_path=str(ssd)),
+            UNTIED, 20, loss_factor=FACTOR)
+    rt = engine.protrain_runtime
+    stats = engine.protrain_stats()
+    nvme = rt.chunks.nvme
+    offloaded = rt.chunks.offloaded()
+    on_drive = [c for c in offloaded if rt.chunks.on_nvme(c)]
+    assert [c.index for c in on_drive] == list(range(14 - N_NVME, 14)) and len(offloaded) == 13
+    assert losses == ref_losses
+    assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
+    assert stats["cpu_adam_rollbacks"] > 0 and stats["cpu_adam_overlapped_chunks"] > 0
+    # No state tensor of a chunk on NVMe in host memory between uses, and no speculation backup.
+    rt.optimizer.sync()
+    assert all(c.exp_avg is None and c.exp_avg_sq is None for c in on_drive)
+    assert all(c.index not in rt.optimizer._backup for c in on_drive)
+    # fp32: exp_avg and exp_avg_sq (8 bytes per element) of each chunk, on the drive.
+    assert stats["nvme_state_bytes"] == sum(8 * c.shard_size for c in on_drive)
+    files = list((ssd / _runs_under(ssd)[0]).glob("*.opt"))
+    assert stats["nvme_file_bytes"] == sum(f.stat().st_size for f in files) >= 2 * stats["nvme_state_bytes"]
+    # In host memory: the other chunks' states and speculation backups (8 + 12 bytes per
+    # element), and the staging ring: STAGING_SLOTS buffers of the largest chunk's states and,
+    # fp32 under clipping, its master from before a speculative update (3 fields, 4 KiB-aligned)
+    # - less than if every chunk's were there.
+    in_host = [c for c in offloaded if not rt.chunks.on_nvme(c)]
+    ring = STAGING_SLOTS * (3 * -(-4 * max(c.shard_size for c in on_drive) // 4096) * 4096 + 4096)
+    assert stats["host_state_bytes"] == sum(20 * c.shard_size for c in in_host) + ring
+    assert stats["host_state_bytes"] < sum(20 * c.shard_size for c in offloaded)
+    assert nvme.read_bytes > 0 and nvme.written_bytes > 0
+    engine.destroy()
+    assert os.listdir(ssd) == []
+
+
+def test_bf16_with_the_master_on_nvme_matches_the_host_resident_run(tmp_path, monkeypatch):
+    """16-bit training: the fp32 master goes to the drive too (12 bytes per element). Clipping
+    with speculation: a committed speculation refreshes the upload copy from the master on
+    the drive. Losses and weights equal the run with every state in host memory."""
+    # Gradient norms 1.01, 0.79, 0.73, 0.78, 0.62, ... at this loss factor: clipping at 0.75
+    # rolls back the speculation of step 3, and the later ones stand.
+    cfg = base_config(bf16={"enabled": True}, gradient_clipping=0.75)
+    pins = dict(PINS, chunk_size="55KiB")          # bf16: the same 14 chunks
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    with deferred_streams(monkeypatch):
+        host_losses, host_weights, engine = train(with_protrain(cfg, **pins), UNTIED, 8, loss_factor=0.25)
+        host_rollbacks = engine.protrain_stats()["cpu_adam_rollbacks"]
+        engine.destroy()
+        losses, weights, engine = train(with_protrain(cfg, **pins, n_nvme=N_NVME, ssd_path=str(ssd)),
+                                        UNTIED, 8, loss_factor=0.25)
+    stats = engine.protrain_stats()
+    on_drive = [c for c in engine.protrain_runtime.chunks.offloaded()
+                if engine.protrain_runtime.chunks.on_nvme(c)]
+    assert stats["nvme_state_bytes"] == sum(12 * c.shard_size for c in on_drive) > 0
+    assert stats["cpu_adam_rollbacks"] == host_rollbacks > 0
+    assert stats["cpu_adam_overlapped_chunks"] > 0
+    engine.destroy()
+    assert losses == host_losses
+    assert all(torch.equal(weights[n], w) for n, w in host_weights.items())
+    assert os.listdir(ssd) == []
+
+
+_KILLED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from dstrain import UNTIED, base_config, with_protrain
+    import deepspeed, torch
+    from protrain.models import GPT, synthetic_batch
+    torch.manual_seed(0)
+    model = GPT(UNTIED)
+    cfg = with_protrain(base_config(), **{pins!r}, n_nvme={n}, ssd_path={ssd!r})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for i in range(10**6):
+        x, y = synthetic_batch(UNTIED, 2, seed=i)
+        engine.backward(engine(x, y))
+        engine.step()
+        print("stepped", flush=True)
+""")
+
+
+def _kill_mid_training(ssd) -> str:
+    """Train with states on NVMe in a subprocess and kill -9 it after two steps; the run
+    directory it leaves behind."""
+    code = _KILLED.format(tests=os.path.dirname(__file__), pins=PINS, n=N_NVME, ssd=str(ssd))
+    # Its own rendezvous port: this process's may be held by an engine of an earlier test.
+    env = dict(os.environ, MASTER_PORT=str(free_port()))
+    log = open(ssd.parent / "killed.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log,
+                            text=True, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        steps = 0
+        while steps < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            steps += line.strip() == "stepped"
+        assert steps == 2, open(log.name).read()[-3000:]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        proc.stdout.close()
+        log.close()
+    left = _runs_under(ssd)
+    assert len(left) == 1 and list((ssd / left[0]).glob("*.opt")), left   # kill -9 skips cleanup
+    return left[0]
+
+
+def test_checkpoints_move_states_off_and_onto_the_drive_and_a_killed_run_is_reaped(tmp_path):
+    """A run with states on NVMe saves at step 6 and goes on to 12. In a fresh process, from
+    that checkpoint: states on NVMe again (steps 6-12), then every state in host memory
+    (n_nvme 0, steps 6-9, saving at 9), then from that one on NVMe again (steps 9-12). Each
+    continues the first run bit for bit. Before them a training process killed with -9 left
+    its directory: the next run reaps it, and nothing is left after the runs."""
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    stale = _kill_mid_training(ssd)
+    base = dict(model=dict(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=64,
+                           tie_embeddings=False),
+                global_batch=2, extra=json.loads(CLIP), loss_factor=FACTOR, deferred_streams=True)
+    nvme = dict(PINS, n_nvme=N_NVME, ssd_path=str(ssd))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    (tmp_path / "full").mkdir()
+    full = launch(1, dict(base, protrain=nvme, steps=12, save=a, save_at=6), str(tmp_path / "full"))[0]
+    assert stale not in _runs_under(ssd)
+    assert full["rollbacks"] > 0
+    (tmp_path / "resumed").mkdir()
+    runs = launch_runs(1, {
+        "nvme": dict(base, protrain=nvme, steps=6, start=6, load=a),
+        "host": dict(base, protrain=dict(PINS, n_nvme=0), steps=3, start=6, load=a, save=b),
+        "back": dict(base, protrain=nvme, steps=3, start=9, load=b),
+    }, str(tmp_path / "resumed"))
+    assert full["n_nvme"] == runs["nvme"][0]["n_nvme"] == runs["back"][0]["n_nvme"] == N_NVME
+    assert runs["host"][0]["n_nvme"] == 0
+    assert runs["nvme"][0]["losses"] == full["losses"][6:]
+    assert runs["host"][0]["losses"] == full["losses"][6:9]
+    assert runs["back"][0]["losses"] == full["losses"][9:]
+    w_full = torch.load(tmp_path / "full" / "weights.pt")
+    for run in ("nvme", "back"):
+        got = torch.load(tmp_path / "resumed" / run / "weights.pt")
+        assert all(torch.equal(got[n], w) for n, w in w_full.items()), run
+    assert _runs_under(ssd) == []
