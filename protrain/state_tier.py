@@ -38,6 +38,13 @@ def state_bytes_per_element(master_separate: bool) -> int:
     return 12 if master_separate else 8
 
 
+def staged_bytes_per_element(master_separate: bool, speculative: bool) -> int:
+    """Bytes per parameter element of a staging buffer, of one place on the drive and of a
+    write-back: the optimizer states, and in fp32 training with speculation the master from
+    before a speculative update (a rollback reads it back into the parameters)."""
+    return state_bytes_per_element(master_separate) + (4 if speculative and not master_separate else 0)
+
+
 def drive_state_bytes(state_bytes: int) -> int:
     """Drive space for ``state_bytes`` of NVMe chunk states: ``NVME_STATE_SLOTS`` copies."""
     return NVME_STATE_SLOTS * state_bytes

@@ -136,3 +136,20 @@ def test_activations_and_states_share_the_drive():
     assert both.drive_time[0] == pytest.approx(max(acts.drive_time[0] + states.drive_time[0],
                                                    states.drive_time[0]))
     assert both.iter_time[0] >= max(acts.iter_time[0], states.iter_time[0])
+
+
+def test_fp32_with_speculation_stages_and_writes_the_master_too():
+    """fp32: the parameters are the master and stay in host memory (8 bytes per element leave
+    it); with speculation the staging buffers, the drive's places and the write-backs carry
+    the master from before the update as well (12), as runtime.nvme_states lays them out."""
+    hw = small_hw(device_memory=60 * MiB, host_memory=1 * GiB, **DRIVES["gds"])
+    prof = analytic_profile(replace(SMALL, dtype_bytes=4), hw)
+    base = PlannerConfig(chunk_sizes=(2 * MiB,), pins=KnobPins(n_nvme=2))
+    plain = search(prof, hw, base).prediction
+    spec = search(prof, hw, replace(base, cpu_optim_overlap=False, cpu_optim_speculative=True,
+                                    gradient_clipping=True)).prediction
+    numel = 2 * MiB // 4
+    assert plain.staging_bytes == STAGING_SLOTS * 8 * numel and spec.staging_bytes == STAGING_SLOTS * 12 * numel
+    read = plain.nvme_state_io_bytes // 2
+    assert spec.nvme_state_bytes == NVME_STATE_SLOTS * read * 12 // 8
+    assert spec.nvme_state_io_bytes == read + read * 12 // 8

@@ -299,8 +299,9 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
         args = (prof, grid.layout, hw, grid.n_persist, grid.n_buffer, acts.codes(grid.a))
         step = simulate(*args, cpu_overlap=overlap, world=world, n_nvme=grid.n_nvme)
         micro = simulate(*args, optimizer_step=False, world=world, n_nvme=grid.n_nvme) if gas > 1 else None
-        states = nvme_state_top(grid.layout, planned_state_bytes(prof, config), world)[grid.n_nvme]
-        sim = bytes_moved(step, micro, gas, acts.ssd[grid.a].astype(float), hw, 2.0 * states)
+        sb = planned_state_bytes(prof, config)
+        states = (nvme_state_top(grid.layout, sb, world) + nvme_state_top(grid.layout, sb, world, staged=True))
+        sim = bytes_moved(step, micro, gas, acts.ssd[grid.a].astype(float), hw, states[grid.n_nvme].astype(float))
         assert np.allclose(grid.moved, sim, rtol=1e-12, atol=0)
         checked += len(idx)
         on_drive += int((grid.n_nvme > 0).sum())

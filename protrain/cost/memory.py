@@ -42,7 +42,7 @@ import numpy as np
 from ..block_mode import CKPT, NONE, SEL, SSD, SWAP, BlockMode
 from ..profile.model_profile import ModelProfile
 from ..layout import ChunkLayout
-from ..state_tier import STAGING_SLOTS, drive_state_bytes, state_bytes_per_element
+from ..state_tier import STAGING_SLOTS, drive_state_bytes, staged_bytes_per_element, state_bytes_per_element
 
 
 # ---- model states ----------------------------------------------------------------------
@@ -70,14 +70,20 @@ class StateBytes:
     nvme: int = 12
     """Of ``host``, the bytes per element an NVMe chunk keeps on the drive instead
     (``state_tier.state_bytes_per_element``: the fp32 master where separate, Adam's m and v;
-    12 in bf16/fp16, 8 in fp32). Its parameters and gradients stay on the host."""
+    12 in bf16/fp16, 8 in fp32): what its update reads. Its parameters and gradients stay on
+    the host."""
+    nvme_staged: int = 12
+    """Bytes per element of a staging buffer, a place on the drive and a write-back
+    (``state_tier.staged_bytes_per_element``: ``nvme``, and 4 more in fp32 with speculation)."""
 
 
-def state_bytes(param_bytes: int, grad_accumulation: bool = False) -> StateBytes:
+def state_bytes(param_bytes: int, grad_accumulation: bool = False, speculative: bool = False) -> StateBytes:
+    """``speculative``: CPU Adam may update chunks before the step's verdict."""
     half = param_bytes < 4
     host = 12 + (param_bytes if half else 0) + (4 if grad_accumulation or not half else 0)
     return StateBytes(persistent=param_bytes + 4 + (4 if half else 0) + 8,
-                      buffer=param_bytes, host=host, nvme=state_bytes_per_element(half))
+                      buffer=param_bytes, host=host, nvme=state_bytes_per_element(half),
+                      nvme_staged=staged_bytes_per_element(half, speculative))
 
 
 def model_state_device_bytes(layout: ChunkLayout, n_persist, n_buffer, sb: StateBytes,
@@ -106,24 +112,25 @@ def model_state_host_bytes(layout: ChunkLayout, n_persist, sb: StateBytes, world
             - nvme_state_top(layout, sb, world)[np.asarray(n_nvme)] + staging_bytes(layout, sb, world, n_nvme))
 
 
-def nvme_state_top(layout: ChunkLayout, sb: StateBytes, world: int = 1) -> np.ndarray:
+def nvme_state_top(layout: ChunkLayout, sb: StateBytes, world: int = 1, staged: bool = False) -> np.ndarray:
     """At index k (0 .. n_chunks): bytes of optimizer states of the last k chunks' shards - what
-    k NVMe chunks take off the host, and read from and write back to the drive each step."""
-    shard = -(-np.asarray(layout.used, dtype=np.int64) // world) * sb.nvme
+    k NVMe chunks take off the host, and read from the drive each step; ``staged``: what they
+    write back (``StateBytes.nvme_staged``)."""
+    shard = -(-np.asarray(layout.used, dtype=np.int64) // world) * (sb.nvme_staged if staged else sb.nvme)
     return np.concatenate([[0], np.cumsum(shard[::-1])])
 
 
 def staging_bytes(layout: ChunkLayout, sb: StateBytes, world: int, n_nvme):
     """Pinned host bytes of the staging ring (``state_tier.STAGING_SLOTS`` buffers of one chunk
     capacity's shard of states) where any chunk's states are on the drive."""
-    ring = STAGING_SLOTS * -(-layout.chunk_numel // world) * sb.nvme
+    ring = STAGING_SLOTS * -(-layout.chunk_numel // world) * sb.nvme_staged
     return np.where(np.asarray(n_nvme) > 0, ring, 0)
 
 
 def nvme_drive_bytes(layout: ChunkLayout, sb: StateBytes, world: int, n_nvme):
     """Drive space the last ``n_nvme`` chunks' states take on one rank (both slots:
     ``state_tier.drive_state_bytes``)."""
-    return drive_state_bytes(nvme_state_top(layout, sb, world)[np.asarray(n_nvme)])
+    return drive_state_bytes(nvme_state_top(layout, sb, world, staged=True)[np.asarray(n_nvme)])
 
 
 def norm_scratch_bytes(profile: ModelProfile, layout: ChunkLayout, clipping: bool,
@@ -275,7 +282,8 @@ def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n
         activation_peak_bytes=int(act[0]), peak_at=peak_at, host_bytes=host, swap_host_bytes=swap,
         ssd_bytes=int(ssd_bytes(profile, codes)[0]), norm_scratch_bytes=norm_scratch,
         nvme_state_bytes=int(nvme_drive_bytes(layout, sb, world, n_nvme)),
-        nvme_state_io_bytes=2 * int(nvme_state_top(layout, sb, world)[n_nvme]),
+        nvme_state_io_bytes=int(nvme_state_top(layout, sb, world)[n_nvme]
+                                + nvme_state_top(layout, sb, world, staged=True)[n_nvme]),
         staging_bytes=int(staging_bytes(layout, sb, world, n_nvme)))
 
 

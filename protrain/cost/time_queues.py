@@ -104,7 +104,8 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
     nnvme = np.broadcast_to(np.asarray(n_nvme, dtype=np.int64), (k_plans,))
     n_chunks = layout.n_chunks
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
-    t_sread, t_swrite = state_io_times(layout, hw, world, profile.param_bytes < 4)
+    t_sread, t_swrite = state_io_times(layout, hw, world, profile.param_bytes < 4,
+                                       speculative=speculate_from is not None and not cpu_overlap)
     rr = rank_rates(hw)
     if (nnvme > n_chunks - npers).any() or (nnvme < 0).any():
         raise ValueError("n_nvme counts offloaded chunks: from 0 to n_chunks - n_persist")

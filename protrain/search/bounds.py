@@ -15,7 +15,7 @@ from ..cost.host_share import rank_rates
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from .candidates import ActivationConfigs, CandidateGrid
-from .policy import checks_on_host, speculation_max, weak_cpu_bound
+from .policy import checks_on_host, speculation_max, speculative_writes, weak_cpu_bound
 
 
 def forward_write_bound(profile: ModelProfile, hw: HardwareProfile, csum: np.ndarray,
@@ -91,7 +91,7 @@ def drive_wait_top(profile: ModelProfile, layout, hw: HardwareProfile, config: P
     (and host checks) when their states are on the drive - the read or write-back where it
     outlasts them (``cost.time_state_io.staged_turn``)."""
     world = config.data_parallel_size
-    t_read, t_write = state_io_times(layout, hw, world, profile.param_bytes < 4)
+    t_read, t_write = state_io_times(layout, hw, world, profile.param_bytes < 4, speculative_writes(config))
     _, _, t_adam = chunk_transfer_times(layout, profile, hw, world)
     checks = check_times(layout, hw, world) if checks_on_host(config) and not config.cpu_optim_overlap else 0.0
     wait = np.maximum(np.maximum(t_read, t_write) - t_adam - checks, 0.0)
@@ -107,7 +107,8 @@ def drive_bound(layout, profile: ModelProfile, hw: HardwareProfile, config: Plan
     if not n_nvme.any():
         return np.zeros(np.shape(ssd))
     rr = rank_rates(hw)
-    t_read, t_write = state_io_times(layout, hw, config.data_parallel_size, profile.param_bytes < 4)
+    t_read, t_write = state_io_times(layout, hw, config.data_parallel_size, profile.param_bytes < 4,
+                                     speculative_writes(config))
     top = lambda t: np.concatenate([[0.0], np.cumsum(t[::-1])])   # noqa: E731  (last k chunks)
     floor = np.maximum(top(t_read)[n_nvme] + ssd / rr.nvme_read, top(t_write)[n_nvme] + ssd / rr.nvme_write)
     return np.where(n_nvme > 0, floor, 0.0)

@@ -14,7 +14,7 @@ from ..profile.model_profile import ModelProfile
 
 def planned_state_bytes(profile: ModelProfile, config: PlannerConfig) -> StateBytes:
     """Bytes of model state per parameter: on the device, on the host, in a chunk buffer."""
-    return state_bytes(profile.param_bytes, config.grad_accumulation_steps > 1)
+    return state_bytes(profile.param_bytes, config.grad_accumulation_steps > 1, speculative_writes(config))
 
 
 def norm_scratch(profile: ModelProfile, config: PlannerConfig, layout) -> np.ndarray:
@@ -81,6 +81,12 @@ def speculation_max(layout, hw: HardwareProfile, config: PlannerConfig, n_persis
     k = np.asarray(n_nvme)
     fit = np.maximum(np.searchsorted(top, room + top[k], side="right") - 1, k)
     return np.minimum(n_off, fit).clip(min=0)
+
+
+def speculative_writes(config: PlannerConfig) -> bool:
+    """Whether NVMe chunks' write-backs carry the master from before a speculative update too
+    (fp32 with speculation: ``state_tier.staged_bytes_per_element``)."""
+    return speculates(config) and not config.cpu_optim_overlap
 
 
 def drive_states_possible(config: PlannerConfig, hw: HardwareProfile) -> bool:

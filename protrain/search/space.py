@@ -20,7 +20,7 @@ from ..units import fmt_bytes
 from .bounds import forward_write_bound, step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .infeasible import InfeasibleError
-from .policy import drive_states_possible, norm_scratch, planned_state_bytes
+from .policy import drive_states_possible, norm_scratch, planned_state_bytes, speculative_writes
 
 
 def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile, states_busy: float = 0.0) -> int:
@@ -61,7 +61,8 @@ def least_state_drive_time(profile: ModelProfile, config: PlannerConfig, hw: Har
         k = (config.pins.n_nvme if config.pins.n_nvme is not None else
              0 if excess <= 0 else int(np.searchsorted(top, excess + ring, side="left")))
         if k <= layout.n_chunks - np_hi:
-            t_write = state_io_times(layout, hw, config.data_parallel_size, profile.param_bytes < 4)[1]
+            t_write = state_io_times(layout, hw, config.data_parallel_size, profile.param_bytes < 4,
+                                     speculative_writes(config))[1]
             least = min(least, float(t_write[layout.n_chunks - k:].sum()))
     return least if np.isfinite(least) else 0.0
 
@@ -188,7 +189,7 @@ def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerCo
     ub = chunk_bytes_prefix(layout, profile, config)
     moved = config.grad_accumulation_steps * (
         2.0 * (ub[layout.n_chunks] - ub[np_idx]) + reupload_bytes(layout, profile, config, np_idx, nb) +
-        2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx])) + 2.0 * _state_top(profile, config, layout)[nv]
+        2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx])) + _state_io_top(profile, config, layout)[nv]
     return CandidateGrid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, dev_lb, tail_lb,
                          moved, nv)
 
@@ -271,6 +272,13 @@ def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget
     return tuple(x[ok] for x in (a_idx, np_idx, nb, nbmin, peak, host, nv))
 
 
+def _state_io_top(profile, config, layout) -> np.ndarray:
+    """Bytes of optimizer states the last k chunks read from the drive and write back, at index k."""
+    sb = planned_state_bytes(profile, config)
+    world = config.data_parallel_size
+    return nvme_state_top(layout, sb, world) + nvme_state_top(layout, sb, world, staged=True)
+
+
 def _state_top(profile, config, layout) -> np.ndarray:
     """Bytes of optimizer states of the last k chunks' shards, at index k."""
     return nvme_state_top(layout, planned_state_bytes(profile, config), config.data_parallel_size)
@@ -315,7 +323,7 @@ def _drive_states(profile, hw, config, layout, np_idx, host, ssd, stats: dict):
     # Beyond the offloaded chunks (refused by the caller) the host is the least it can be.
     nv_c = np.minimum(nv, layout.n_chunks - np_idx)
     host = host - top[nv_c] + np.where(nv_c > 0, ring, 0)
-    drive = ssd + drive_state_bytes(top[nv_c])
+    drive = ssd + drive_state_bytes(nvme_state_top(layout, sb, world, staged=True)[nv_c])
     fit = (host <= hw.host_memory) & (nv <= layout.n_chunks - np_idx)
     if fit.any() and (nv_c > 0).any():
         need = drive[fit].min()
