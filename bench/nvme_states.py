@@ -34,7 +34,8 @@ speculation's rollback). Results go to bench/results/nvme_states-<device>-<tag>.
 DeepSpeed's async I/O op needs libaio: ``apt-get install -y libaio-dev`` (Debian/Ubuntu);
 DeepSpeed then builds it on first use into ~/.cache/torch_extensions.
 
-    python bench/nvme_states.py --dir /path/on/drive --rounds 3           # CPU, 26M GPT
+    OMP_NUM_THREADS=1 python bench/nvme_states.py --dir /path/on/drive --rounds 3 --steps 6
+                                        # CPU, 26M GPT; one thread: a shared VM's load stalls two
     python bench/nvme_states.py --smoke --dir /tmp                        # CPU check
 """
 from __future__ import annotations
