@@ -5,6 +5,9 @@ pays Ulysses' all-to-alls), so for each valid P the loop derives the per-rank pr
 (protrain.sp.scaling), runs the one search (protrain.search) on it and keeps the fastest
 optimizer step - the smallest P predicted within the model's error band of it
 (``choose_degree``); the plan's notes say what every P gave ("P=1 does not fit: ...").
+The degrees are searched in the order of a floor on their step (``search_floor``, from the
+chunk layouts alone), and one whose floor lies above the fastest step found and the band
+over it is skipped: it could not be chosen ("P=2 not searched: ...").
 
 A group of P ranks runs the P micro-batches its ranks received one after another, each split
 over the group (protrain.sp.batch), so the global batch stays the user's: per rank, an
@@ -98,8 +101,9 @@ def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
         if rival is not None:
             pruned[p] = (floors[p], rival)
             continue
+        prof, cfg = inner[p]
         try:
-            plans[p] = search(*inner[p][:1], hw, inner[p][1])
+            plans[p] = search(prof, hw, cfg)
         except InfeasibleError as e:
             failures[p] = e
     chosen = choose_degree(plans, config.time_tolerance)
