@@ -251,3 +251,40 @@ def test_a_checkpoint_streams_the_states_on_the_drive_through_host_memory(tmp_pa
     assert saving.grown < states / 16, (saving.grown, states)
     assert loading.grown < states / 4, (loading.grown, states)
     assert again == after
+
+
+# (micro-batch, tokens) of each rank's batch per step: rank 1's 40 tokens at step 2 re-plan
+# both ranks for longer batches, moving every state into the new runtime's chunks and file.
+_SHAPES = [[[2, 16], [2, 16]], [[2, 16], [2, 16]], [[2, 16], [2, 40]], [[2, 40], [2, 24]],
+           [[2, 24], [2, 32]], [[1, 12], [1, 8]]]
+
+
+def test_two_ranks_with_states_on_nvme_equal_deepspeed_zero0_across_a_longer_batch_replan(tmp_path):
+    """Two gloo ranks, each with its shard of the last N_NVME chunks' states in its own file
+    under one ssd_path, clipping at 1.0 with speculation (some steps clip): losses and weights
+    are DeepSpeed ZeRO-0's on two ranks bit for bit. Then batches that grow: the re-plan for
+    the longer one exports the states from the old runtime's files (mapped views) and
+    exchanges them between the ranks into the new runtime's: still DeepSpeed's bit for bit.
+    Nothing is left under ssd_path."""
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    model = dict(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=64, tie_embeddings=False)
+    clip = dict(model=model, global_batch=4, steps=12, loss_factor=0.7, extra=json.loads(CLIP))
+    shapes = dict(model=model, global_batch=4, steps=len(_SHAPES), batches=_SHAPES)
+    nvme = dict(PINS, n_nvme=N_NVME, ssd_path=str(ssd))
+    runs = launch_runs(2, {
+        "deepspeed": dict(clip, protrain=None),
+        "nvme": dict(clip, deferred_streams=True, protrain=nvme),
+        "deepspeed shapes": dict(shapes, protrain=None),
+        "nvme shapes": dict(shapes, deferred_streams=True, protrain=dict(nvme, sequence_parallel=1)),
+    }, str(tmp_path))
+    for ref, got in (("deepspeed", "nvme"), ("deepspeed shapes", "nvme shapes")):
+        assert [r["losses"] for r in runs[ref]] == [r["losses"] for r in runs[got]], got
+        w1 = torch.load(tmp_path / ref / "weights.pt")
+        w2 = torch.load(tmp_path / got / "weights.pt")
+        assert all(torch.equal(w2[n], w) for n, w in w1.items()), got
+        assert all(r["n_nvme"] == N_NVME and r["races"] == 0 for r in runs[got]), got
+    assert all(r["rollbacks"] > 0 and r["overlapped_chunks"] > 0 for r in runs["nvme"])
+    plans = runs["nvme shapes"][0]["plans"]
+    assert [p[0] for p in plans] == [16, 16, 64, 64, 64, 64]     # re-planned at step 2
+    assert _runs_under(ssd) == []
