@@ -288,3 +288,76 @@ def test_two_ranks_with_states_on_nvme_equal_deepspeed_zero0_across_a_longer_bat
     plans = runs["nvme shapes"][0]["plans"]
     assert [p[0] for p in plans] == [16, 16, 64, 64, 64, 64]     # re-planned at step 2
     assert _runs_under(ssd) == []
+
+
+def test_an_out_of_memory_replan_with_states_on_nvme_keeps_training_exactly(tmp_path):
+    """fp32, clipping, two micro-batches per step: an out-of-memory error in the second
+    micro-batch of step 2 re-plans, moving the states on the drive (mapped from the old file)
+    and the gradients accumulated so far into the new runtime, which keeps its states on the
+    drive again: losses equal the run with every state in host memory and no error."""
+    from test_oom import PLAN, run
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    cfg = base_config(gradient_accumulation_steps=2, **json.loads(CLIP))
+    ref, ref_engine, _ = run(cfg, 5)
+    ref_engine.destroy()
+    losses, engine, injector = run(cfg, 5, inject=("forward", {4}),
+                                   pins=dict(PLAN, n_nvme=N_NVME, ssd_path=str(ssd)))
+    assert injector.fired == [4] and losses == ref
+    assert engine.protrain_plan.knobs.n_nvme == N_NVME and engine.protrain_plan.memory_margin > 0.1
+    assert engine.protrain_stats()["nvme_state_bytes"] > 0 and len(_runs_under(ssd)) == 1
+    engine.destroy()
+    assert _runs_under(ssd) == []
+
+
+def test_an_fp16_overflow_with_chunks_on_nvme_speculating_is_skipped_exactly(tmp_path, monkeypatch):
+    """fp16 (dynamic loss scale, clipping 1.0), the master and moments of the last N_NVME
+    chunks on the drive: those chunks update speculatively during backward, then a gradient
+    of block 0 (reached last) is made inf on step 3. The step is skipped - the speculative
+    places discarded, the master as before - weights as after step 2, the scale halved, and
+    the run equals the host-resident one that never speculates, bit for bit."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from protrain.models import GPT, synthetic_batch
+    from test_ds_engine import SHAPES
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
+    model_cfg, pins = SHAPES["a mix"]
+    pins = dict(pins, chunk_size="55KiB")
+    cfg = base_config(fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1}, gradient_clipping=1.0)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+
+    def run(**section):
+        torch.manual_seed(0)
+        model = GPT(model_cfg)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=with_protrain(cfg, **pins, **section))
+        poison = {"on": False}
+        model.transformer.h[0].mlp.c_fc.weight.register_hook(
+            lambda g: torch.full_like(g, float("inf")) if poison["on"] else g)
+        trace, snapshots = [], []
+        for i in range(6):
+            x, y = synthetic_batch(model_cfg, 2, seed=i)
+            poison["on"] = i == 3
+            loss = engine(x, y)
+            engine.backward(loss * 0.25)
+            engine.step()
+            trace.append((loss.item(), engine.optimizer.overflow, engine.optimizer.cur_scale))
+            if i in (2, 3):
+                snapshots.append({n: t.clone() for n, t in model.state_dict().items()})
+        stats = engine.protrain_stats()
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine.destroy()
+        return trace, snapshots, stats, weights
+
+    plain = run(speculate_chunks=0)
+    with deferred_streams(monkeypatch):
+        trace, (before, after), stats, weights = run(speculate_chunks=99, n_nvme=N_NVME, ssd_path=str(ssd))
+    assert [t[1] for t in trace] == [False, False, False, True, False, False]
+    assert trace[3][2] == trace[2][2] / 2
+    assert all(torch.equal(after[n], t) for n, t in before.items())        # step 3 changed nothing
+    assert stats["cpu_adam_rollbacks"] > 0 and stats["cpu_adam_overlapped_chunks"] > 0
+    assert stats["nvme_state_bytes"] > 0
+    assert trace == plain[0]
+    assert all(torch.equal(weights[n], w) for n, w in plain[3].items())
+    assert _runs_under(ssd) == []
