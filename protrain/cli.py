@@ -71,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--device-memory", type=_size, help="cap the device memory the plan may use")
     h.add_argument("--cpu-adam-rate", type=float, help="CPU Adam parameters/s (named GPUs assume 1e9)")
     h.add_argument("--nvme", type=float, metavar="GB/s",
-                   help="enable the SSD activation tier with this NVMe read/write bandwidth")
-    h.add_argument("--nvme-free", type=_size, default=None, help="free space on the SSD (default 1TiB)")
+                   help="a drive (ssd_path) with this NVMe read/write bandwidth: the planner may put "
+                        "activations (n_ssd) and optimizer states (n_nvme) on it")
+    h.add_argument("--nvme-free", type=_size, default=None, metavar="SIZE",
+                   help="free space on the drive, shared by a node's ranks (default 1TiB)")
     h.add_argument("--gds", action="store_true", help="the SSD path supports GPUDirect Storage")
     h.add_argument("--world", type=int, default=1, metavar="N",
                    help="ranks of the launch (one GPU each): model states are sharded over them and "

@@ -78,7 +78,8 @@ class Prediction:
     peak_at: str
     """Where in the iteration the peak happens."""
     host_bytes: int
-    """Pinned host memory: offloaded chunk states + swapped activations."""
+    """Pinned host memory: offloaded chunk states (the optimizer states of chunks on the drive
+    left out, their staging ring counted) + swapped activations + speculation backups."""
     swap_host_bytes: int
     h2d_bytes: int
     """Bytes copied host to device per iteration (chunk uploads, swap prefetch)."""
@@ -95,6 +96,16 @@ class Prediction:
     norm_scratch_bytes: int = 0
     """Of the peak: the fp32 copy of one 16-bit gradient a clipping norm takes on the device
     (protrain.cost.memory.norm_scratch_bytes)."""
+    nvme_state_bytes: int = 0
+    """Drive space the optimizer states of the ``n_nvme`` chunks take under ``ssd_path``, per
+    rank (``state_tier.NVME_STATE_SLOTS`` copies: the committed states and a speculative
+    update's other slot); 0 without states on the drive."""
+    nvme_state_io_bytes: int = 0
+    """Bytes of optimizer states read from the drive and written back per optimizer step, per
+    rank (each NVMe chunk's states once each way)."""
+    staging_bytes: int = 0
+    """Of ``host_bytes``: the pinned staging ring (``state_tier.STAGING_SLOTS`` buffers of one
+    chunk's states) the NVMe chunks' states stream through."""
 
     def expected_iter_time(self, clip_fraction: float) -> float:
         """The mean iteration when a fraction of the steps clip (or overflow), independently,
@@ -242,6 +253,12 @@ class Plan(JsonValue):
                              f"{fmt_seconds(p.iter_time_rolled_back)} if it does (undone, redone); "
                              f"{fmt_seconds(p.iter_time_unspeculated)} after a clipped step "
                              f"(no speculation then)", ""))
+        if k.n_nvme or "n_nvme" in self.pinned:
+            rows.append(("n_nvme", f"{k.n_nvme}{pin('n_nvme')}",
+                         f"states of {k.n_nvme}/{c.n_chunks - k.n_persist} offloaded chunks on NVMe "
+                         f"({fmt_bytes(p.nvme_state_bytes)} of drive; {fmt_bytes(p.nvme_state_io_bytes)} "
+                         f"read + written per step; staging {fmt_bytes(p.staging_bytes)} of host)",
+                         "DS offload_optimizer device nvme, aio, buffer_count (ZeRO-Infinity)"))
         if k.n_ssd or "n_ssd" in self.pinned:
             rows.append(("n_ssd", f"{k.n_ssd}{pin('n_ssd')}", f"{k.n_ssd}/{n_blocks} blocks to NVMe "
                          f"({fmt_bytes(p.ssd_bytes)} per iteration)", "none (SSDTrain)"))
@@ -286,12 +303,15 @@ class Plan(JsonValue):
                    f"(swapped activations {fmt_bytes(p.swap_host_bytes)}); per iteration H2D "
                    f"{fmt_bytes(p.h2d_bytes)}, D2H {fmt_bytes(p.d2h_bytes)}")
         if self.alternatives:
-            out.append("  runner-ups:  chunk      persist buffer ckpt swap  ssd  sel  iteration   peak        host")
+            # The drive's column where states are on it (a table without it reads as before).
+            nvme = k.n_nvme > 0 or any(a.knobs.n_nvme for a in self.alternatives)
+            out.append("  runner-ups:  chunk      persist buffer ckpt swap  ssd  sel  "
+                       + ("nvme " if nvme else "") + "iteration   peak        host")
             for a in self.alternatives:
                 ak = a.knobs
                 out.append(f"               {fmt_bytes(ak.chunk_size):<10} {ak.n_persist:<7} "
                            f"{ak.n_buffer:<6} {ak.n_checkpoint:<4} {ak.n_swap:<5} {ak.n_ssd:<4} "
-                           f"{ak.n_selective:<4} "
+                           f"{ak.n_selective:<4} " + (f"{ak.n_nvme:<4} " if nvme else "") +
                            f"{fmt_seconds(a.iter_time):<11} {fmt_bytes(a.peak_device_bytes):<11} "
                            f"{fmt_bytes(a.host_bytes)}")
         out.append(f"  search: {self.candidates_total} feasible candidates, {self.candidates_evaluated} "

@@ -16,6 +16,13 @@ STAGING_SLOTS = 3
 being updated, one being written back."""
 
 
+NVME_STATE_SLOTS = 2
+"""Copies of an NVMe chunk's states the drive holds room for: the committed states and the
+other slot a speculative update writes into (committed by switching, rolled back by reading
+the old one), so speculation needs no backup in host memory. The cost model sizes the drive
+space the states take as ``NVME_STATE_SLOTS`` x their bytes (``drive_state_bytes``)."""
+
+
 def nvme_chunk_ids(n_chunks: int, n_persist: int, n_nvme: int) -> range:
     """The chunk indices whose optimizer states live on NVMe: the last ``n_nvme`` chunks."""
     offloaded = n_chunks - n_persist
@@ -29,3 +36,15 @@ def state_bytes_per_element(master_separate: bool) -> int:
     """Bytes of optimizer state per parameter element: exp_avg and exp_avg_sq in fp32, and the
     fp32 master when the parameters are 16-bit (in fp32 training the parameter is the master)."""
     return 12 if master_separate else 8
+
+
+def staged_bytes_per_element(master_separate: bool, speculative: bool) -> int:
+    """Bytes per parameter element of a staging buffer, of one place on the drive and of a
+    write-back: the optimizer states, and in fp32 training with speculation the master from
+    before a speculative update (a rollback reads it back into the parameters)."""
+    return state_bytes_per_element(master_separate) + (4 if speculative and not master_separate else 0)
+
+
+def drive_state_bytes(state_bytes: int) -> int:
+    """Drive space for ``state_bytes`` of NVMe chunk states: ``NVME_STATE_SLOTS`` copies."""
+    return NVME_STATE_SLOTS * state_bytes

@@ -8,13 +8,15 @@ import pytest
 from protrain.block_mode import layout_block_modes, layout_codes
 from protrain.config import KnobPins, PlannerConfig
 from protrain.layout import build_layout, chunk_capacities
-from protrain.cost.memory import norm_scratch_bytes, predict_memory, ssd_bytes, state_bytes, swap_host_bytes
+from protrain.cost.memory import (norm_scratch_bytes, nvme_state_top, predict_memory, ssd_bytes, state_bytes,
+                                  swap_host_bytes)
 from protrain.cost.time_model import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
 from protrain.profile.machines import machine
 from protrain.search import (InfeasibleError, bytes_moved, evaluate, hedged_key, max_ssd_blocks, plan_key,
                              search)
 from protrain.search.evaluation import boundary_times
+from protrain.search.policy import planned_state_bytes
 from protrain.units import GiB, MiB
 
 SMALL = ModelShape("small", "gpt2", n_layers=4, hidden=256, heads=4, vocab=2048, seq_len=256,
@@ -26,7 +28,7 @@ def small_hw(**over):
     return replace(hw, **over)
 
 
-def brute_force(profile, hw, config):
+def brute_force(profile, hw, config, states_on_drive: bool = False):
     """Every combination of the knobs, each simulated: the reference the search must match
     exactly (same preference: within the time tolerance of the fastest, the fewest bytes
     moved; then time, peak, knobs). Kept, checkpointed and selective blocks are never all three
@@ -47,13 +49,13 @@ def brute_force(profile, hw, config):
     for n in names:
         setattr(memory_mod, n, once_per_layout(real[n]))
     try:
-        return _brute_force(profile, hw, config)
+        return _brute_force(profile, hw, config, states_on_drive)
     finally:
         for n in names:
             setattr(memory_mod, n, real[n])
 
 
-def _brute_force(profile, hw, config):
+def _brute_force(profile, hw, config, states_on_drive=False):
     budget = hw.device_memory / (1 + config.memory_margin)
     gas = config.grad_accumulation_steps
     world = config.data_parallel_size
@@ -83,23 +85,28 @@ def _brute_force(profile, hw, config):
                             and pins.n_checkpoint is None:
                         continue
                     modes = layout_block_modes(n, ns, nc, nd, nl)
-                    mem = predict_memory(profile, layout, np_, nb, modes, sb, world, int(scratch[np_]))
-                    if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory and \
-                            mem.ssd_bytes <= hw.nvme_free_bytes / (1 + config.memory_margin):
-                        rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes, nd, nl,
-                                     mem.ssd_bytes, mem.host_bytes))
+                    for nv in range(nch - np_ + 1) if states_on_drive else (0,):
+                        mem = predict_memory(profile, layout, np_, nb, modes, sb, world, int(scratch[np_]),
+                                             n_nvme=nv)
+                        if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory and \
+                                mem.ssd_bytes + mem.nvme_state_bytes <= hw.nvme_free_bytes / (1 + config.memory_margin):
+                            rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes, nd, nl,
+                                         mem.ssd_bytes, mem.host_bytes, nv, mem.nvme_state_io_bytes))
         if not rows:
             continue
         args = (profile, layout, hw, [r[0] for r in rows], [r[1] for r in rows],
                 np.array([[m.code for m in r[4]] for r in rows]))
-        t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world)   # bytes moved
+        nvs = np.array([r[10] for r in rows])
+        t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world, n_nvme=nvs)   # bytes moved
         # the boundary's time as the search defines it (carry-over, speculation), every point
-        boundary = boundary_times(*args[:3], config, *args[3:], [r[9] for r in rows])[0]
-        micro = simulate(*args, optimizer_step=False, world=world) if gas > 1 else None
+        boundary = boundary_times(*args[:3], config, *args[3:], [r[9] for r in rows], nvs)[0]
+        micro = simulate(*args, optimizer_step=False, world=world, n_nvme=nvs) if gas > 1 else None
         step = boundary + ((gas - 1) * micro.iter_time if micro is not None else 0.0)
-        moved = bytes_moved(t, micro, gas, np.array([float(r[8]) for r in rows]), hw)
+        moved = bytes_moved(t, micro, gas, np.array([float(r[8]) for r in rows]), hw,
+                            np.array([float(r[11]) for r in rows]))
         for r, ti, mi in zip(rows, step, moved):
-            points.append((mi, ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3], r[6], r[7])))
+            points.append((mi, ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3], r[6], r[7])
+                           + ((r[10],) if states_on_drive else ())))
     if not points:
         return None
     band = min(p[1] for p in points) * (1 + config.time_tolerance)
@@ -277,7 +284,7 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
     codes = acts.codes(np.arange(len(acts.n_ckpt)))
     assert (acts.swap_host == swap_host_bytes(prof, codes)).all()
     assert (acts.ssd == ssd_bytes(prof, codes)).all()
-    checked = 0
+    checked = on_drive = 0
     for cap in chunk_capacities(prof, sizes):
         grid = space.candidate_grid(prof, hw, config, acts, cap, budget, {})
         if not len(grid.lower_bound):
@@ -290,12 +297,17 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
         assert (refined <= t * (1 + 1e-12)).all()
         # The closed-form bytes the hedge orders by equal what the simulation moves.
         args = (prof, grid.layout, hw, grid.n_persist, grid.n_buffer, acts.codes(grid.a))
-        step = simulate(*args, cpu_overlap=overlap, world=world)
-        micro = simulate(*args, optimizer_step=False, world=world) if gas > 1 else None
-        sim = bytes_moved(step, micro, gas, acts.ssd[grid.a].astype(float), hw)
+        step = simulate(*args, cpu_overlap=overlap, world=world, n_nvme=grid.n_nvme)
+        micro = simulate(*args, optimizer_step=False, world=world, n_nvme=grid.n_nvme) if gas > 1 else None
+        sb = planned_state_bytes(prof, config)
+        states = (nvme_state_top(grid.layout, sb, world) + nvme_state_top(grid.layout, sb, world, staged=True))
+        sim = bytes_moved(step, micro, gas, acts.ssd[grid.a].astype(float), hw, states[grid.n_nvme].astype(float))
         assert np.allclose(grid.moved, sim, rtol=1e-12, atol=0)
         checked += len(idx)
+        on_drive += int((grid.n_nvme > 0).sum())
     assert checked > 0
+    if ssd == "gds" and host < 64 * MiB:      # the host-bound case puts states on the drive
+        assert on_drive > 0
 
 
 def test_search_equals_brute_force_with_pins():

@@ -10,6 +10,7 @@ from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from .host_share import rank_rates
 from ..layout import ChunkLayout
+from ..state_tier import staged_bytes_per_element, state_bytes_per_element
 
 
 def chunk_transfer_times(layout: ChunkLayout, profile: ModelProfile, hw: HardwareProfile,
@@ -31,6 +32,20 @@ def chunk_transfer_times(layout: ChunkLayout, profile: ModelProfile, hw: Hardwar
         coll = nbytes * (world - 1) / world / _collective_bandwidth(hw)
         up, down = up + coll, down + coll
     return up, down, adam
+
+
+def state_io_times(layout: ChunkLayout, hw: HardwareProfile, world: int, master_separate: bool,
+                   speculative: bool = False):
+    """[chunks] seconds to read an NVMe chunk's states (of this rank's shard) from the drive
+    into a staging buffer, and to write them back (in fp32 with speculation, with the master
+    from before the update: ``state_tier.staged_bytes_per_element``), at this rank's share of
+    the drive (``cost.host_share``); zeros without a drive."""
+    shard = -(-np.asarray(layout.used, dtype=np.int64) // world).astype(np.float64)
+    rr = rank_rates(hw)
+    if rr.nvme_read <= 0 or rr.nvme_write <= 0:
+        return np.zeros_like(shard), np.zeros_like(shard)
+    return (shard * state_bytes_per_element(master_separate) / rr.nvme_read,
+            shard * staged_bytes_per_element(master_separate, speculative) / rr.nvme_write)
 
 
 def persistent_allreduce_time(layout: ChunkLayout, n_persist, hw: HardwareProfile, world: int):

@@ -21,6 +21,11 @@ chunk as the same gradients land - each gets about 1/ranks_per_node of it:
   do share its uplink, which this model leaves out. On a CPU "device" (tests) every "copy" and
   the "device" Adam are host memory work, shared like CPU Adam.
 - Collective bandwidths are measured with every rank taking part: already shared.
+- The drive under ``ssd_path`` (``nvme_*`` figures, measured by one process: ``measure.probe``)
+  is assumed to be one per node - one filesystem, however many devices behind it - that the
+  node's ranks all write their activations (``n_ssd``) and optimizer states (``n_nvme``) to:
+  each rank gets 1/ranks_per_node of its bandwidth, and of its free space (``nvme_free_share``).
+  A node with a drive per rank is described by ``ranks_per_node`` drives' worth of figures.
 
 Pure: a function of the profile alone, so the same profile gives the same prediction.
 """
@@ -48,6 +53,9 @@ class RankRates:
     d2h: float
     device_adam: float
     """Parameters/s of the "device" Adam over persistent chunks."""
+    nvme_read: float = 0.0
+    nvme_write: float = 0.0
+    """Bytes/s of the rank's share of the drive (0: no drive)."""
 
 
 def rank_rates(hw: HardwareProfile) -> RankRates:
@@ -60,4 +68,10 @@ def rank_rates(hw: HardwareProfile) -> RankRates:
         update_overhead=hw.host_update_overhead * max(1.0, r / max(1, hw.cpu_cores)),
         h2d=hw.h2d_bandwidth / r if on_host else hw.h2d_bandwidth,
         d2h=hw.d2h_bandwidth / r if on_host else hw.d2h_bandwidth,
-        device_adam=hw.gpu_adam_rate / r if on_host else hw.gpu_adam_rate)
+        device_adam=hw.gpu_adam_rate / r if on_host else hw.gpu_adam_rate,
+        nvme_read=hw.nvme_read_bandwidth / r, nvme_write=hw.nvme_write_bandwidth / r)
+
+
+def nvme_free_share(hw: HardwareProfile) -> float:
+    """Bytes of the drive's free space one of the node's ranks may fill."""
+    return hw.nvme_free_bytes / max(1, hw.ranks_per_node)

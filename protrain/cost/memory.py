@@ -42,6 +42,7 @@ import numpy as np
 from ..block_mode import CKPT, NONE, SEL, SSD, SWAP, BlockMode
 from ..profile.model_profile import ModelProfile
 from ..layout import ChunkLayout
+from ..state_tier import STAGING_SLOTS, drive_state_bytes, staged_bytes_per_element, state_bytes_per_element
 
 
 # ---- model states ----------------------------------------------------------------------
@@ -66,13 +67,23 @@ class StateBytes:
     the updated parameters back in their place (14 bytes in bf16; fp32 needs its own 4-byte
     landing region, since its master is the upload source: 16). With accumulation the
     gradients need an fp32 accumulator of their own (18 in bf16, 16 in fp32)."""
+    nvme: int = 12
+    """Of ``host``, the bytes per element an NVMe chunk keeps on the drive instead
+    (``state_tier.state_bytes_per_element``: the fp32 master where separate, Adam's m and v;
+    12 in bf16/fp16, 8 in fp32): what its update reads. Its parameters and gradients stay on
+    the host."""
+    nvme_staged: int = 12
+    """Bytes per element of a staging buffer, a place on the drive and a write-back
+    (``state_tier.staged_bytes_per_element``: ``nvme``, and 4 more in fp32 with speculation)."""
 
 
-def state_bytes(param_bytes: int, grad_accumulation: bool = False) -> StateBytes:
+def state_bytes(param_bytes: int, grad_accumulation: bool = False, speculative: bool = False) -> StateBytes:
+    """``speculative``: CPU Adam may update chunks before the step's verdict."""
     half = param_bytes < 4
     host = 12 + (param_bytes if half else 0) + (4 if grad_accumulation or not half else 0)
     return StateBytes(persistent=param_bytes + 4 + (4 if half else 0) + 8,
-                      buffer=param_bytes, host=host)
+                      buffer=param_bytes, host=host, nvme=state_bytes_per_element(half),
+                      nvme_staged=staged_bytes_per_element(half, speculative))
 
 
 def model_state_device_bytes(layout: ChunkLayout, n_persist, n_buffer, sb: StateBytes,
@@ -91,11 +102,35 @@ def buffer_numel(layout: ChunkLayout, world: int) -> int:
     return -(-layout.chunk_numel // world) * world
 
 
-def model_state_host_bytes(layout: ChunkLayout, n_persist, sb: StateBytes, world: int = 1):
+def model_state_host_bytes(layout: ChunkLayout, n_persist, sb: StateBytes, world: int = 1, n_nvme=0):
     """Exact-size pinned host memory for the non-persistent chunks' states, per rank: with
-    ``world`` data-parallel ranks each keeps a 1/world shard of every offloaded chunk."""
+    ``world`` data-parallel ranks each keeps a 1/world shard of every offloaded chunk. The
+    last ``n_nvme`` chunks keep their optimizer states on the drive: the host keeps their
+    parameters and gradients, and the staging ring CPU Adam streams the states through."""
     shard = np.concatenate([[0], np.cumsum([-(-u // world) for u in layout.used], dtype=np.int64)])
-    return (shard[-1] - shard[np.asarray(n_persist)]) * sb.host
+    return ((shard[-1] - shard[np.asarray(n_persist)]) * sb.host
+            - nvme_state_top(layout, sb, world)[np.asarray(n_nvme)] + staging_bytes(layout, sb, world, n_nvme))
+
+
+def nvme_state_top(layout: ChunkLayout, sb: StateBytes, world: int = 1, staged: bool = False) -> np.ndarray:
+    """At index k (0 .. n_chunks): bytes of optimizer states of the last k chunks' shards - what
+    k NVMe chunks take off the host, and read from the drive each step; ``staged``: what they
+    write back (``StateBytes.nvme_staged``)."""
+    shard = -(-np.asarray(layout.used, dtype=np.int64) // world) * (sb.nvme_staged if staged else sb.nvme)
+    return np.concatenate([[0], np.cumsum(shard[::-1])])
+
+
+def staging_bytes(layout: ChunkLayout, sb: StateBytes, world: int, n_nvme):
+    """Pinned host bytes of the staging ring (``state_tier.STAGING_SLOTS`` buffers of one chunk
+    capacity's shard of states) where any chunk's states are on the drive."""
+    ring = STAGING_SLOTS * -(-layout.chunk_numel // world) * sb.nvme_staged
+    return np.where(np.asarray(n_nvme) > 0, ring, 0)
+
+
+def nvme_drive_bytes(layout: ChunkLayout, sb: StateBytes, world: int, n_nvme):
+    """Drive space the last ``n_nvme`` chunks' states take on one rank (both slots:
+    ``state_tier.drive_state_bytes``)."""
+    return drive_state_bytes(nvme_state_top(layout, sb, world, staged=True)[np.asarray(n_nvme)])
 
 
 def norm_scratch_bytes(profile: ModelProfile, layout: ChunkLayout, clipping: bool,
@@ -222,26 +257,37 @@ class MemoryPrediction:
     """Activations written to NVMe per iteration (disk space needed)."""
     norm_scratch_bytes: int = 0
     """The clipping norm's fp32 copy of one 16-bit gradient (``norm_scratch_bytes``)."""
+    nvme_state_bytes: int = 0
+    """Drive space the NVMe chunks' optimizer states take (both slots)."""
+    nvme_state_io_bytes: int = 0
+    """Bytes of optimizer states read from the drive and written back per optimizer step."""
+    staging_bytes: int = 0
+    """Of ``host_bytes``, the staging ring the NVMe chunks' states stream through."""
 
 
 def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n_buffer: int,
                    modes: tuple[BlockMode, ...], sb: StateBytes | None = None,
-                   world: int = 1, norm_scratch: int = 0) -> MemoryPrediction:
+                   world: int = 1, norm_scratch: int = 0, n_nvme: int = 0) -> MemoryPrediction:
     """``norm_scratch``: ``norm_scratch_bytes(...)[n_persist]``."""
     sb = sb or state_bytes(profile.param_bytes)
     codes = np.array([[m.code for m in modes]], dtype=np.int8)
     act, where = activation_walk(profile, codes)
     states = int(model_state_device_bytes(layout, n_persist, n_buffer, sb, world))
     swap = int(swap_host_bytes(profile, codes)[0])
-    host = int(model_state_host_bytes(layout, n_persist, sb, world)) + swap
+    host = int(model_state_host_bytes(layout, n_persist, sb, world, n_nvme)) + swap
     w = int(where[0])
     peak_at = f"{'forward' if w % 2 == 0 else 'backward'} of {profile.parts[w // 2].name}"
     return MemoryPrediction(
         peak_device_bytes=states + int(act[0]) + norm_scratch, model_state_bytes=states,
         activation_peak_bytes=int(act[0]), peak_at=peak_at, host_bytes=host, swap_host_bytes=swap,
-        ssd_bytes=int(ssd_bytes(profile, codes)[0]), norm_scratch_bytes=norm_scratch)
+        ssd_bytes=int(ssd_bytes(profile, codes)[0]), norm_scratch_bytes=norm_scratch,
+        nvme_state_bytes=int(nvme_drive_bytes(layout, sb, world, n_nvme)),
+        nvme_state_io_bytes=int(nvme_state_top(layout, sb, world)[n_nvme]
+                                + nvme_state_top(layout, sb, world, staged=True)[n_nvme]),
+        staging_bytes=int(staging_bytes(layout, sb, world, n_nvme)))
 
 
 __all__ = ["StateBytes", "state_bytes", "model_state_device_bytes", "norm_scratch_bytes",
-           "model_state_host_bytes", "activation_walk", "offload_bytes", "swap_host_bytes", "ssd_bytes", "MemoryPrediction",
+           "model_state_host_bytes", "nvme_state_top", "staging_bytes", "nvme_drive_bytes",
+           "activation_walk", "offload_bytes", "swap_host_bytes", "ssd_bytes", "MemoryPrediction",
            "predict_memory", "NONE", "CKPT", "SWAP"]

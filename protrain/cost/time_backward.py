@@ -22,6 +22,7 @@ import numpy as np
 
 from ..block_mode import CKPT, SEL, SSD, SWAP
 from .time_queues import QueueState, StepCosts
+from .time_state_io import staged_update
 
 
 def simulate_backward(costs: StepCosts, q: QueueState) -> np.ndarray:
@@ -123,6 +124,7 @@ def _prefetch_activations(costs: StepCosts, q: QueueState, b: int, start: np.nda
         queue = q.ssd_r if costs.gds else q.h2d
         end = np.maximum(queue, start) + costs.r_time[b]
         q.record("nvme", "nvme_read", name, end - costs.r_time[b], end, sd)
+        q.drive_busy[0] += np.where(sd, costs.r_time[b], 0.0)
         if costs.gds:
             q.ssd_r = np.where(sd, end, q.ssd_r)
         else:
@@ -150,13 +152,16 @@ def _offload_gradient(costs: StepCosts, q: QueueState, c: int, grad_out: np.ndar
     if not costs.optimizer_step:
         return
     if costs.cpu_overlap:
-        _update_now(costs, q, c, offl, d_end, costs.t_adam, "adam")
+        _update_now(costs, q, c, offl, d_end, costs.t_adam[c], "adam")
     elif costs.spec_from is not None:
         spec = offl & (c >= costs.spec_from)
-        _update_now(costs, q, c, spec, d_end, costs.t_spec, "backup_adam")
+        # States on the drive need no backup: the speculative ones go to the other slot.
+        drive = costs.on_drive(c)
+        _update_now(costs, q, c, spec, d_end,
+                    np.where(drive, costs.t_host_check[c] + costs.t_adam[c], costs.t_spec[c]), "backup_adam")
         q.spec_ready[c] = np.where(spec, q.done_at[c] - costs.t_adam[c], np.inf)
         if costs.speculation_wrong:
-            q.deferred.append((c, offl, d_end, np.where(spec, costs.t_backup[c], 0.0)))
+            q.deferred.append((c, offl, d_end, np.where(spec & ~drive, costs.t_backup[c], 0.0)))
         else:
             q.deferred.append((c, offl & ~spec, d_end, 0.0))
         _host_check(costs, q, c, offl & ~spec, d_end)
@@ -166,14 +171,15 @@ def _offload_gradient(costs: StepCosts, q: QueueState, c: int, grad_out: np.ndar
 
 
 def _update_now(costs: StepCosts, q: QueueState, c: int, which: np.ndarray, d_end: np.ndarray,
-                t_turn: np.ndarray, what: str) -> None:
-    """Chunk c's update on the CPU queue during backward, once its gradient is on the host;
-    ``t_turn``: its time there (the update, or the speculation's check, backup and update)."""
-    c_end = np.maximum(q.cpu, d_end) + t_turn[c]
-    q.record("cpu_adam", what, f"chunk {c}", c_end - t_turn[c], c_end, which)
+                t_turn, what: str) -> None:
+    """Chunk c's update on the CPU queue during backward, once its gradient is on the host
+    (and its states, where they are on the drive: ``cost.time_state_io``); ``t_turn``: its
+    time there (the update, or the speculation's check, backup and update)."""
+    c_end, turn = staged_update(costs, q, c, which, q.cpu, d_end, t_turn)
+    q.record("cpu_adam", what, f"chunk {c}", c_end - turn, c_end, which)
     q.cpu = np.where(which, c_end, q.cpu)
     q.done_at[c] = c_end
-    q.cpu_busy += np.where(which, t_turn[c], 0.0)
+    q.cpu_busy += np.where(which, turn, 0.0)
     if costs.inline:                   # between two parts' compute
         q.comp = np.where(which, c_end, q.comp)
 

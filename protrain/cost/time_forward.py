@@ -82,6 +82,7 @@ def _write_out_activations(costs: StepCosts, q: QueueState, p: int, swap_out_end
         queue = q.ssd_w if costs.gds else q.d2h
         end = np.maximum(queue, q.comp) + costs.w_time[p]
         q.record("nvme", "nvme_write", part.name, end - costs.w_time[p], end, sd)
+        q.drive_busy[1] += np.where(sd, costs.w_time[p], 0.0)
         if costs.gds:
             q.ssd_w = np.where(sd, end, q.ssd_w)
         else:

@@ -14,7 +14,9 @@ device's Adam, the iteration). What each piece costs per chunk is ``cost.chunk_t
 
 SSD blocks (SSDTrain) behave as swapped ones, with the NVMe bandwidth: with GPUDirect Storage
 their writes and reads have queues of their own; in compatibility mode they bounce through the
-host and occupy the D2H / H2D queues.
+host and occupy the D2H / H2D queues as well. Offloaded chunks whose optimizer states are on
+the drive (``n_nvme``) read them before CPU Adam's update and write them back after it, on the
+drive's same queues (``cost.time_state_io``).
 
 Copy concurrency (``HardwareProfile.copy_engines``): with one copy engine the two copy queues
 are one FIFO; with none (a CPU "device") every copy and every CPU Adam step runs on the
@@ -55,6 +57,9 @@ class TimePrediction:
     of the last CPU Adam step."""
     h2d_bytes: np.ndarray
     d2h_bytes: np.ndarray
+    drive_time: np.ndarray | None = None
+    """Seconds the drive is busy in its busier direction: activations of SSD blocks and
+    optimizer states of NVMe chunks (``cost.time_state_io``)."""
     spec_useful: np.ndarray | None = None
     """With ``speculate_from``: how many of the speculating chunks (from the first one CPU
     Adam reaches) had their backup done before backward's end - the rest would only have
@@ -65,7 +70,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
              n_buffer, block_modes, *, optimizer_step: bool = True,
              cpu_overlap: bool = True, world: int = 1, speculate_from=None,
              speculation_wrong: bool = False, carry_over: bool = False,
-             checks_on_host: bool = False, trace: list | None = None) -> TimePrediction:
+             checks_on_host: bool = False, n_nvme=0, trace: list | None = None) -> TimePrediction:
     """Simulate K plans at once: n_persist[K], n_buffer[K], block_modes[K, n_blocks] (codes).
 
     ``optimizer_step=False`` simulates a micro-step that only accumulates gradients (no Adam
@@ -85,13 +90,15 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     the iteration is the device's work plus that wait, and at least the CPU's busy time. The
     search ranks plans without it (its lower bounds assume CPU Adam ends within the step);
     the chosen plan's prediction includes it.
+    ``n_nvme[K]``: the last chunks whose optimizer states are on the drive; CPU Adam streams
+    them through the staging ring (``cost.time_state_io``).
 
     ``trace`` (one plan): receives (lane, what, label, start, end) for every simulated piece of
     work (protrain/timeline.py draws them)."""
     costs = step_costs(profile, layout, hw, n_persist, n_buffer, block_modes,
                        optimizer_step=optimizer_step, cpu_overlap=cpu_overlap, world=world,
                        speculate_from=speculate_from, speculation_wrong=speculation_wrong,
-                       carry_over=carry_over, checks_on_host=checks_on_host)
+                       carry_over=carry_over, checks_on_host=checks_on_host, n_nvme=n_nvme)
     q = QueueState.idle(costs, trace)
     fwd_end = simulate_forward(costs, q)
     bwd_end = simulate_backward(costs, q)
@@ -100,5 +107,5 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         iter_time=end.iter_time, fwd_time=fwd_end, bwd_time=bwd_end - fwd_end,
         gpu_optim_time=end.gpu_optim_time, cpu_optim_time=q.cpu_busy,
         cpu_optim_exposed=end.cpu_optim_exposed,
-        h2d_bytes=q.h2d_bytes, d2h_bytes=q.d2h_bytes,
+        h2d_bytes=q.h2d_bytes, d2h_bytes=q.d2h_bytes, drive_time=q.drive_busy.max(axis=0),
         spec_useful=(q.spec_ready < bwd_end[None, :]).sum(axis=0) if q.spec_ready is not None else None)

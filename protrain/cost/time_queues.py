@@ -13,7 +13,7 @@ import numpy as np
 from ..block_mode import SSD
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
-from .chunk_times import backup_times, check_times, chunk_transfer_times
+from .chunk_times import backup_times, check_times, chunk_transfer_times, state_io_times
 from .host_share import RankRates, rank_rates
 from ..layout import ChunkLayout
 from .memory import offload_bytes, part_modes
@@ -36,10 +36,16 @@ class StepCosts:
     """[K] persistent chunks: chunks below stay on the device, the others are offloaded."""
     nbuf: np.ndarray
     """[K] device buffers the offloaded chunks cycle through."""
+    nnvme: np.ndarray
+    """[K] chunks whose optimizer states are on the drive (the last ones)."""
     t_up: np.ndarray
     t_down: np.ndarray
     t_adam: np.ndarray
     """[chunks] upload, gradient offload and CPU Adam times (``chunk_transfer_times``)."""
+    t_sread: np.ndarray
+    t_swrite: np.ndarray
+    """[chunks] an NVMe chunk's states read from the drive and written back
+    (``chunk_times.state_io_times``)."""
     t_check: np.ndarray
     """[chunks] verdict check of an offloaded chunk's gradients (clipping / fp16 only)."""
     t_host_check: np.ndarray
@@ -78,6 +84,10 @@ class StepCosts:
     def rows(self) -> np.ndarray:
         return np.arange(self.k_plans)
 
+    def on_drive(self, c: int) -> np.ndarray:
+        """[K] whether chunk c's states are on the drive."""
+        return c >= self.layout.n_chunks - self.nnvme
+
     def chunk_bytes(self, c: int):
         """Bytes this rank copies to upload or offload chunk c (its shard)."""
         return self.layout.used[c] * self.profile.param_bytes / self.world
@@ -85,15 +95,22 @@ class StepCosts:
 
 def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist, n_buffer,
                block_modes, *, optimizer_step: bool, cpu_overlap: bool, world: int, speculate_from,
-               speculation_wrong: bool, carry_over: bool, checks_on_host: bool) -> StepCosts:
+               speculation_wrong: bool, carry_over: bool, checks_on_host: bool, n_nvme=0) -> StepCosts:
     """The costs of ``simulate``'s arguments; ValueError for plans it cannot simulate."""
     modes = np.ascontiguousarray(part_modes(profile, block_modes).T)
     k_plans = modes.shape[1]
     npers = np.broadcast_to(np.asarray(n_persist, dtype=np.int64), (k_plans,))
     nbuf = np.broadcast_to(np.asarray(n_buffer, dtype=np.int64), (k_plans,))
+    nnvme = np.broadcast_to(np.asarray(n_nvme, dtype=np.int64), (k_plans,))
     n_chunks = layout.n_chunks
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
+    t_sread, t_swrite = state_io_times(layout, hw, world, profile.param_bytes < 4,
+                                       speculative=speculate_from is not None and not cpu_overlap)
     rr = rank_rates(hw)
+    if (nnvme > n_chunks - npers).any() or (nnvme < 0).any():
+        raise ValueError("n_nvme counts offloaded chunks: from 0 to n_chunks - n_persist")
+    if (nnvme > 0).any() and (rr.nvme_read <= 0 or rr.nvme_write <= 0):
+        raise ValueError("plans with states on NVMe need the NVMe bandwidths of the SSD path")
     # Clipping / fp16 (no overlap): each offloaded chunk's gradients are checked (norms,
     # overflow), on the host as they land (before or in its speculative update), or on the
     # device before they leave.
@@ -112,13 +129,14 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
     serial = hw.copy_engines <= 0
     gds = hw.nvme_gds
     # Without GDS an NVMe copy bounces through the host: no faster than the PCIe copy.
-    w_time = (saved / min(hw.nvme_write_bandwidth, np.inf if gds else rr.d2h)
-              if hw.nvme_write_bandwidth > 0 else saved * 0)
-    r_time = (saved / min(hw.nvme_read_bandwidth, np.inf if gds else rr.h2d)
-              if hw.nvme_read_bandwidth > 0 else saved * 0)
+    w_time = (saved / min(rr.nvme_write, np.inf if gds else rr.d2h)
+              if rr.nvme_write > 0 else saved * 0)
+    r_time = (saved / min(rr.nvme_read, np.inf if gds else rr.h2d)
+              if rr.nvme_read > 0 else saved * 0)
     return StepCosts(
         profile=profile, layout=layout, hw=hw, rr=rr, world=world, modes=modes, npers=npers,
-        nbuf=nbuf, t_up=t_up, t_down=t_down, t_adam=t_adam, t_check=t_check,
+        nbuf=nbuf, nnvme=nnvme, t_up=t_up, t_down=t_down, t_adam=t_adam, t_sread=t_sread,
+        t_swrite=t_swrite, t_check=t_check,
         t_host_check=t_host_check, spec_from=spec_from, t_backup=t_backup, t_spec=t_spec,
         saved=saved, w_time=w_time, r_time=r_time, serial=serial,
         inline=serial and not hw.cpu_adam_thread, shared=hw.copy_engines == 1, gds=gds,
@@ -138,7 +156,12 @@ class QueueState:
     """The host-to-device and device-to-host copy engines."""
     ssd_w: np.ndarray
     ssd_r: np.ndarray
-    """The NVMe write and read queues (GPUDirect Storage)."""
+    """The NVMe write and read queues of the activations (SSD blocks; in compatibility mode
+    they hold the copy queues too)."""
+    drive_busy: np.ndarray
+    """[2, K] seconds of reads ([0]) and writes ([1]) issued to the drive, activations and
+    optimizer states: each direction is a floor under a step with states on the drive
+    (``cost.time_state_io``)."""
     cpu: np.ndarray
     """The CPU optimizer (CPU Adam, speculation backups, the host's verdict checks)."""
     cpu_busy: np.ndarray
@@ -165,7 +188,8 @@ class QueueState:
         n_chunks, k_plans = costs.layout.n_chunks, costs.k_plans
         zeros = np.zeros(k_plans)
         return cls(comp=zeros.copy(), h2d=zeros.copy(), d2h=zeros.copy(), ssd_w=zeros.copy(),
-                   ssd_r=zeros.copy(), cpu=zeros.copy(), cpu_busy=zeros.copy(),
+                   ssd_r=zeros.copy(), drive_busy=np.zeros((2, k_plans)), cpu=zeros.copy(),
+                   cpu_busy=zeros.copy(),
                    check_busy=np.zeros(k_plans), h2d_bytes=zeros.copy(), d2h_bytes=zeros.copy(),
                    up_start=np.zeros((n_chunks, k_plans)), done_at=np.zeros((n_chunks, k_plans)),
                    spec_ready=(np.full((n_chunks, k_plans), np.inf)

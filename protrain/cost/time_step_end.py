@@ -11,6 +11,7 @@ import numpy as np
 
 from .chunk_times import persistent_allreduce_time
 from .time_queues import QueueState, StepCosts
+from .time_state_io import drive_floor, staged_turn, staged_update
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +41,14 @@ def simulate_step_end(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> S
     # Exposed: CPU Adam past the device's own work. On one timeline (a CPU "device") that is
     # the updates left for after backward (the inline ones count as backward's time).
     exposed = np.maximum(q.cpu - (bwd_end if costs.inline else device_end), 0.0)
-    if costs.carry_over and costs.optimizer_step and not costs.inline and layout.n_chunks:
+    carries = costs.carry_over and costs.optimizer_step and not costs.inline and layout.n_chunks
+    if carries:
         offl_rows = np.arange(layout.n_chunks)[:, None] >= npers[None, :]
         late = np.where(offl_rows, q.done_at - device_end[None, :] - q.up_start, -np.inf).max(axis=0)
         carried = np.maximum(device_end + np.maximum(late, 0.0), q.cpu_busy)
         iter_time = np.minimum(iter_time, carried)
+    iter_time = drive_floor(costs, q, iter_time)
+    if carries:
         exposed = np.maximum(iter_time - device_end, 0.0)
     return StepEnd(iter_time=iter_time, gpu_optim_time=gpu_optim, cpu_optim_exposed=exposed)
 
@@ -57,13 +61,17 @@ def _deferred_updates(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> N
     t_adam = costs.t_adam
     tail = np.maximum(q.cpu, bwd_end)
     for c, offl, d_end, extra in q.deferred:
-        c_end = np.maximum(np.maximum(q.cpu, d_end), bwd_end) + t_adam[c] + extra
+        turn = staged_turn(costs, c, t_adam[c])
+        c_end = np.maximum(np.maximum(q.cpu, d_end), bwd_end) + turn + extra
         q.cpu = np.where(offl, c_end, q.cpu)
-        q.cpu_busy += np.where(offl, t_adam[c] + extra, 0.0)
+        q.cpu_busy += np.where(offl, turn + extra, 0.0)
     for c, offl, d_end, extra in sorted(q.deferred, key=lambda d: d[0]):
         start = np.maximum(tail, d_end)
         q.record("cpu_adam", "rollback", f"chunk {c}", start, start + extra, offl & (np.asarray(extra) > 0))
-        tail = np.where(offl, start + extra + t_adam[c], tail)
+        # States on the drive are read before the update and written back after it (their
+        # rollback is the read itself: the old slot).
+        u_end, turn = staged_update(costs, q, c, offl, start + extra, d_end, t_adam[c])
+        tail = np.where(offl, u_end, tail)
         q.done_at[c] = np.where(offl, tail, q.done_at[c])
         redo = costs.speculation_wrong and c >= np.asarray(costs.spec_from).reshape(-1)[0]
-        q.record("cpu_adam", "redo" if redo else "adam", f"chunk {c}", tail - t_adam[c], tail, offl)
+        q.record("cpu_adam", "redo" if redo else "adam", f"chunk {c}", tail - turn, tail, offl)

@@ -58,7 +58,8 @@ from typing import Collection
 
 import torch
 
-from ..state_tier import STAGING_SLOTS
+from ..state_tier import (NVME_STATE_SLOTS, STAGING_SLOTS, staged_bytes_per_element,
+                          state_bytes_per_element)
 from ..units import fmt_bytes
 from .storage import ALIGN, BlockFile, RunDirectory, StorageConfigError, choose_store
 from .streams import Streams
@@ -179,15 +180,16 @@ class NvmeStates:
         the store and the staging ring. ``master_separate``: the fp32 master is a state of its
         own (16-bit training) rather than the parameters (fp32)."""
         mine = [c for c in chunks if c.index in self.ids]
-        self.state_fields = 3 if master_separate else 2
-        self.master_backup = self.speculative and not master_separate
-        self.fields = self.state_fields + self.master_backup
+        # The planner prices the same layout (state_tier): fp32 fields of 4 bytes each.
+        self.state_fields = state_bytes_per_element(master_separate) // 4
+        self.fields = staged_bytes_per_element(master_separate, self.speculative) // 4
+        self.master_backup = self.fields > self.state_fields
         self.field_stride = _aligned(4 * max((c.shard_size for c in mine), default=1))
         region = self.fields * self.field_stride
         at = 0
         for c in mine:
             self._places[c.index] = _Place(c.shard_size, at)
-            at += 2 * region
+            at += NVME_STATE_SLOTS * region
         self.rundir = RunDirectory(self.root, at, purpose="the plan's optimizer states on NVMe (n_nvme)")
         try:
             self.file = BlockFile(self.rundir.path / "states.opt", at)

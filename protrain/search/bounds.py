@@ -9,12 +9,13 @@ import numpy as np
 
 from ..block_mode import CKPT, SEL
 from ..config import PlannerConfig
-from ..cost.chunk_times import backup_times, check_times, chunk_transfer_times, persistent_allreduce_time
+from ..cost.chunk_times import (backup_times, check_times, chunk_transfer_times, persistent_allreduce_time,
+                                state_io_times)
 from ..cost.host_share import rank_rates
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from .candidates import ActivationConfigs, CandidateGrid
-from .policy import checks_on_host, speculation_max, weak_cpu_bound
+from .policy import checks_on_host, speculation_max, speculative_writes, weak_cpu_bound
 
 
 def forward_write_bound(profile: ModelProfile, hw: HardwareProfile, csum: np.ndarray,
@@ -29,10 +30,11 @@ def forward_write_bound(profile: ModelProfile, hw: HardwareProfile, csum: np.nda
     if n < 2:
         return np.zeros(len(n_swap))
     head = lambda k: csum[np.minimum(k, n - 1)]      # noqa: E731 - bytes of blocks < k, last excluded
-    d2h = rank_rates(hw).d2h
+    rr = rank_rates(hw)
+    d2h = rr.d2h
     swap = (head(n_ssd + n_swap) - head(n_ssd)) / d2h
-    if hw.nvme_write_bandwidth > 0:
-        bw = hw.nvme_write_bandwidth if hw.nvme_gds else min(hw.nvme_write_bandwidth, d2h)
+    if rr.nvme_write > 0:
+        bw = rr.nvme_write if hw.nvme_gds else min(rr.nvme_write, d2h)
         ssd = head(n_ssd) / bw
     else:
         ssd = np.zeros(len(n_swap))
@@ -46,11 +48,12 @@ def _suffix(t: np.ndarray) -> np.ndarray:
 
 
 def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
-                     acts: ActivationConfigs, layout, a_idx, np_idx, nb, host):
+                     acts: ActivationConfigs, layout, a_idx, np_idx, nb, host, n_nvme=0):
     """A lower bound on the time of an optimizer step for points (activation configuration
-    ``a_idx``, ``np_idx`` persistent chunks, ``nb`` buffers, ``host`` bytes of host memory):
-    each resource alone (see cost.time_model for the queues), for the boundary micro-step and for
-    the (gas - 1) others. Returns (bound, forward's part, the device's backward and optimizer,
+    ``a_idx``, ``np_idx`` persistent chunks, ``nb`` buffers, ``host`` bytes of host memory,
+    ``n_nvme`` chunks with states on the drive): each resource alone (see cost.time_model for
+    the queues; states on the drive only delay CPU Adam's updates, and the drive is a floor),
+    for the boundary micro-step and for the (gas - 1) others. Returns (bound, forward's part, the device's backward and optimizer,
     the accumulation micro-steps): the parts ``refine_cpu_bound`` rebuilds it from."""
     world = config.data_parallel_size
     nch = layout.n_chunks
@@ -64,14 +67,16 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
     gpu = prefix[np_idx] / rr.device_adam + persistent_allreduce_time(layout, np_idx, hw, world)
     fwd_lb = np.maximum(np.maximum(fwd_compute, up_suffix[np_idx]), acts.fwd_write[a_idx])
     reup = up_suffix[np_idx] - up_suffix[np.maximum(nch - nb, np_idx)]
-    ssd_in = acts.ssd[a_idx] / hw.nvme_read_bandwidth if hw.nvme_read_bandwidth > 0 else 0.0
+    ssd_in = acts.ssd[a_idx] / rr.nvme_read if rr.nvme_read > 0 else 0.0
     if hw.nvme_gds:
         bwd_lb = np.maximum(np.maximum(bwd_compute, reup + swap_bytes / rr.h2d), ssd_in)
     else:   # bounced through the host: on the upload queue with the chunk re-uploads
         bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / rr.h2d + ssd_in)
+    adam = _suffix(t_adam)[np_idx] + drive_wait_top(profile, layout, hw, config)[np.asarray(n_nvme)]
     cpu_lb = _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, bwd_lb,
-                                  t_down, _suffix(t_adam)[np_idx])
-    lb = fwd_lb + np.maximum(bwd_lb + gpu, cpu_lb)
+                                  t_down, adam, n_nvme)
+    lb = np.maximum(fwd_lb + np.maximum(bwd_lb + gpu, cpu_lb),
+                    drive_bound(layout, profile, hw, config, acts.ssd[a_idx], n_nvme))
     tail = np.zeros(len(lb))
     if config.grad_accumulation_steps > 1:
         # A micro-step without the optimizer ends with backward's compute (cost.time_model does
@@ -81,7 +86,36 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
     return lb, fwd_lb, bwd_lb + gpu, tail
 
 
-def _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, bwd_lb, t_down, adam):
+def drive_wait_top(profile: ModelProfile, layout, hw: HardwareProfile, config: PlannerConfig) -> np.ndarray:
+    """At index k: what the last k chunks' turns on the CPU queue take beyond their updates
+    (and host checks) when their states are on the drive - the read or write-back where it
+    outlasts them (``cost.time_state_io.staged_turn``)."""
+    world = config.data_parallel_size
+    t_read, t_write = state_io_times(layout, hw, world, profile.param_bytes < 4, speculative_writes(config))
+    _, _, t_adam = chunk_transfer_times(layout, profile, hw, world)
+    checks = check_times(layout, hw, world) if checks_on_host(config) and not config.cpu_optim_overlap else 0.0
+    wait = np.maximum(np.maximum(t_read, t_write) - t_adam - checks, 0.0)
+    return np.concatenate([[0.0], np.cumsum(wait[::-1])])
+
+
+def drive_bound(layout, profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig, ssd,
+                n_nvme) -> np.ndarray:
+    """The drive's floor under a step with states on it (``cost.time_state_io.drive_floor``):
+    the states of the last ``n_nvme`` chunks and ``ssd`` bytes of activations, read and
+    written at this rank's share of the drive; 0 without states there."""
+    n_nvme = np.asarray(n_nvme)
+    if not n_nvme.any():
+        return np.zeros(np.shape(ssd))
+    rr = rank_rates(hw)
+    t_read, t_write = state_io_times(layout, hw, config.data_parallel_size, profile.param_bytes < 4,
+                                     speculative_writes(config))
+    top = lambda t: np.concatenate([[0.0], np.cumsum(t[::-1])])   # noqa: E731  (last k chunks)
+    floor = np.maximum(top(t_read)[n_nvme] + ssd / rr.nvme_read, top(t_write)[n_nvme] + ssd / rr.nvme_write)
+    return np.where(n_nvme > 0, floor, 0.0)
+
+
+def _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, bwd_lb, t_down, adam,
+                         n_nvme):
     """The part of ``step_lower_bound`` after forward that CPU Adam (``adam``: its time over the
     offloaded chunks) cannot beat."""
     nch = layout.n_chunks
@@ -95,8 +129,8 @@ def _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, 
             world = config.data_parallel_size
             sb = SpeculatingIterationBound(profile, layout, hw, config, np_idx,
                                            backward_bound(profile, layout, hw, world, np_idx, nb, bwd_lb),
-                                           checks)
-            s_max = speculation_max(layout, hw, config, np_idx, host)
+                                           checks, n_nvme)
+            s_max = speculation_max(layout, hw, config, np_idx, host, n_nvme)
             cpu_lb = np.maximum(cpu_lb, (sb.at(s_max) if config.speculate_chunks is not None
                                          else sb.least(s_max)) - fwd_lb)
         return cpu_lb
@@ -127,12 +161,15 @@ class SpeculatingIterationBound:
     the tail of a very fast CPU Adam). ``least(s_max)`` is the least over s in [0, s_max],
     where the two cross (one search over prefix sums of the layout's chunks from the top, the
     same for every plan of the layout; the falling side taken as its running minimum, which
-    only lowers it). For a model bound by its CPU Adam this lies within a few hundredths of a
-    per cent of the simulated time, where the CPU's busy time alone leaves out the backups,
+    only lowers it). Chunks with states on the drive (the last ``n_nvme``) need no backup:
+    ``at`` and ``least`` count those of the others among the top s. Their turns
+    take the drive's time where it outlasts the update (``drive_wait_top``): in ``chain``
+    all of them, in ``after`` (``at`` only) those left for after backward. For a model
+    bound by its CPU Adam this lies within a few hundredths of a per cent of the simulated time, where the CPU's busy time alone leaves out the backups,
     the updates after backward and the copies around them."""
 
     def __init__(self, profile: ModelProfile, layout, hw: HardwareProfile, config: PlannerConfig,
-                 n_persist, backward, checks):
+                 n_persist, backward, checks, n_nvme=0):
         world = config.data_parallel_size
         nch = layout.n_chunks
         t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
@@ -143,6 +180,10 @@ class SpeculatingIterationBound:
         self.n_off = nch - np.asarray(n_persist)
         self.adam = self.adam_top[self.n_off]
         self.backward, self.checks = backward, checks
+        self.n_nvme = np.asarray(n_nvme)
+        self.backup_shift = self.backup_top[self.n_nvme]
+        self.wait_top = drive_wait_top(profile, layout, hw, config)
+        self.wait = self.wait_top[self.n_nvme]
         lead = first_gradient(profile, layout) + (t_down[-1] if nch else 0.0)
         self.lead = np.where(self.n_off > 0, lead, 0.0)
 
@@ -150,25 +191,34 @@ class SpeculatingIterationBound:
         """Uploads from the chunk the CPU updates last to the end (none without offloading)."""
         return np.where(self.n_off > 0, self.up_next[np.minimum(s, np.maximum(self.n_off - 1, 0))], 0.0)
 
-    def _chain(self, s):
-        return self.lead + self.adam + self.checks + self.backup_top[s] + self._uploads(s)
+    def _chain(self, s, backups):
+        return self.lead + self.adam + self.wait + self.checks + backups + self._uploads(s)
 
     def at(self, s):
-        after = np.where(s < self.n_off, self.backward + self.adam - self.adam_top[s] + self.up_next[s],
+        waits = self.wait - self.wait_top[np.minimum(s, self.n_nvme)]
+        after = np.where(s < self.n_off, self.backward + self.adam + waits - self.adam_top[s] + self.up_next[s],
                          self.backward)
-        return np.maximum(self._chain(s), after)
+        backups = self.backup_top[s] - self.backup_top[np.minimum(s, self.n_nvme)]
+        return np.maximum(self._chain(s, backups), after)
 
     def least(self, s_max):
         # s < n_off: after(s) >= backward + adam - fall[s], fall nondecreasing; chain(s) >= it
         # from s_cross on.
         fall = np.maximum.accumulate(self.adam_top - self.up_next)
         s_lim = np.minimum(s_max, self.n_off - 1)
-        s_cross = np.searchsorted(self.backup_top + self.up_next + fall,
-                                  self.backward - self.checks - self.lead, side="left")
+        # The backups of the top s: none up to n_nvme, then those above it - the crossing in
+        # the first range, else in the second (both searches over one array for every plan).
+        rise = self.up_next + fall
+        goal = self.backward - self.checks - self.lead - self.wait
+        s_cross = np.searchsorted(rise, goal, side="left")
+        s_cross = np.where(s_cross <= self.n_nvme, s_cross,
+                           np.searchsorted(self.backup_top + self.up_next + fall, goal + self.backup_shift,
+                                           side="left"))
         best = np.full(np.shape(s_lim), np.inf)
         for s in (s_cross - 1, s_cross):
             s = np.clip(s, 0, np.maximum(s_lim, 0))
-            v = np.maximum(self._chain(s), self.backward + self.adam - fall[s])
+            v = np.maximum(self._chain(s, np.maximum(self.backup_top[s] - self.backup_shift, 0.0)),
+                           self.backward + self.adam - fall[s])
             best = np.where(s_lim >= 0, np.minimum(best, v), best)
         return np.where(s_max >= self.n_off, np.minimum(best, self.at(self.n_off)), best)
 

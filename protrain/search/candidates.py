@@ -36,7 +36,8 @@ class ActivationConfigs:
 
 @dataclass
 class CandidateGrid:
-    """Feasible (activation config, n_persist) points of one chunk size, with derived n_buffer."""
+    """Feasible (activation config, n_persist) points of one chunk size, with derived n_buffer
+    and n_nvme."""
 
     layout: ChunkLayout
     a: np.ndarray
@@ -53,3 +54,5 @@ class CandidateGrid:
     tail_lb: np.ndarray
     moved: np.ndarray
     """Bytes moved per optimizer step (exact: what the simulation counts)."""
+    n_nvme: np.ndarray
+    """Offloaded chunks (the last ones) whose optimizer states are on the drive."""

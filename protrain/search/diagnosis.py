@@ -17,9 +17,9 @@ from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..units import fmt_bytes
 from .candidates import ActivationConfigs
-from .evaluation import evaluate
+from .evaluation import drive_space_message, evaluate
 from .infeasible import InfeasibleError
-from .policy import norm_scratch, planned_state_bytes
+from .policy import drive_states_possible, norm_scratch, planned_state_bytes
 from .space import model_state_bytes
 
 Search = Callable[[ModelProfile, HardwareProfile, PlannerConfig], Plan]
@@ -36,16 +36,34 @@ def diagnose_infeasible(profile: ModelProfile, hw: HardwareProfile, config: Plan
         pinned = _pinned_diagnosis(profile, hw, config, stats, search)
         if pinned is not None:
             return pinned
+    if "host_needed" in stats and stats["host_needed"] <= hw.host_memory and "drive_needed" in stats:
+        need = int(stats["drive_needed"])
+        return InfeasibleError(drive_space_message(hw, config, need, what="the plan that needs the least drive"))
     if "host_needed" in stats:
         need = int(stats["host_needed"])
-        return InfeasibleError(
-            f"host memory too small: the offloaded model states "
-            f"({planned_state_bytes(profile, config).host} bytes per offloaded parameter) "
+        return InfeasibleError(_host_message(profile, hw, config, need), host_needed=need)
+    return _device_diagnosis(profile, hw, config, budget, acts, caps)
+
+
+def _host_message(profile, hw, config: PlannerConfig, need: int) -> str:
+    """Host memory too small: what the states need, and what to do - the drive among it."""
+    sb = planned_state_bytes(profile, config)
+    if drive_states_possible(config, hw) and config.pins.n_nvme is None:
+        return (f"host memory too small: even with every offloaded chunk's optimizer states on the "
+                f"drive, the offloaded parameters and gradients ({sb.host - sb.nvme} bytes per "
+                f"offloaded parameter) and the staging ring need at least {fmt_bytes(need)} of host "
+                f"memory, but {fmt_bytes(hw.host_memory)} is available. Add host memory (or raise "
+                f"protrain.host_memory / --host-memory if the machine has more), shard the states "
+                f"over more data-parallel ranks, or train a smaller model.")
+    drive = ("" if drive_states_possible(config, hw) or config.model_states_fixed is not None else
+             f" Or set ssd_path (protrain.ssd_path; protrain plan --nvme GB/s) to put optimizer states "
+             f"({sb.nvme} bytes per parameter) on the drive.")
+    return (f"host memory too small: the offloaded model states "
+            f"({sb.host} bytes per offloaded parameter) "
             f"need at least {fmt_bytes(need)} of host memory, but {fmt_bytes(hw.host_memory)} is "
             f"available. Add host memory (or raise protrain.host_memory / --host-memory if the "
             f"machine has more), shard the states over more data-parallel ranks, or train a "
-            f"smaller model.", host_needed=need)
-    return _device_diagnosis(profile, hw, config, budget, acts, caps)
+            f"smaller model.{drive}")
 
 
 def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: Search) -> InfeasibleError | None:

@@ -17,12 +17,14 @@ from ..layout import build_layout
 from ..plan import ChunkSummary, Knobs, Plan, Prediction
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
+from ..state_tier import NVME_STATE_SLOTS
+from ..cost.host_share import nvme_free_share
 from ..units import fmt_bytes
 from .bounds import SpeculatingIterationBound, backward_bound, backward_compute, host_checks
 from .candidates import ActivationConfigs, CandidateGrid
 from .infeasible import InfeasibleError
-from .policy import (backup_from_top, carries_over, checks_on_host, norm_scratch, planned_state_bytes,
-                     speculates, speculation_max)
+from .policy import (carries_over, checks_on_host, drive_states_possible,
+                     host_backup_bytes, norm_scratch, planned_state_bytes, speculates, speculation_max)
 
 _PRUNE_MARGIN = 1e-6
 """How far a speculating count's lower bound must lie above the time of all that fit before
@@ -30,16 +32,17 @@ it is not simulated (``boundary_times``): far beyond the rounding between a boun
 simulation, so a count that could tie - and win the tie, being smaller - is always simulated."""
 
 
-def bytes_moved(t, micro, gas: int, ssd: np.ndarray, hw: HardwareProfile) -> np.ndarray:
+def bytes_moved(t, micro, gas: int, ssd: np.ndarray, hw: HardwareProfile, state_io=0.0) -> np.ndarray:
     """Bytes moved per optimizer step by simulated plans (``t``: the boundary micro-step's
     TimePrediction, ``micro``: the accumulating one's or None): host <-> device copies, and
-    the NVMe traffic (written and read back) that does not pass through them (GPUDirect).
+    the NVMe traffic (written and read back) that does not pass through them (GPUDirect),
+    and ``state_io``: the optimizer states read from the drive and written back.
     The search computes the same in closed form (``CandidateGrid.moved``)."""
     per = lambda x: x.h2d_bytes + x.d2h_bytes + (2.0 * ssd if hw.nvme_gds else 0.0)  # noqa: E731
-    return per(t) + ((gas - 1) * per(micro) if micro is not None else 0.0)
+    return per(t) + ((gas - 1) * per(micro) if micro is not None else 0.0) + state_io
 
 
-def boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, host_bytes):
+def boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, host_bytes, n_nvme=0):
     """(iteration time, offloaded chunks speculating) of each plan's boundary micro-step: what
     the search ranks and ``evaluate`` predicts, one function for both.
 
@@ -54,10 +57,11 @@ def boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, host
     npers = np.broadcast_to(np.asarray(n_persist, dtype=np.int64), (k,))
     nbuf = np.broadcast_to(np.asarray(n_buffer, dtype=np.int64), (k,))
     codes = np.broadcast_to(codes, (k, codes.shape[-1]))
+    nnvme = np.broadcast_to(np.asarray(n_nvme, dtype=np.int64), (k,))
 
     def run(n_spec, rows=slice(None)):
         return simulate(profile, layout, hw, npers[rows], nbuf[rows], codes[rows],
-                        cpu_overlap=config.cpu_optim_overlap, world=world,
+                        cpu_overlap=config.cpu_optim_overlap, world=world, n_nvme=nnvme[rows],
                         carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config),
                         speculate_from=layout.n_chunks - n_spec if n_spec is not None else None)
     if not speculates(config):
@@ -65,7 +69,7 @@ def boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, host
     if config.speculate_chunks is not None:
         n = np.minimum(config.speculate_chunks, layout.n_chunks - npers)
         return run(n).iter_time, n
-    n_fit = speculation_max(layout, hw, config, npers, host_bytes)
+    n_fit = speculation_max(layout, hw, config, npers, host_bytes, nnvme)
     # Candidates in increasing count - none, the turn, all that fit - a later one winning only
     # if strictly faster. All that fit is simulated first (the turn is read off it), then the
     # turn; a smaller count whose lower bound (SpeculatingIterationBound) lies clearly above
@@ -77,7 +81,7 @@ def boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, host
         vb = SpeculatingIterationBound(profile, layout, hw, config, npers[some],
                                        backward_bound(profile, layout, hw, world, npers[some], nbuf[some],
                                                       backward_compute(profile, codes[some])),
-                                       host_checks(layout, hw, config, npers[some]))
+                                       host_checks(layout, hw, config, npers[some]), nnvme[some])
     t_turn = np.full(k, np.inf)
     if len(some):
         every = run(n_fit[some], some)
@@ -109,7 +113,7 @@ def simulate_points(profile, hw, config, acts: ActivationConfigs, grid: Candidat
     nb = grid.n_buffer[idx] if n_buffer is None else n_buffer
     args = (profile, grid.layout, hw, grid.n_persist[idx], nb, acts.codes(grid.a[idx]))
     world = config.data_parallel_size
-    t = boundary_times(*args[:2], hw, config, *args[3:], grid.host[idx])[0]
+    t = boundary_times(*args[:2], hw, config, *args[3:], grid.host[idx], grid.n_nvme[idx])[0]
     if config.grad_accumulation_steps > 1:
         t = t + (config.grad_accumulation_steps - 1) * simulate(
             *args, optimizer_step=False, world=world).iter_time
@@ -128,6 +132,14 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     layout = build_layout(profile, knobs.chunk_size // profile.param_bytes)
     modes = _checked_block_modes(profile, layout, knobs, block_modes)
+    if knobs.n_nvme and not drive_states_possible(config, hw):
+        raise InfeasibleError(f"n_nvme={knobs.n_nvme} puts optimizer states on the drive, and no drive "
+                              f"is configured (ssd_path; protrain plan --nvme GB/s) or the framework "
+                              f"keeps the model states; use n_nvme=0")
+    if not 0 <= knobs.n_nvme <= layout.n_chunks - knobs.n_persist:
+        raise InfeasibleError(f"n_nvme={knobs.n_nvme}: states on the drive are those of offloaded chunks, "
+                              f"from 0 to {layout.n_chunks - knobs.n_persist} (n_persist={knobs.n_persist} "
+                              f"of {layout.n_chunks} chunks)")
     codes = np.array([[m.code for m in modes]], dtype=np.int8)
     mem, n_spec = _predicted_memory(profile, hw, config, layout, knobs, modes, codes)
     pred, timeline = _predicted_step(profile, hw, config, layout, knobs, codes, mem, n_spec)
@@ -184,13 +196,14 @@ def _predicted_memory(profile, hw, config, layout, knobs: Knobs, modes, codes) -
     world = config.data_parallel_size
     mem = predict_memory(profile, layout, knobs.n_persist, knobs.n_buffer, modes,
                          planned_state_bytes(profile, config), world,
-                         norm_scratch=int(norm_scratch(profile, config, layout)[knobs.n_persist]))
+                         norm_scratch=int(norm_scratch(profile, config, layout)[knobs.n_persist]),
+                         n_nvme=knobs.n_nvme)
     if config.model_states_fixed is not None:
         mem = replace(mem, model_state_bytes=config.model_states_fixed, host_bytes=mem.swap_host_bytes,
                       peak_device_bytes=config.model_states_fixed + mem.activation_peak_bytes)
     n_spec = int(boundary_times(profile, layout, hw, config, knobs.n_persist, knobs.n_buffer, codes,
-                                mem.host_bytes)[1][0])
-    mem = replace(mem, host_bytes=mem.host_bytes + int(backup_from_top(layout, world)[n_spec]))
+                                mem.host_bytes, knobs.n_nvme)[1][0])
+    mem = replace(mem, host_bytes=mem.host_bytes + int(host_backup_bytes(layout, world, n_spec, knobs.n_nvme)))
     return mem, n_spec
 
 
@@ -202,7 +215,8 @@ def _predicted_step(profile, hw, config, layout, knobs: Knobs, codes, mem: Memor
     spec_from = layout.n_chunks - n_spec if speculates(config) else None
     timed = lambda **kw: simulate(  # noqa: E731
         profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes, cpu_overlap=config.cpu_optim_overlap,
-        world=world, carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config), **kw)
+        world=world, carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config),
+        n_nvme=knobs.n_nvme, **kw)
     t = timed(speculate_from=spec_from)
     # The runtime's rule: a step after one that clipped (or overflowed) does not speculate; a
     # speculated step that clips restores and redoes its chunks.
@@ -216,7 +230,7 @@ def _predicted_step(profile, hw, config, layout, knobs: Knobs, codes, mem: Memor
               f"offloaded, blocks ckpt {knobs.n_checkpoint} swap {knobs.n_swap} ssd {knobs.n_ssd} "
               f"sel {knobs.n_selective}",
         cpu_overlap=config.cpu_optim_overlap, world=world, speculate_from=spec_from,
-        carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config))
+        carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config), n_nvme=knobs.n_nvme)
     gas = config.grad_accumulation_steps
     micro = float(simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
                            optimizer_step=False, world=world).iter_time[0]) if gas > 1 else float(t.iter_time[0])
@@ -231,16 +245,31 @@ def _predicted_step(profile, hw, config, layout, knobs: Knobs, codes, mem: Memor
         peak_at=mem.peak_at, host_bytes=mem.host_bytes, swap_host_bytes=mem.swap_host_bytes,
         h2d_bytes=int(t.h2d_bytes[0]), d2h_bytes=int(t.d2h_bytes[0]), ssd_bytes=mem.ssd_bytes,
         iter_time_unspeculated=unspeculated, iter_time_rolled_back=rolled_back,
-        norm_scratch_bytes=mem.norm_scratch_bytes)
+        norm_scratch_bytes=mem.norm_scratch_bytes, nvme_state_bytes=mem.nvme_state_bytes,
+        nvme_state_io_bytes=mem.nvme_state_io_bytes, staging_bytes=mem.staging_bytes)
     return pred, timeline
+
+
+def drive_space_message(hw: HardwareProfile, config: PlannerConfig, need: int, *, what: str) -> str:
+    """Why ``need`` bytes per rank (activations and optimizer states) do not fit the drive."""
+    rpn = max(1, hw.ranks_per_node)
+    share = f", shared by {rpn} ranks per node: {fmt_bytes(nvme_free_share(hw))} each" if rpn > 1 else ""
+    return (f"{what} puts {fmt_bytes(need)} on the drive per rank (activations and optimizer states, "
+            f"these in {NVME_STATE_SLOTS} slots; {fmt_bytes(need * (1 + config.memory_margin))} with the "
+            f"{config.memory_margin:.0%} margin), but the SSD path has {fmt_bytes(hw.nvme_free_bytes)} "
+            f"free{share}. Free space under ssd_path (or give --nvme-free the drive's free space), "
+            f"point ssd_path at a larger drive, or add host memory")
 
 
 def _check_fit(hw: HardwareProfile, config: PlannerConfig, knobs: Knobs, mem: MemoryPrediction) -> None:
     """Refuse a plan that does not fit the device (with the margin), the host or the drive."""
     need = mem.peak_device_bytes * (1 + config.memory_margin)
-    if mem.ssd_bytes and mem.ssd_bytes * (1 + config.memory_margin) > hw.nvme_free_bytes:
-        raise InfeasibleError(f"plan {knobs} writes {fmt_bytes(mem.ssd_bytes)} of activations "
-                              f"to NVMe but the SSD path has {fmt_bytes(hw.nvme_free_bytes)} free")
+    drive = mem.ssd_bytes + mem.nvme_state_bytes
+    if drive and drive * (1 + config.memory_margin) > nvme_free_share(hw):
+        if not mem.nvme_state_bytes and hw.ranks_per_node <= 1:
+            raise InfeasibleError(f"plan {knobs} writes {fmt_bytes(mem.ssd_bytes)} of activations "
+                                  f"to NVMe but the SSD path has {fmt_bytes(hw.nvme_free_bytes)} free")
+        raise InfeasibleError(drive_space_message(hw, config, drive, what=f"plan {knobs}"))
     if need > hw.device_memory or mem.host_bytes > hw.host_memory:
         raise InfeasibleError(
             f"plan {knobs} needs {fmt_bytes(need)} device (with margin) and "

@@ -2,7 +2,9 @@
 
 Exhaustive over chunk size, n_persist, n_checkpoint and n_swap; exact over n_buffer through a
 property of the runtime model (more buffers never delay anything), so each point takes the
-most buffers that still fit, and only ties are re-checked with fewer. Points are evaluated in
+most buffers that still fit, and only ties are re-checked with fewer. n_nvme (optimizer states
+on the drive) is the fewest that fit the host (``space._drive_states`` says why that is the
+fastest), so it adds no points. Points are evaluated in
 order of a lower bound on their iteration time (compute alone, each copy queue alone, the CPU
 optimizer alone) and the search stops when no remaining bound can beat the best time found:
 the answer equals a brute-force search over all five knobs (tests check it), in a fraction of
@@ -36,7 +38,8 @@ from .candidates import ActivationConfigs, CandidateGrid
 from .diagnosis import diagnose_infeasible
 from .evaluation import evaluate, simulate_points
 from .policy import planned_state_bytes
-from .space import activation_configs, candidate_capacities, candidate_grid, reupload_bytes
+from .space import (activation_configs, candidate_capacities, candidate_grid, least_state_drive_time,
+                    reupload_bytes)
 
 _BATCH = 2048
 _SWEEP = 128
@@ -133,7 +136,7 @@ class _SearchState:
         return Knobs(chunk_size=g.layout.chunk_bytes, n_persist=int(g.n_persist[j]), n_buffer=nb,
                      n_swap=int(self.acts.n_swap[a]), n_checkpoint=int(self.acts.n_ckpt[a]),
                      n_ssd=int(self.acts.n_ssd[a]), n_selective=int(self.acts.n_sel[a]),
-                     n_nvme=int(self.config.pins.n_nvme or 0))   # issue 27: not yet searched
+                     n_nvme=int(g.n_nvme[j]))
 
     def peak(self, i: int) -> int:
         g, j = self.grids[self.owner[i]], self.local[i]
@@ -151,8 +154,8 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     t0 = time.perf_counter()
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     budget = hw.device_memory / (1.0 + config.memory_margin)
-    acts = activation_configs(profile, config, hw)
     caps = candidate_capacities(profile, config)
+    acts = activation_configs(profile, config, hw, least_state_drive_time(profile, config, hw, caps, budget))
     stats: dict = {}
     grids = [candidate_grid(profile, hw, config, acts, cap, budget, stats) for cap in caps]
     if sum(len(g.lower_bound) for g in grids) == 0:

@@ -14,7 +14,7 @@ from ..profile.model_profile import ModelProfile
 
 def planned_state_bytes(profile: ModelProfile, config: PlannerConfig) -> StateBytes:
     """Bytes of model state per parameter: on the device, on the host, in a chunk buffer."""
-    return state_bytes(profile.param_bytes, config.grad_accumulation_steps > 1)
+    return state_bytes(profile.param_bytes, config.grad_accumulation_steps > 1, speculative_writes(config))
 
 
 def norm_scratch(profile: ModelProfile, config: PlannerConfig, layout) -> np.ndarray:
@@ -57,10 +57,20 @@ def backup_from_top(layout, world: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(shard[::-1])])
 
 
-def speculation_max(layout, hw: HardwareProfile, config: PlannerConfig, n_persist, host_bytes):
+def host_backup_bytes(layout, world: int, n_speculate, n_nvme) -> np.ndarray:
+    """Host bytes of the backups of the last ``n_speculate`` chunks but the last ``n_nvme``:
+    those with states on the drive speculate into their other slot there
+    (``state_tier.NVME_STATE_SLOTS``), without a backup."""
+    top = backup_from_top(layout, world)
+    n_speculate = np.asarray(n_speculate)
+    return top[n_speculate] - top[np.minimum(n_speculate, np.asarray(n_nvme))]
+
+
+def speculation_max(layout, hw: HardwareProfile, config: PlannerConfig, n_persist, host_bytes, n_nvme=0):
     """The most offloaded chunks a plan may speculate with (``evaluation.boundary_times`` picks
     among none, these, and a count in between): the pin, else those whose backups fit the host
-    memory left; none without speculation."""
+    memory left (the ``n_nvme`` chunks with states on the drive need none); none without
+    speculation."""
     n_off = layout.n_chunks - np.asarray(n_persist)
     if not speculates(config):
         return np.zeros_like(n_off)
@@ -68,4 +78,19 @@ def speculation_max(layout, hw: HardwareProfile, config: PlannerConfig, n_persis
         return np.minimum(config.speculate_chunks, n_off)
     top = backup_from_top(layout, config.data_parallel_size)
     room = hw.host_memory - np.asarray(host_bytes, dtype=np.int64)
-    return np.minimum(n_off, np.searchsorted(top, room, side="right") - 1).clip(min=0)
+    k = np.asarray(n_nvme)
+    fit = np.maximum(np.searchsorted(top, room + top[k], side="right") - 1, k)
+    return np.minimum(n_off, fit).clip(min=0)
+
+
+def speculative_writes(config: PlannerConfig) -> bool:
+    """Whether NVMe chunks' write-backs carry the master from before a speculative update too
+    (fp32 with speculation: ``state_tier.staged_bytes_per_element``)."""
+    return speculates(config) and not config.cpu_optim_overlap
+
+
+def drive_states_possible(config: PlannerConfig, hw: HardwareProfile) -> bool:
+    """Whether offloaded chunks may keep their optimizer states on the drive: the runtime keeps
+    the model states and a drive is configured (``ssd_path``: its bandwidths measured)."""
+    return (config.model_states_fixed is None and hw.nvme_read_bandwidth > 0
+            and hw.nvme_write_bandwidth > 0)

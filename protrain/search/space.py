@@ -9,34 +9,66 @@ import numpy as np
 
 from ..block_mode import CKPT, SEL, layout_codes
 from ..config import ALL, PlannerConfig
-from ..cost.memory import activation_walk, buffer_numel, offload_bytes
+from ..cost.chunk_times import state_io_times
+from ..cost.host_share import nvme_free_share, rank_rates
+from ..cost.memory import activation_walk, buffer_numel, nvme_state_top, offload_bytes, staging_bytes
 from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
+from ..state_tier import drive_state_bytes
 from ..profile.model_profile import ModelProfile
 from ..units import fmt_bytes
 from .bounds import forward_write_bound, step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .infeasible import InfeasibleError
-from .policy import norm_scratch, planned_state_bytes
+from .policy import drive_states_possible, norm_scratch, planned_state_bytes, speculative_writes
 
 
-def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile) -> int:
+def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile, states_busy: float = 0.0) -> int:
     """SSD blocks worth considering: the leading blocks whose writes the drive can absorb
-    within one iteration's compute (SSDTrain's adaptive amount, bounded more loosely). More
-    would make the drive the bottleneck; CKPT and SWAP remain for the memory beyond that."""
-    if hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0:
+    within one iteration's compute (SSDTrain's adaptive amount, bounded more loosely), less
+    ``states_busy``, the seconds it writes optimizer states in every plan
+    (``least_state_drive_time``). More would make the drive the bottleneck; CKPT and SWAP
+    remain for the memory beyond that."""
+    rr = rank_rates(hw)
+    if rr.nvme_write <= 0 or rr.nvme_read <= 0:
         return 0
-    budget = sum(p.fwd_time + p.bwd_time for p in profile.parts)
+    budget = sum(p.fwd_time + p.bwd_time for p in profile.parts) - states_busy
     total, n = 0.0, 0
     for b in profile.blocks:
-        total += offload_bytes(b) / hw.nvme_write_bandwidth
+        total += offload_bytes(b) / rr.nvme_write
         if total > budget:
             break
         n += 1
     return n
 
 
-def activation_counts(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile) -> np.ndarray:
+def least_state_drive_time(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile, caps,
+                           budget: float) -> float:
+    """Seconds the drive writes optimizer states in every plan: where no plan fits the host
+    without the drive (not even with the most persistent chunks the device takes and no
+    swapped activations), the write-backs of the fewest chunks' states that fit it, over the
+    chunk sizes ``caps`` (the pin where n_nvme is pinned); else 0."""
+    if not drive_states_possible(config, hw):
+        return 0.0
+    least = np.inf
+    for cap in caps:
+        layout = build_layout(profile, cap)
+        persist, host_state = model_state_bytes(profile, config, layout)
+        np_hi = int(_persistent_counts(profile, config, layout, persist, budget)[-1])
+        top = _state_top(profile, config, layout)
+        ring = int(staging_bytes(layout, planned_state_bytes(profile, config), config.data_parallel_size, 1))
+        excess = host_state[np_hi] - hw.host_memory
+        k = (config.pins.n_nvme if config.pins.n_nvme is not None else
+             0 if excess <= 0 else int(np.searchsorted(top, excess + ring, side="left")))
+        if k <= layout.n_chunks - np_hi:
+            t_write = state_io_times(layout, hw, config.data_parallel_size, profile.param_bytes < 4,
+                                     speculative_writes(config))[1]
+            least = min(least, float(t_write[layout.n_chunks - k:].sum()))
+    return least if np.isfinite(least) else 0.0
+
+
+def activation_counts(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile,
+                      states_busy: float = 0.0) -> np.ndarray:
     """[A, 4] rows (n_checkpoint, n_swap, n_ssd, n_selective) the search enumerates.
 
     With the selective mode available (profile.has_selective), the blocks that are neither
@@ -54,7 +86,7 @@ def activation_counts(profile: ModelProfile, config: PlannerConfig, hw: Hardware
                                   f"(protrain.ssd_path); set one or pin n_ssd to 0")
         ssds = np.array([pins.n_ssd])
     else:
-        ssds = np.arange(min(n, max_ssd_blocks(profile, hw)) + 1)
+        ssds = np.arange(min(n, max_ssd_blocks(profile, hw, states_busy)) + 1)
     if pins.n_selective is not None:
         if pins.n_selective and not profile.has_selective:
             raise InfeasibleError(
@@ -107,12 +139,12 @@ def candidate_capacities(profile: ModelProfile, config: PlannerConfig) -> tuple[
 _WALK_BATCH = 4096
 
 
-def activation_configs(profile: ModelProfile, config: PlannerConfig,
-                       hw: HardwareProfile) -> ActivationConfigs:
+def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile,
+                       states_busy: float = 0.0) -> ActivationConfigs:
     """Every activation configuration (``activation_counts``) with its activation peak, host
     and NVMe bytes, recompute time and forward's write bound."""
     n = profile.n_blocks
-    nc, ns, nd, nl = activation_counts(profile, config, hw).T
+    nc, ns, nd, nl = activation_counts(profile, config, hw, states_busy).T
     # Layout (block_mode.layout_codes): SSD blocks first, then swapped ones, recomputed blocks
     # spread over the rest. Byte sums over those leading ranges are prefix-sum differences.
     saved = np.array([offload_bytes(b) for b in profile.blocks], dtype=np.int64)
@@ -146,17 +178,20 @@ def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerCo
     ``stats`` gathers what the nearest misses needed (``host_needed``, ``buffers_needed``)
     over the chunk sizes, for the diagnosis when nothing fits."""
     layout = build_layout(profile, chunk_numel)
-    a_idx, np_idx, nb, nbmin, peak, host = _fitting_points(profile, hw, config, acts, layout, budget, stats)
-    lb, fwd_lb, dev_lb, tail_lb = step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nb, host)
+    a_idx, np_idx, nb, nbmin, peak, host, nv = _fitting_points(profile, hw, config, acts, layout, budget,
+                                                               stats)
+    lb, fwd_lb, dev_lb, tail_lb = step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nb,
+                                                   host, nv)
     # Bytes per micro-step: offloaded chunks up in forward and their gradients down; chunks
     # not among the last n_buffer up again in backward; swapped and NVMe activations out
-    # and back in (cost.time_model counts the same).
+    # and back in (cost.time_model counts the same); per step, the states on the drive read
+    # and written back.
     ub = chunk_bytes_prefix(layout, profile, config)
     moved = config.grad_accumulation_steps * (
         2.0 * (ub[layout.n_chunks] - ub[np_idx]) + reupload_bytes(layout, profile, config, np_idx, nb) +
-        2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx]))
+        2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx])) + _state_io_top(profile, config, layout)[nv]
     return CandidateGrid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, dev_lb, tail_lb,
-                         moved)
+                         moved, nv)
 
 
 def model_state_bytes(profile: ModelProfile, config: PlannerConfig, layout) -> tuple[np.ndarray, np.ndarray]:
@@ -202,17 +237,18 @@ def _persistent_counts(profile: ModelProfile, config: PlannerConfig, layout, per
 
 def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict):
     """(activation configuration, n_persist, n_buffer, least n_buffer, device peak, host
-    bytes) of the points that fit, each with the most buffers that fit."""
+    bytes, n_nvme) of the points that fit, each with the most buffers that fit and the fewest
+    chunks with states on the drive that fit the host (``_drive_states``)."""
     pins = config.pins
     nch = layout.n_chunks
     persist, host_state = model_state_bytes(profile, config, layout)
     buf = buffer_numel(layout, config.data_parallel_size) * planned_state_bytes(profile, config).buffer
     scratch = norm_scratch(profile, config, layout)
     nps = _persistent_counts(profile, config, layout, persist, budget)
+    drive_room = nvme_free_share(hw) / (1.0 + config.memory_margin)
     # Activation configurations that fit next to the fewest persistent chunks and on the drive
     # (exact: more chunks or buffers only add); long sequences leave few.
-    fits = np.flatnonzero((acts.act_peak + persist[nps[0]] <= budget)
-                          & (acts.ssd <= hw.nvme_free_bytes / (1.0 + config.memory_margin)))
+    fits = np.flatnonzero((acts.act_peak + persist[nps[0]] <= budget) & (acts.ssd <= drive_room))
     a_idx, np_idx = (x.ravel() for x in np.meshgrid(fits, nps, indexing="ij"))
     rem = budget - acts.act_peak[a_idx] - persist[np_idx] - scratch[np_idx]
     nbmin = layout.min_buffers_table()[np_idx]
@@ -221,19 +257,78 @@ def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget
     else:
         nb = np.clip(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0, nch - np_idx)
     peak = acts.act_peak[a_idx] + persist[np_idx] + nb * buf + scratch[np_idx]
-    host = host_state[np_idx] + acts.swap_host[a_idx]
-    disk_ok = acts.ssd[a_idx] <= hw.nvme_free_bytes / (1.0 + config.memory_margin)
+    if pins.n_buffer is not None and len(nbmin) and not (nb >= nbmin).any():
+        stats["buffers_needed"] = min(stats.get("buffers_needed", 1 << 30), int(nbmin.min()))
     # Buffers beyond the offloaded chunks would hold nothing (a pinned n_buffer then caps
     # n_persist); at least the chunks one part spans are needed.
     dev_ok = (peak <= budget) & (nb >= nbmin) & (nb <= nch - np_idx)
-    host_ok = (host <= hw.host_memory) & disk_ok
-    if dev_ok.any():
-        need = host[dev_ok].min()
+    a_idx, np_idx, nb, nbmin, peak = (x[dev_ok] for x in (a_idx, np_idx, nb, nbmin, peak))
+    host = host_state[np_idx] + acts.swap_host[a_idx]
+    nv, host, drive = _drive_states(profile, hw, config, layout, np_idx, host, acts.ssd[a_idx], stats)
+    if len(host):
+        need = host.min()
         stats["host_needed"] = min(stats.get("host_needed", need), need)
-    if pins.n_buffer is not None and len(nbmin) and not (nb >= nbmin).any():
-        stats["buffers_needed"] = min(stats.get("buffers_needed", 1 << 30), int(nbmin.min()))
-    ok = dev_ok & host_ok
-    return tuple(x[ok] for x in (a_idx, np_idx, nb, nbmin, peak, host))
+    ok = (host <= hw.host_memory) & (nv <= nch - np_idx) & (drive <= drive_room)
+    return tuple(x[ok] for x in (a_idx, np_idx, nb, nbmin, peak, host, nv))
+
+
+def _state_io_top(profile, config, layout) -> np.ndarray:
+    """Bytes of optimizer states the last k chunks read from the drive and write back, at index k."""
+    sb = planned_state_bytes(profile, config)
+    world = config.data_parallel_size
+    return nvme_state_top(layout, sb, world) + nvme_state_top(layout, sb, world, staged=True)
+
+
+def _state_top(profile, config, layout) -> np.ndarray:
+    """Bytes of optimizer states of the last k chunks' shards, at index k."""
+    return nvme_state_top(layout, planned_state_bytes(profile, config), config.data_parallel_size)
+
+
+def _drive_states(profile, hw, config, layout, np_idx, host, ssd, stats: dict):
+    """(n_nvme, host bytes, drive bytes) of each point: the pin, else the fewest chunks with
+    their optimizer states on the drive that bring the host bytes within the host memory
+    (none where they fit already, or without a drive). ``drive``: what one rank puts on the
+    drive, activations and states (both slots).
+
+    The fewest is the fastest of the counts that fit, the rest of the point held equal: a
+    chunk moved to the drive keeps its CPU Adam work, and adds the read before its update and
+    the write-back after it (cost.time_state_io: they only delay the update, and add to the
+    drive's floor); its gradients, parameters, uploads and device memory are unchanged. The
+    one thing a count could gain is speculation (clipping / fp16): a chunk on the drive
+    speculates without a backup, and frees host memory for the others' backups. The search
+    leaves that to the hedge (``PlannerConfig.time_tolerance``): every further chunk moves
+    twice its states' bytes through the drive per step more, so it would be chosen only if
+    faster by more than the model's error band - a gain the model cannot tell from its
+    error. Without speculation the fewest is exactly the fastest (each step of the argument
+    above is monotone in the simulation), and ties go to fewer bytes moved anyway."""
+    sb = planned_state_bytes(profile, config)
+    world = config.data_parallel_size
+    top = _state_top(profile, config, layout)
+    ring = int(staging_bytes(layout, sb, world, 1))
+    pin = config.pins.n_nvme
+    if pin and not drive_states_possible(config, hw):
+        raise InfeasibleError(
+            f"pinned n_nvme={pin} puts optimizer states on the drive, but "
+            + ("the framework keeps the model states here (activations only); pin n_nvme to 0"
+               if config.model_states_fixed is not None else
+               "no drive is configured: set ssd_path (protrain.ssd_path; protrain plan --nvme GB/s) "
+               "or pin n_nvme to 0"))
+    if pin is not None:
+        nv = np.full_like(np_idx, pin)
+    elif drive_states_possible(config, hw):
+        excess = host - hw.host_memory
+        nv = np.where(excess > 0, np.searchsorted(top, excess + ring, side="left"), 0)
+    else:
+        nv = np.zeros_like(np_idx)
+    # Beyond the offloaded chunks (refused by the caller) the host is the least it can be.
+    nv_c = np.minimum(nv, layout.n_chunks - np_idx)
+    host = host - top[nv_c] + np.where(nv_c > 0, ring, 0)
+    drive = ssd + drive_state_bytes(nvme_state_top(layout, sb, world, staged=True)[nv_c])
+    fit = (host <= hw.host_memory) & (nv <= layout.n_chunks - np_idx)
+    if fit.any() and (nv_c > 0).any():
+        need = drive[fit].min()
+        stats["drive_needed"] = min(stats.get("drive_needed", need), need)
+    return nv, host, drive
 
 
 def chunk_bytes_prefix(layout, profile, config) -> np.ndarray:
