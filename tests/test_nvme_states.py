@@ -302,7 +302,7 @@ def test_an_out_of_memory_replan_with_states_on_nvme_keeps_training_exactly(tmp_
     ref, ref_engine, _ = run(cfg, 5)
     ref_engine.destroy()
     losses, engine, injector = run(cfg, 5, inject=("forward", {4}),
-                                   pins=dict(PLAN, n_nvme=N_NVME, ssd_path=str(ssd)))
+                                   pins=dict(PLAN, n_ssd=0, n_nvme=N_NVME, ssd_path=str(ssd)))
     assert injector.fired == [4] and losses == ref
     assert engine.protrain_plan.knobs.n_nvme == N_NVME and engine.protrain_plan.memory_margin > 0.1
     assert engine.protrain_stats()["nvme_state_bytes"] > 0 and len(_runs_under(ssd)) == 1
@@ -346,7 +346,8 @@ def test_an_fp16_overflow_with_chunks_on_nvme_speculating_is_skipped_exactly(tmp
             if i in (2, 3):
                 snapshots.append({n: t.clone() for n, t in model.state_dict().items()})
         stats = engine.protrain_stats()
-        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state = model.state_dict()        # a sync point: the last step's host updates done
+        weights = {n: state[n].clone() for n, _ in model.named_parameters()}
         engine.destroy()
         return trace, snapshots, stats, weights
 
