@@ -71,10 +71,12 @@ def _expected_files(world: int) -> set[str]:
 
 
 def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            crc = zlib.crc32(block, crc)
+    # Into one small buffer: a save checks files of states that may not fit in host memory.
+    crc, buf = 0, bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
     return crc
 
 

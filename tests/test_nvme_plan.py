@@ -100,6 +100,13 @@ def test_ample_host_keeps_states_on_host_and_a_pin_is_honoured_and_priced():
     assert p.staging_bytes == STAGING_SLOTS * 12 * (1 * MiB // 2)
     with pytest.raises(InfeasibleError, match="no drive is configured"):
         search(prof, replace(hw, nvme_write_bandwidth=0.0), replace(config, pins=KnobPins(n_nvme=1)))
+    # more than the offloaded chunks: the most there can be named, with the fix
+    most = max(build_layout(prof, c).n_chunks - build_layout(prof, c).min_persist
+               for c in (s // prof.param_bytes for s in config.chunk_sizes))
+    with pytest.raises(InfeasibleError, match=rf"pinned n_nvme={most + 1} exceeds the offloaded "
+                       rf"chunks.*at most {most} can be offloaded.*Pin n_nvme between 0 and {most}"):
+        search(prof, hw, replace(config, pins=KnobPins(n_nvme=most + 1)))
+    assert search(prof, hw, replace(config, pins=KnobPins(n_nvme=most))).knobs.n_nvme == most
 
 
 def test_eight_ranks_per_node_share_the_drive():

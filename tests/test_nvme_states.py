@@ -183,3 +183,182 @@ def test_checkpoints_move_states_off_and_onto_the_drive_and_a_killed_run_is_reap
         got = torch.load(tmp_path / "resumed" / run / "weights.pt")
         assert all(torch.equal(got[n], w) for n, w in w_full.items()), run
     assert _runs_under(ssd) == []
+
+
+class _AnonPeak:
+    """The largest RssAnon (host memory nothing but swap can reclaim: tensors, not the page
+    cache a file mapping shows in VmRSS) seen while the body runs, sampled every millisecond."""
+
+    def __enter__(self):
+        import threading
+        self.peak = self.base = self.now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self.now())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("RssAnon:"))
+        return int(line.split()[1]) * 1024
+
+    @property
+    def grown(self) -> int:
+        return self.peak - self.base
+
+
+def test_a_checkpoint_streams_the_states_on_the_drive_through_host_memory(tmp_path, monkeypatch):
+    """fp32, about 75 MB of optimizer states on the drive (every chunk's): saving a checkpoint maps them from
+    the state file instead of copying them into host tensors (host memory that cannot be
+    reclaimed grows by far less than they take), and loading it back writes them to the drive
+    chunk by chunk; the loaded run goes on exactly like the saving one."""
+    from protrain.models import GPTConfig, synthetic_batch
+    big = GPTConfig(n_layer=3, n_embd=512, n_head=8, vocab_size=256, block_size=64,
+                    tie_embeddings=False)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    pins = dict(chunk_size="8MiB", n_persist=0, n_buffer=4, n_swap=0, n_checkpoint=0)
+    cfg = with_protrain(base_config(), **pins, n_nvme=7, ssd_path=str(ssd), device_memory="4GiB")
+    with deferred_streams(monkeypatch):
+        _, _, engine = train(cfg, big, 1)
+        states = engine.protrain_stats()["nvme_state_bytes"]
+        assert states > 64 * 2**20
+        with _AnonPeak() as saving:
+            engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        x, y = synthetic_batch(big, 2, seed=7)
+        engine.backward(engine(x, y))
+        engine.step()
+        after = engine(x, y).item()
+        with _AnonPeak() as loading:
+            engine.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        engine.backward(engine(x, y))
+        engine.step()
+        again = engine(x, y).item()
+        engine.destroy()
+    # Copied into host tensors, as before, the save grew by the states and the fp32 master
+    # (143 MB for 103 MB of states at 4 layers); mapped, by 0.4 MB. The load holds one
+    # parameter's pieces at a time (4 fields of the largest: 16 MB) and one staging buffer.
+    assert saving.grown < states / 16, (saving.grown, states)
+    assert loading.grown < states / 4, (loading.grown, states)
+    assert again == after
+
+
+# (micro-batch, tokens) of each rank's batch per step: rank 1's 40 tokens at step 2 re-plan
+# both ranks for longer batches, moving every state into the new runtime's chunks and file.
+_SHAPES = [[[2, 16], [2, 16]], [[2, 16], [2, 16]], [[2, 16], [2, 40]], [[2, 40], [2, 24]],
+           [[2, 24], [2, 32]], [[1, 12], [1, 8]]]
+
+
+def test_two_ranks_with_states_on_nvme_equal_deepspeed_zero0_across_a_longer_batch_replan(tmp_path):
+    """Two gloo ranks, each with its shard of the last N_NVME chunks' states in its own file
+    under one ssd_path, clipping at 1.0 with speculation (some steps clip): losses and weights
+    are DeepSpeed ZeRO-0's on two ranks bit for bit. Then batches that grow: the re-plan for
+    the longer one exports the states from the old runtime's files (mapped views) and
+    exchanges them between the ranks into the new runtime's: still DeepSpeed's bit for bit.
+    Nothing is left under ssd_path."""
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    model = dict(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=64, tie_embeddings=False)
+    clip = dict(model=model, global_batch=4, steps=12, loss_factor=0.7, extra=json.loads(CLIP))
+    shapes = dict(model=model, global_batch=4, steps=len(_SHAPES), batches=_SHAPES)
+    nvme = dict(PINS, n_nvme=N_NVME, ssd_path=str(ssd))
+    runs = launch_runs(2, {
+        "deepspeed": dict(clip, protrain=None),
+        "nvme": dict(clip, deferred_streams=True, protrain=nvme),
+        "deepspeed shapes": dict(shapes, protrain=None),
+        "nvme shapes": dict(shapes, deferred_streams=True, protrain=dict(nvme, sequence_parallel=1)),
+    }, str(tmp_path))
+    for ref, got in (("deepspeed", "nvme"), ("deepspeed shapes", "nvme shapes")):
+        assert [r["losses"] for r in runs[ref]] == [r["losses"] for r in runs[got]], got
+        w1 = torch.load(tmp_path / ref / "weights.pt")
+        w2 = torch.load(tmp_path / got / "weights.pt")
+        assert all(torch.equal(w2[n], w) for n, w in w1.items()), got
+        assert all(r["n_nvme"] == N_NVME and r["races"] == 0 for r in runs[got]), got
+    assert all(r["rollbacks"] > 0 and r["overlapped_chunks"] > 0 for r in runs["nvme"])
+    plans = runs["nvme shapes"][0]["plans"]
+    assert [p[0] for p in plans] == [16, 16, 64, 64, 64, 64]     # re-planned at step 2
+    assert _runs_under(ssd) == []
+
+
+def test_an_out_of_memory_replan_with_states_on_nvme_keeps_training_exactly(tmp_path):
+    """fp32, clipping, two micro-batches per step: an out-of-memory error in the second
+    micro-batch of step 2 re-plans, moving the states on the drive (mapped from the old file)
+    and the gradients accumulated so far into the new runtime, which keeps its states on the
+    drive again: losses equal the run with every state in host memory and no error."""
+    from test_oom import PLAN, run
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    cfg = base_config(gradient_accumulation_steps=2, **json.loads(CLIP))
+    ref, ref_engine, _ = run(cfg, 5)
+    ref_engine.destroy()
+    losses, engine, injector = run(cfg, 5, inject=("forward", {4}),
+                                   pins=dict(PLAN, n_ssd=0, n_nvme=N_NVME, ssd_path=str(ssd)))
+    assert injector.fired == [4] and losses == ref
+    assert engine.protrain_plan.knobs.n_nvme == N_NVME and engine.protrain_plan.memory_margin > 0.1
+    assert engine.protrain_stats()["nvme_state_bytes"] > 0 and len(_runs_under(ssd)) == 1
+    engine.destroy()
+    assert _runs_under(ssd) == []
+
+
+def test_an_fp16_overflow_with_chunks_on_nvme_speculating_is_skipped_exactly(tmp_path, monkeypatch):
+    """fp16 (dynamic loss scale, clipping 1.0), the master and moments of the last N_NVME
+    chunks on the drive: those chunks update speculatively during backward, then a gradient
+    of block 0 (reached last) is made inf on step 3. The step is skipped - the speculative
+    places discarded, the master as before - weights as after step 2, the scale halved, and
+    the run equals the host-resident one that never speculates, bit for bit."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from protrain.models import GPT, synthetic_batch
+    from test_ds_engine import SHAPES
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
+    model_cfg, pins = SHAPES["a mix"]
+    pins = dict(pins, chunk_size="55KiB")
+    cfg = base_config(fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1}, gradient_clipping=1.0)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+
+    def run(**section):
+        torch.manual_seed(0)
+        model = GPT(model_cfg)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=with_protrain(cfg, **pins, **section))
+        poison = {"on": False}
+        model.transformer.h[0].mlp.c_fc.weight.register_hook(
+            lambda g: torch.full_like(g, float("inf")) if poison["on"] else g)
+        trace, snapshots = [], []
+        for i in range(6):
+            x, y = synthetic_batch(model_cfg, 2, seed=i)
+            poison["on"] = i == 3
+            loss = engine(x, y)
+            engine.backward(loss * 0.25)
+            engine.step()
+            trace.append((loss.item(), engine.optimizer.overflow, engine.optimizer.cur_scale))
+            if i in (2, 3):
+                snapshots.append({n: t.clone() for n, t in model.state_dict().items()})
+        stats = engine.protrain_stats()
+        state = model.state_dict()        # a sync point: the last step's host updates done
+        weights = {n: state[n].clone() for n, _ in model.named_parameters()}
+        engine.destroy()
+        return trace, snapshots, stats, weights
+
+    plain = run(speculate_chunks=0)
+    with deferred_streams(monkeypatch):
+        trace, (before, after), stats, weights = run(speculate_chunks=99, n_nvme=N_NVME, ssd_path=str(ssd))
+    assert [t[1] for t in trace] == [False, False, False, True, False, False]
+    assert trace[3][2] == trace[2][2] / 2
+    assert all(torch.equal(after[n], t) for n, t in before.items())        # step 3 changed nothing
+    assert stats["cpu_adam_rollbacks"] > 0 and stats["cpu_adam_overlapped_chunks"] > 0
+    assert stats["nvme_state_bytes"] > 0
+    assert trace == plain[0]
+    assert all(torch.equal(weights[n], w) for n, w in plain[3].items())
+    assert _runs_under(ssd) == []

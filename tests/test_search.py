@@ -285,6 +285,8 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
     assert (acts.swap_host == swap_host_bytes(prof, codes)).all()
     assert (acts.ssd == ssd_bytes(prof, codes)).all()
     checked = on_drive = 0
+    floor = space.search_floor(prof, hw, config)     # the sequence-parallel loop's, below every point's
+    assert floor > 0
     for cap in chunk_capacities(prof, sizes):
         grid = space.candidate_grid(prof, hw, config, acts, cap, budget, {})
         if not len(grid.lower_bound):
@@ -292,6 +294,7 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
         idx = np.arange(len(grid.lower_bound))
         t = evaluation.simulate_points(prof, hw, config, acts, grid, idx)
         assert (grid.lower_bound <= t * (1 + 1e-12)).all()
+        assert floor <= grid.lower_bound.min() * (1 + 1e-12)
         # ... and the per-chunk CPU-optimizer bound refined just before simulating
         refined = bounds.refine_cpu_bound(prof, hw, config, acts, grid, idx)
         assert (refined <= t * (1 + 1e-12)).all()

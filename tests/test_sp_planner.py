@@ -194,6 +194,32 @@ def test_degrees_predicted_within_the_error_band_hedge_to_the_smaller(profiles):
     assert choose_degree({}, 0.05) is None
 
 
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_degree_whose_floor_lies_above_the_fastest_is_skipped_and_changes_nothing(monkeypatch, clip):
+    """A degree whose floor (compute, uploads and CPU Adam alone) lies above the fastest step
+    found and its error band is not searched: the plan equals the one from searching every
+    degree, and the note gives the floor, which lies below that degree's own best step."""
+    import protrain.sp.planner as sp_planner
+    from protrain.profile.analytic import ModelShape, analytic_profile
+    from protrain.profile.machines import machine
+    shape = ModelShape("small", "gpt2", n_layers=4, hidden=256, heads=4, vocab=2048, seq_len=256,
+                       micro_batch=4, max_positions=256)
+    hw = machine("rtx3090").profile(host_memory=4 * 2**30)
+    prof = analytic_profile(shape, hw)
+    cfg = PlannerConfig(data_parallel_size=4, cpu_optim_overlap=not clip, cpu_optim_speculative=clip)
+    plan = search_sequence_parallel(prof, hw, cfg)
+    floor = {int(n[2]): _seconds(n.split("at least ")[1].split(" per step")[0]) for n in plan.notes
+             if re.match(r"P=\d not searched: every plan takes at least .* slower than P=1's", n)}
+    assert sorted(floor) == [2, 4], plan.notes
+    monkeypatch.setattr(sp_planner, "search_floor", lambda *a: 0.0)      # every degree searched
+    every = search_sequence_parallel(prof, hw, cfg)
+    assert (plan.knobs, plan.prediction) == (every.knobs, every.prediction)
+    step = {int(n[2]): _seconds(n.split("step ")[1].split(",")[0]) for n in every.notes
+            if re.match(r"P=\d: step", n)}
+    for p, f in floor.items():
+        assert f <= step[p] + 0.05e-3 and f > step[1] * (1 + cfg.time_tolerance) - 0.05e-3, (p, f, step)
+
+
 def test_a_pinned_degree_that_breaks_a_constraint_is_refused(profiles):
     prof = profiles[128]
     cfg = PlannerConfig(data_parallel_size=4, pins=KnobPins(sequence_parallel=3))

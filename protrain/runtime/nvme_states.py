@@ -37,13 +37,20 @@ path) read and write; ``Streams.pinned`` page-locks them on CUDA machines, as th
 counts them, and they are unpinned only after the store's threads have stopped.
 
 The file lives in a ``RunDirectory`` (scratch: removed at exit, on SIGTERM / SIGHUP, and by the
-next run after a kill -9); checkpoints read the states out through ``loaded`` (``states.py``).
+next run after a kill -9). Checkpoints and re-plans read the states out through ``mapped``:
+read-only views of the file's current places, so that exporting them needs no host memory of
+their size (the kernel pages them in as ``torch.save`` or the new runtime reads them, and may
+drop them again); a re-plan's views keep the old file's data alive after its directory is
+removed, until the new runtime has written them into its own file. Imports write them back
+chunk by chunk through ``loaded`` (``states.py``).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import enum
+import mmap
 import threading
+import warnings
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -274,6 +281,34 @@ class NvmeStates:
             self.release(c, u, outcome)
         if write:
             self.drain()
+
+    @contextmanager
+    def mapped(self):
+        """``view(c, lo, hi)`` in the body: ``c``'s current states, elements [lo, hi) of its
+        shard - (master, exp_avg, exp_avg_sq) in 16-bit training, (exp_avg, exp_avg_sq) in fp32
+        - as read-only tensors over a shared mapping of the state file, each with a storage of
+        its own (``torch.save`` writes a storage whole). For checkpoints and re-plans, with the
+        host worker idle: every write is waited for, and no speculation may be pending (its
+        place is not decided). The views keep the mapping, and the file's data, alive after
+        ``close``; writing into them is a fault (PROT_READ)."""
+        self.drain()
+        with self._cv:
+            open_ = [i for i, p in self._places.items() if p.pending is not None or p.undo is not None]
+        if open_:
+            raise RuntimeError(f"protrain: the states of chunks {open_} on NVMe are speculative "
+                               f"(neither committed nor rolled back); export them after the step's verdict")
+        # MAP_SHARED, read-only: no commit charge however large the file, pages reclaimable.
+        whole = mmap.mmap(self.file.fd, self.file.capacity, access=mmap.ACCESS_READ)
+
+        def view(c, lo: int, hi: int) -> list[torch.Tensor]:
+            p = self._places[c.index]
+            base = p.offset + p.current * self.fields * self.field_stride + 4 * lo
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                return [torch.frombuffer(whole, dtype=torch.float32, count=hi - lo,
+                                         offset=base + k * self.field_stride)
+                        for k in range(self.state_fields)]
+        yield view
 
     def commit(self, c) -> None:
         """The step stands: ``c``'s speculative update (written, or being written) is current."""

@@ -11,7 +11,9 @@ parameter exactly once, which is what lets a checkpoint taken on N ranks load on
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -61,23 +63,47 @@ def export_pieces(m: ChunkManager, *, grads: bool = False) -> list[Piece]:
     offloaded chunk's shard holds them averaged over the ranks already (its reduce-scatter),
     a persistent chunk's are this rank's own until the step's all-reduce, so they are averaged
     here (a collective then: every rank calls it). Imported into persistent chunks on every
-    rank, the step averages them again, exactly when the world size is a power of two."""
+    rank, the step averages them again, exactly when the world size is a power of two.
+
+    The states of chunks on NVMe are not copied: their pieces are read-only views of the state
+    file (``NvmeStates.mapped``) and, in fp32, of the parameters, so a checkpoint or a re-plan
+    of states that do not fit in host memory streams them from the drive instead of holding
+    them. Such pieces are valid until the runtime changes its states again (its next step):
+    save or import them before."""
     m.host_sync()            # CPU Adam of the last step may still be running on offloaded chunks
     pieces = []
-    for c in m.chunks:
-        averaged = None
-        if grads and c.persistent and m.dp.world > 1:
-            averaged = m.dp.all_reduce_(c.grad.clone()).div_(m.dp.world)
-        if c.persistent and m.dp.rank != 0:
-            continue
-        acc = averaged if averaged is not None else c.grad if c.persistent else c.grad_acc
-        with m.host_states(c):                     # read from the drive for chunks on NVMe
-            pieces += _chunk_pieces(m, c, acc if grads else None)
+    with (m.nvme.mapped() if m.nvme is not None else nullcontext()) as on_drive:
+        for c in m.chunks:
+            averaged = None
+            if grads and c.persistent and m.dp.world > 1:
+                averaged = m.dp.all_reduce_(c.grad.clone()).div_(m.dp.world)
+            if c.persistent and m.dp.rank != 0:
+                continue
+            acc = averaged if averaged is not None else c.grad if c.persistent else c.grad_acc
+            states = partial(_drive_states, on_drive, c) if m.on_nvme(c) else partial(_host_states, c)
+            pieces += _chunk_pieces(m, c, states, acc if grads else None)
     return pieces
 
 
-def _chunk_pieces(m: ChunkManager, c: Chunk, acc: torch.Tensor | None) -> list[Piece]:
-    """Copies of the pieces ``c``'s tensors hold (with the gradients in ``acc``, if given)."""
+def _host_states(c: Chunk, a: int, b: int) -> list[torch.Tensor]:
+    """Copies of elements [a, b) of ``c``'s local master, exp_avg and exp_avg_sq (host or device)."""
+    return [t[a:b].detach().float().cpu().clone() for t in (c.master, c.exp_avg, c.exp_avg_sq)]
+
+
+def _drive_states(on_drive, c: Chunk, a: int, b: int) -> list[torch.Tensor]:
+    """Elements [a, b) of the states of ``c`` (a chunk on NVMe): views of the state file, and in
+    fp32 a view of the master, which is the parameters in host memory (a storage of its own
+    through numpy: ``torch.save`` writes a view's whole storage)."""
+    states = on_drive(c, a, b)
+    if len(states) == 2:
+        states.insert(0, torch.from_numpy(c.master[a:b].detach().numpy()))
+    return states
+
+
+def _chunk_pieces(m: ChunkManager, c: Chunk, states: Callable[[int, int], list[torch.Tensor]],
+                  acc: torch.Tensor | None) -> list[Piece]:
+    """The pieces ``c``'s tensors hold, their master and Adam moments from ``states(a, b)``
+    (elements [a, b) of this rank's part of the chunk), with the gradients in ``acc`` if given."""
     lo, hi = _local_range(m, c)
     out = []
     for s in c.slots:
@@ -85,10 +111,7 @@ def _chunk_pieces(m: ChunkManager, c: Chunk, acc: torch.Tensor | None) -> list[P
         if a >= b:
             continue
         sl = slice(a - lo, b - lo)
-        out.append(Piece(s.name, a - s.offset, b - s.offset,
-                         c.master[sl].detach().float().cpu().clone(),
-                         c.exp_avg[sl].detach().cpu().clone(),
-                         c.exp_avg_sq[sl].detach().cpu().clone(), s.step,
+        out.append(Piece(s.name, a - s.offset, b - s.offset, *states(a - lo, b - lo), s.step,
                          acc[sl].detach().float().cpu().clone() if acc is not None else None))
     return out
 

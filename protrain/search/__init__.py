@@ -13,7 +13,7 @@ when none does.
 from .evaluation import bytes_moved, evaluate
 from .infeasible import InfeasibleError, check_budgets
 from .loop import hedged_key, plan_key, search
-from .space import max_ssd_blocks
+from .space import max_ssd_blocks, search_floor
 
 __all__ = ["InfeasibleError", "bytes_moved", "check_budgets", "evaluate", "hedged_key", "max_ssd_blocks",
-           "plan_key", "search"]
+           "plan_key", "search", "search_floor"]

@@ -86,6 +86,29 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
     return lb, fwd_lb, bwd_lb + gpu, tail
 
 
+def degree_floor(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig, layout,
+                 n_persist: np.ndarray) -> np.ndarray:
+    """A lower bound on ``step_lower_bound`` (so on the step) of every point of ``layout`` with
+    ``n_persist`` persistent chunks, whatever its activation configuration, buffers and chunks
+    on the drive: forward's compute or its uploads, backward's compute without recompute and
+    the device's optimizer, for every micro-step; or CPU Adam over the offloaded chunks, with
+    the verdict checks where it waits for them (``weak_cpu_bound``), then the other
+    micro-steps. Each term is one ``step_lower_bound`` adds or takes the largest of, with the
+    terms that depend on the rest of the point left out (they only add). Needs no candidate
+    grid: the sequence-parallel loop skips a degree this rules out (``search_floor``)."""
+    world = config.data_parallel_size
+    n_persist = np.asarray(n_persist)
+    t_up, _, t_adam = chunk_transfer_times(layout, profile, hw, world)
+    rr = rank_rates(hw)
+    prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
+    fwd = np.maximum(sum(p.fwd_time for p in profile.parts), _suffix(t_up)[n_persist])
+    bwd = sum(p.bwd_time for p in profile.parts)
+    gpu = prefix[n_persist] / rr.device_adam + persistent_allreduce_time(layout, n_persist, hw, world)
+    cpu = _suffix(t_adam)[n_persist] + (host_checks(layout, hw, config, n_persist)
+                                        if weak_cpu_bound(config, hw) else 0.0)
+    return np.maximum(fwd + bwd + gpu, cpu) + (config.grad_accumulation_steps - 1) * (fwd + bwd)
+
+
 def drive_wait_top(profile: ModelProfile, layout, hw: HardwareProfile, config: PlannerConfig) -> np.ndarray:
     """At index k: what the last k chunks' turns on the CPU queue take beyond their updates
     (and host checks) when their states are on the drive - the read or write-back where it

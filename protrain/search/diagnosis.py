@@ -20,7 +20,7 @@ from .candidates import ActivationConfigs
 from .evaluation import drive_space_message, evaluate
 from .infeasible import InfeasibleError
 from .policy import drive_states_possible, norm_scratch, planned_state_bytes
-from .space import model_state_bytes
+from .space import candidate_capacities, model_state_bytes
 
 Search = Callable[[ModelProfile, HardwareProfile, PlannerConfig], Plan]
 """The search itself (``search.loop.search``), handed in by its caller: the diagnosis asks it
@@ -68,6 +68,9 @@ def _host_message(profile, hw, config: PlannerConfig, need: int) -> str:
 
 def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: Search) -> InfeasibleError | None:
     """What the pins break, where they are the problem."""
+    too_many = _too_many_nvme_chunks(profile, config)
+    if too_many is not None:
+        return too_many
     pins = config.pins.pinned()
     # Would it fit without the pins? Then the pins are the problem; say so.
     try:
@@ -102,6 +105,30 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
             f"{free.knobs} ({fmt_bytes(free.prediction.peak_device_bytes)} peak). Unpin "
             f"(set to \"auto\") or change the pinned values")
     return None
+
+
+def _too_many_nvme_chunks(profile, config: PlannerConfig) -> InfeasibleError | None:
+    """A pinned n_nvme beyond the offloaded chunks of every chunk size tried: named with the
+    most there are (states on the drive are those of offloaded chunks only)."""
+    want = config.pins.n_nvme
+    if not want:
+        return None
+    most, at = 0, None
+    for cap in candidate_capacities(profile, config):
+        layout = build_layout(profile, cap)
+        persist = config.pins.n_persist
+        persist = layout.n_chunks if persist == ALL else layout.min_persist if persist is None else persist
+        if layout.n_chunks - persist >= most:
+            most, at = layout.n_chunks - persist, layout
+    if want <= most:
+        return None
+    where = (f"{at.n_chunks} chunks of {fmt_bytes(at.chunk_bytes)}, at least "
+             f"{at.n_chunks - most} of them on the device" if at is not None else "no chunk size tried")
+    return InfeasibleError(
+        f"pinned n_nvme={want} exceeds the offloaded chunks: states on the drive are those of "
+        f"offloaded chunks, and at most {most} can be offloaded ({where}). Pin n_nvme between "
+        f"0 and {most}, a smaller chunk_size or fewer persistent chunks (n_persist), or leave "
+        f"n_nvme on auto")
 
 
 def _device_diagnosis(profile, hw, config: PlannerConfig, budget: float, acts, caps) -> InfeasibleError:

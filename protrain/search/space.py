@@ -17,7 +17,7 @@ from ..profile.hardware import HardwareProfile
 from ..state_tier import drive_state_bytes
 from ..profile.model_profile import ModelProfile
 from ..units import fmt_bytes
-from .bounds import forward_write_bound, step_lower_bound
+from .bounds import degree_floor, forward_write_bound, step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .infeasible import InfeasibleError
 from .policy import drive_states_possible, norm_scratch, planned_state_bytes, speculative_writes
@@ -134,6 +134,25 @@ def candidate_capacities(profile: ModelProfile, config: PlannerConfig) -> tuple[
     if config.model_states_fixed is not None:
         caps = (profile.total_params,)      # one chunk, never moved: no chunk knobs to choose
     return caps
+
+
+def search_floor(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig) -> float:
+    """A lower bound on the step time of any plan ``search`` could return for ``profile``,
+    from the chunk layouts and the persistent counts that fit alone (``bounds.degree_floor``):
+    milliseconds, where the search builds and bounds every point. 0 where the search would
+    refuse the configuration (it says why)."""
+    hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
+    budget = hw.device_memory / (1.0 + config.memory_margin)
+    try:
+        floors = []
+        for cap in candidate_capacities(profile, config):
+            layout = build_layout(profile, cap)
+            nps = _persistent_counts(profile, config, layout, model_state_bytes(profile, config, layout)[0],
+                                     budget)
+            floors.append(float(degree_floor(profile, hw, config, layout, nps).min()))
+    except InfeasibleError:
+        return 0.0
+    return min(floors, default=0.0)
 
 
 _WALK_BATCH = 4096

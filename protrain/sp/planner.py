@@ -5,6 +5,9 @@ pays Ulysses' all-to-alls), so for each valid P the loop derives the per-rank pr
 (protrain.sp.scaling), runs the one search (protrain.search) on it and keeps the fastest
 optimizer step - the smallest P predicted within the model's error band of it
 (``choose_degree``); the plan's notes say what every P gave ("P=1 does not fit: ...").
+The degrees are searched in the order of a floor on their step (``search_floor``, from the
+chunk layouts alone), and one whose floor lies above the fastest step found and the band
+over it is skipped: it could not be chosen ("P=2 not searched: ...").
 
 A group of P ranks runs the P micro-batches its ranks received one after another, each split
 over the group (protrain.sp.batch), so the global batch stays the user's: per rank, an
@@ -24,7 +27,7 @@ from ..config import ConfigError, PlannerConfig
 from ..plan import Plan
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
-from ..search import InfeasibleError, search
+from ..search import InfeasibleError, search, search_floor
 from ..units import fmt_bytes, fmt_seconds
 from .degree import SPShape, broken_constraints, check_degree, valid_degrees
 from .scaling import alltoall_bandwidth, scale_profile
@@ -81,6 +84,7 @@ def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
     plans: dict[int, Plan] = {}
     failures: dict[int, InfeasibleError] = {}
     a2a: dict[int, float] = {}
+    inner: dict[int, tuple[ModelProfile, PlannerConfig]] = {}
     per_sample = (micro_batch or profile.micro_batch or 1) / (profile.micro_batch or 1)
     for p in degrees:
         below = seq_len * per_sample / p < (profile.seq_len or 0)
@@ -88,16 +92,24 @@ def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
                                second=second if below else None, micro_batch=micro_batch)
         a2a[p] = sum(b.comm_fwd_time + b.comm_bwd_time for b in scaled.blocks) * \
             config.grad_accumulation_steps * p
-        cfg = replace(config, pins=inner_pins,
-                      grad_accumulation_steps=config.grad_accumulation_steps * p)
+        inner[p] = (per_rank(scaled) if per_rank else scaled,
+                    replace(config, pins=inner_pins, grad_accumulation_steps=config.grad_accumulation_steps * p))
+    floors = {p: search_floor(prof, hw, cfg) for p, (prof, cfg) in inner.items()}
+    pruned: dict[int, tuple[float, int]] = {}
+    for p in sorted(degrees, key=lambda p: (floors[p], p)):     # the likely fastest first
+        rival = _rival(plans, floors[p], config.time_tolerance)
+        if rival is not None:
+            pruned[p] = (floors[p], rival)
+            continue
+        prof, cfg = inner[p]
         try:
-            plans[p] = search(per_rank(scaled) if per_rank else scaled, hw, cfg)
+            plans[p] = search(prof, hw, cfg)
         except InfeasibleError as e:
             failures[p] = e
     chosen = choose_degree(plans, config.time_tolerance)
     why = _reasons(degrees, plans, failures, a2a, shape or sp_shape(profile, world, seq_len),
                    unsupported, chosen, config.time_tolerance,
-                   pinned=config.pins.sequence_parallel is not None)
+                   pinned=config.pins.sequence_parallel is not None, pruned=pruned)
     if not plans:
         last = failures[max(failures)]
         k = (shape.knob if shape else "P")
@@ -113,6 +125,17 @@ def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
                    search_seconds=sum(x.search_seconds for x in plans.values()))
 
 
+def _rival(plans: dict[int, Plan], floor: float, tolerance: float) -> int | None:
+    """The degree that rules out one whose step is at least ``floor``: the fastest searched
+    so far, where ``floor`` lies above its step and the error band over it. Such a degree is
+    then neither the fastest nor within the band of the fastest (which is no slower), so
+    ``choose_degree`` cannot pick it and no note compares it. None where nothing rules it out."""
+    if not plans:
+        return None
+    best = min(plans, key=lambda p: (plans[p].prediction.step_time, p))
+    return best if floor > plans[best].prediction.step_time * (1 + tolerance) else None
+
+
 def choose_degree(plans: dict[int, Plan], tolerance: float) -> int | None:
     """The degree to run: the smallest one predicted within ``tolerance`` (the runtime
     model's error band) of the fastest. A smaller degree moves fewer all-to-all bytes and
@@ -126,12 +149,20 @@ def choose_degree(plans: dict[int, Plan], tolerance: float) -> int | None:
 
 
 def _reasons(degrees, plans, failures, a2a, shape: SPShape, unsupported, best: int | None,
-             tolerance: float, pinned: bool = False) -> list[str]:
-    """One line per degree tried, and why the others were not."""
+             tolerance: float, pinned: bool = False, pruned: dict | None = None) -> list[str]:
+    """One line per degree tried, and why the others were not. ``pruned``: the degrees not
+    searched, each with its floor and the degree whose step ruled it out."""
     out = []
     k = shape.knob
     world = shape.world
     for p in degrees:
+        if p in (pruned or {}):
+            floor, q = pruned[p]
+            out.append(f"{k}={p} not searched: every plan takes at least {fmt_seconds(floor)} per step "
+                       f"(compute, uploads and CPU Adam alone), slower than {k}={q}'s "
+                       f"{fmt_seconds(plans[q].prediction.step_time)} by more than the model's "
+                       f"{tolerance:.0%} error band")
+            continue
         if p in failures:
             e = failures[p]
             need = f"needs {fmt_bytes(e.device_needed)} of device memory" if e.device_needed else \
