@@ -28,14 +28,16 @@ def _layout(profile):
 
 def test_cpu_adam_per_rank_scales_with_ranks_per_node():
     """Hand-computed: 100 parameters a chunk at 25 parameters/s on the node; 0.5 s of the
-    runtime's own work per chunk update, on 4 cores."""
+    runtime's own work per chunk update, on 4 cores. With several ranks an update takes the
+    longer of its share of the node's streaming and its own path (its stream at the node's
+    rate plus its own time): the own time hides under the other ranks' streams."""
     profile = chain_profile((100, 100), pre_params=100)
     layout = _layout(profile)
     node = slow_link(host_update_overhead=0.5, cpu_cores=4, grad_check_rate=50.0,
                      host_copy_bandwidth=600.0)
-    for ranks, adam in [(1, 100 / 25 + 0.5), (4, 100 / (25 / 4) + 0.5),
+    for ranks, adam in [(1, 100 / 25 + 0.5), (4, max(100 / (25 / 4), 100 / 25 + 0.5)),
                         # 8 ranks on 4 cores: two to a core, their Python time-shares it
-                        (8, 100 / (25 / 8) + 0.5 * 2)]:
+                        (8, max(100 / (25 / 8), 100 / 25 + 0.5 * 2))]:
         hw = replace(node, ranks_per_node=ranks)
         up, down, t_adam = chunk_transfer_times(layout, profile, hw)
         assert t_adam == pytest.approx([adam] * 3, rel=1e-12)
@@ -52,7 +54,10 @@ def test_cpu_adam_per_rank_scales_with_ranks_per_node():
     # With data-parallel sharding on top: each rank's shard at its share of the rate.
     two = replace(node, ranks_per_node=2, collective_bandwidth=1e9)
     assert chunk_transfer_times(layout, profile, two, world=2)[2] == \
-        pytest.approx([50 / (25 / 2) + 0.5] * 3, rel=1e-12)
+        pytest.approx([max(50 / (25 / 2), 50 / 25 + 0.5)] * 3, rel=1e-12)
+    # An own time longer than the others' streams: the own path sets the pace.
+    slow_own = replace(node, ranks_per_node=2, host_update_overhead=5.0)
+    assert chunk_transfer_times(layout, profile, slow_own)[2] == pytest.approx([100 / 25 + 5.0] * 3, rel=1e-12)
 
 
 def test_the_plan_records_ranks_per_node_and_old_plan_files_load():

@@ -14,7 +14,8 @@ chunk as the same gradients land - each gets about 1/ranks_per_node of it:
   (one alone: 1.6, so a rank's share measured alone would be 60% optimistic).
 - The per-chunk update overhead (``HardwareProfile.host_update_overhead``) is Python on one
   core and an OpenMP fork and join: a rank runs it on a core of its own while the ranks do not
-  outnumber the cores, so it is not divided; beyond that they time-share the cores.
+  outnumber the cores, so it is not divided; beyond that they time-share the cores. It does
+  not stream memory, so it hides under the other ranks' streams (``chunk_times.cpu_adam_times``).
 - Host-device copies (``h2d_bandwidth``, ``d2h_bandwidth``) go over each GPU's own PCIe link:
   not shared. The host memory they read and write is, but on current 8-GPU servers its
   bandwidth is several times what the GPUs' links move together; GPUs behind one PCIe switch
