@@ -75,6 +75,33 @@ def test_states_on_nvme_train_exactly_like_deepspeed_under_clipping(tmp_path, mo
     assert os.listdir(ssd) == []
 
 
+def test_the_planner_puts_states_on_the_drive_when_the_host_budget_is_short(tmp_path, monkeypatch):
+    """An unchanged script, n_nvme left to the planner, a host budget below what every
+    offloaded chunk's states (and their speculation backups) need in host memory: the plan
+    puts the last chunks' states on the drive, the fewest that fit, the host state bytes stay
+    within the budget, and the losses equal plain DeepSpeed ZeRO-0's through clipped steps."""
+    ref_losses, _ = deepspeed_run(UNTIED, CLIP, 8, loss_factor=FACTOR)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    # Speculation left to the planner too: it counts the backups within the host budget.
+    pins = {k: v for k, v in PINS.items() if k != "speculate_chunks"}
+    cfg = with_protrain(base_config(**json.loads(CLIP)), **pins, ssd_path=str(ssd))
+    with deferred_streams(monkeypatch):
+        _, _, host = train(cfg, UNTIED, 1, loss_factor=FACTOR)        # everything in host memory
+    need = host.protrain_plan.prediction.host_bytes
+    host.destroy()
+    budget = int(need * 0.85)
+    cfg["protrain"]["host_memory"] = budget
+    with deferred_streams(monkeypatch):
+        losses, _, engine = train(cfg, UNTIED, 8, loss_factor=FACTOR)
+    plan, stats = engine.protrain_plan, engine.protrain_stats()
+    assert "n_nvme" not in plan.pinned and 0 < plan.knobs.n_nvme < 13
+    assert plan.prediction.host_bytes <= budget and stats["host_state_bytes"] <= budget
+    assert losses == ref_losses
+    engine.destroy()
+    assert os.listdir(ssd) == []
+
+
 def test_bf16_with_the_master_on_nvme_matches_the_host_resident_run(tmp_path, monkeypatch):
     """16-bit training: the fp32 master goes to the drive too (12 bytes per element). Clipping
     with speculation: a committed speculation refreshes the upload copy from the master on
