@@ -148,6 +148,50 @@ _KILLED = textwrap.dedent("""
 """)
 
 
+_ENDS_AFTER_STEP = textwrap.dedent("""
+    import atexit, sys, time
+    sys.path.insert(0, {tests!r})
+    from dstrain import UNTIED, base_config, with_protrain
+    import deepspeed, torch
+    from protrain.models import GPT, synthetic_batch
+    from protrain.runtime.optimizer import ChunkOptimizer
+    torch.manual_seed(0)
+    model = GPT(UNTIED)
+    cfg = with_protrain(base_config(), **{pins!r}, n_nvme={n}, ssd_path={ssd!r}, host_thread=True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def verdict():      # atexit: after the threading exit hooks, the runtime's included
+        opt = engine.protrain_runtime.optimizer
+        print("worker failed" if opt.worker.failed else "worker ok",
+              "nvme error" if opt.nvme._error is not None else "nvme ok",
+              "left", len(opt.nvme._active) + len(opt.nvme._waiting), flush=True)
+    atexit.register(verdict)
+    for i in range(3):
+        if i == 2:      # the last step's updates still queued when the script ends
+            real = ChunkOptimizer._update
+            ChunkOptimizer._update = lambda self, *a, **k: (time.sleep(0.2), real(self, *a, **k))[1]
+        x, y = synthetic_batch(UNTIED, 2, seed=i)
+        engine.backward(engine(x, y))
+        engine.step()
+""")
+
+
+def test_a_script_ending_right_after_a_step_finishes_the_updates_on_the_drive(tmp_path):
+    """The last step's CPU Adam work on the host worker, with states on NVMe, still queued
+    when the script ends: the runtime's exit hook finishes it before the stores' thread pools
+    shut down (concurrent.futures stops them before any atexit function: the write-backs then
+    failed and every update after them was skipped, silently)."""
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    code = _ENDS_AFTER_STEP.format(tests=os.path.dirname(__file__), pins=PINS, n=N_NVME, ssd=str(ssd))
+    env = dict(os.environ, MASTER_PORT=str(free_port()))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "worker ok nvme ok left 0" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    assert _runs_under(ssd) == []
+
+
 def _kill_mid_training(ssd) -> str:
     """Train with states on NVMe in a subprocess and kill -9 it after two steps; the run
     directory it leaves behind."""

@@ -413,9 +413,16 @@ class NvmeStates:
                 self._cv.notify_all()
                 continue
             # The checksum covers what was written: checked only on a read of as much.
-            u.read = self.store.read(self.file, offset, slot.buf[:nbytes],
-                                     written=last if whole else None,
-                                     after=_AfterWrite(last) if last is not None and not whole else None)
+            try:
+                u.read = self.store.read(self.file, offset, slot.buf[:nbytes],
+                                         written=last if whole else None,
+                                         after=_AfterWrite(last) if last is not None and not whole else None)
+            except BaseException as e:  # noqa: BLE001 - on a store thread (a write-back's callback): keep it for hold()
+                u.read = cf.Future()
+                u.read.set_exception(e)
+                self._error = self._error or e
+                self._cv.notify_all()
+                continue
             self.read_bytes += nbytes
             self._cv.notify_all()
 

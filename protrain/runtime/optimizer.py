@@ -96,8 +96,7 @@ class HostWorker:
             self._t.start()
             HostWorker._live.add(self)
             if not HostWorker._exit_hook:
-                import atexit
-                atexit.register(HostWorker._close_all)
+                _register_exit_hook(HostWorker._close_all)
                 HostWorker._exit_hook = True
 
     @property
@@ -160,6 +159,21 @@ class HostWorker:
         hooks run while daemon threads still may; after them they may not)."""
         for w in list(HostWorker._live):
             w.close(timeout=None)
+
+
+def _register_exit_hook(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at interpreter exit before the thread pools shut down: queued updates of
+    chunks with states on NVMe submit reads and write-backs to the stores' pools, which
+    concurrent.futures stops in its own threading exit hook - before any ``atexit`` function,
+    where they would fail ("cannot schedule new futures after shutdown"). Threading's exit
+    hooks run in reverse order of registration, so this one (registered after
+    concurrent.futures.thread is imported, which registers its own) runs first."""
+    import concurrent.futures.thread  # noqa: F401 - its exit hook registered before ours
+    try:
+        threading._register_atexit(fn)     # private, but what concurrent.futures itself uses
+    except (AttributeError, RuntimeError):  # another Python / already shutting down
+        import atexit
+        atexit.register(fn)
 
 
 class StepState(Enum):
