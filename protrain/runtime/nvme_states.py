@@ -190,7 +190,8 @@ class NvmeStates:
         for c in mine:
             self._places[c.index] = _Place(c.shard_size, at)
             at += NVME_STATE_SLOTS * region
-        self.rundir = RunDirectory(self.root, at, purpose="the plan's optimizer states on NVMe (n_nvme)")
+        self.rundir = RunDirectory(self.root, at, purpose="the plan's optimizer states on NVMe (n_nvme)",
+                                   knob="n_nvme")
         try:
             self.file = BlockFile(self.rundir.path / "states.opt", at)
             if self.store is None:

@@ -73,9 +73,9 @@ class RunDirectory:
     _handlers_installed = False
 
     def __init__(self, root: str | os.PathLike, needed_bytes: int, *,
-                 purpose: str = "the plan's swapped-to-SSD activations"):
+                 purpose: str = "the plan's swapped-to-SSD activations", knob: str = "n_ssd"):
         """``needed_bytes``: what ``purpose`` will write here (refused with both named when
-        the drive has less free)."""
+        the drive has less free, and the plan's ``knob`` that puts it there)."""
         root = Path(root)
         if not root.exists():
             raise StorageConfigError(f"ssd_path {root} does not exist; create it or point ssd_path "
@@ -90,7 +90,7 @@ class RunDirectory:
         if free < needed_bytes:
             raise StorageConfigError(
                 f"ssd_path {root} has {fmt_bytes(free)} free but {purpose} need "
-                f"{fmt_bytes(needed_bytes)}; free space, use a larger drive, or pin n_ssd lower")
+                f"{fmt_bytes(needed_bytes)}; free space, use a larger drive, or pin {knob} lower")
         name = f"protrain-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # Made under a name the cleanup does not match, locked, then renamed: a directory with
         # the run name is never seen without its lock held.
