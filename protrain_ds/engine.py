@@ -53,6 +53,7 @@ from protrain.session.profiling import profile_batch
 from protrain.session.session import first_target, longer_target, search_for_batches
 
 from . import compile as protrain_compile
+from . import handover
 from .config import ProTrainDSConfig
 from .optimizer import ProTrainOptimizer
 from .sequence_parallel import SequenceParallelForward, model_takes, unsupported_reason
@@ -88,6 +89,9 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_second: ModelProfile | None = None   # the profile at half the sequence
         self._protrain_ce_calls = 1
         self._protrain_links = (0.0, 0.0)     # (all-gather, all-to-all) bandwidth between the ranks
+        self.protrain_retired_by: str | None = None
+        """Set when a later engine took this engine's model over (handover.py): every later
+        call is refused naming it."""
         super().__init__(*args, dont_change_device=True, **kwargs)
         # Every forward agrees on the batch shape over the ranks, in host memory (see host_side).
         self._protrain_host = host_side(DataParallel())
@@ -111,6 +115,7 @@ class ProTrainEngine(DeepSpeedEngine):
                               grad_accumulation=self.gradient_accumulation_steps() > 1)
             except InfeasibleError as e:
                 raise ConfigError(f"protrain: impossible memory budget: {e}") from None
+        handover.register(self)
         if self.global_rank == 0 and protrain_config.verbosity >= 1:
             lines = ["ProTrain: enabled; the model is profiled and the plan chosen at the first "
                      "forward pass"]
@@ -177,6 +182,8 @@ class ProTrainEngine(DeepSpeedEngine):
 
     # ---- training ----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        if self.protrain_retired_by is not None:
+            raise handover.retired_error(self, "a forward pass")
         kwargs = _no_kv_cache(self.module, kwargs)
         if self.protrain_runtime is None:
             self._protrain_setup(inputs, kwargs, self._protrain_batch(inputs, kwargs))
@@ -205,6 +212,8 @@ class ProTrainEngine(DeepSpeedEngine):
         return self.forward(*inputs, **kwargs)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        if self.protrain_retired_by is not None:
+            raise handover.retired_error(self, "engine.backward()")
         try:
             return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
         except torch.OutOfMemoryError as e:
@@ -330,6 +339,18 @@ class ProTrainEngine(DeepSpeedEngine):
         reading offloaded parameters' tensors directly."""
         if self.protrain_runtime is not None:
             self.protrain_runtime.optimizer.sync()
+
+    def protrain_retire(self, by: str) -> None:
+        """Another engine is being built on this model (handover.py): finish the queued host
+        updates, give the parameters back as plain tensors holding their current values
+        (gathered over the ranks: every rank builds the newcomer), and refuse every later call
+        naming ``by``."""
+        if self.protrain_runtime is not None:
+            self.protrain_runtime.close()
+            self.protrain_runtime = None
+            self.optimizer.runtime = None
+        self._protrain_close_sp()
+        self.protrain_retired_by = by
 
     def destroy(self):
         """Give the parameters back as plain tensors with their trained values (with several
@@ -533,11 +554,15 @@ class ProTrainEngine(DeepSpeedEngine):
     # ---- checkpoints (DeepSpeed's signatures; see checkpoint.py) ---------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006
                         exclude_frozen_parameters=False):
+        if self.protrain_retired_by is not None:
+            raise handover.retired_error(self, "save_checkpoint()")
         from .checkpoint import save
         return save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        if self.protrain_retired_by is not None:
+            raise handover.retired_error(self, "load_checkpoint()")
         if custom_load_fn is not None:
             raise ConfigError("load_checkpoint(custom_load_fn=...) is not supported with protrain")
         from .checkpoint import load

@@ -12,6 +12,7 @@ import functools
 from protrain.config import ConfigError
 
 from .config import ProTrainDSConfig, is_enabled, load_ds_config, refuse_conflicts, strip_replaced_knobs
+from .handover import retire_engines_of
 
 _ORIGINAL = "_protrain_original_initialize"
 
@@ -35,8 +36,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if ds_config is None or not is_enabled(ds_config):
         if ds_config is not None:
             ProTrainDSConfig.from_ds_config(ds_config)  # a typo in a disabled section still fails
+        # A ProTrain engine running this model hands it over first (handover.py).
+        retire_engines_of(_module_of(model), "a newer DeepSpeed engine")
         return original(**kwargs)
     return _initialize_protrain(ds_config, kwargs)
+
+
+def _module_of(model):
+    """The nn.Module behind ``model`` (a torch.compile wrapper's original), or None."""
+    import torch
+    model = getattr(model, "_orig_mod", model)
+    return model if isinstance(model, torch.nn.Module) else None
 
 
 def _resolve_config(args, config, config_params):
@@ -73,6 +83,7 @@ def _initialize_protrain(ds_config: dict, kw: dict):
         raise ConfigError("protrain does not drive DeepSpeed's pipeline engine (a PipelineModule "
                           "was given): use protrain with data parallel training, or disable it")
     clean, overridden = strip_replaced_knobs(ds_config)
+    retire_engines_of(model, "a newer ProTrain engine")
     zero.partition_parameters.shutdown_init_context()
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           distributed_port=kw.get("distributed_port", 29500),

@@ -115,6 +115,9 @@ class ProTrainOptimizer(ZeROOptimizer):
             self.runtime.finish_backward()
 
     def step(self, closure=None):
+        if getattr(self.engine, "protrain_retired_by", None) is not None:
+            from .handover import retired_error
+            raise retired_error(self.engine, "engine.step()")
         if self.runtime is None:
             raise RuntimeError("engine.step() before any forward: ProTrain plans at the first "
                                "forward pass, so run engine(batch) and engine.backward(loss) first")

@@ -20,27 +20,15 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
         dist.destroy_process_group()
 
 
-def train(rank: int, world: int, spec: dict, out_dir: str) -> dict:
+def train(rank: int, world: int, spec: dict, out_dir: str, recorder=None) -> dict:
     """One Trainer run in this (already launched) rank; returns the logged losses and the
-    gradients of every optimizer step."""
+    gradients of every optimizer step (recorded by ``recorder``, a spworker.UpdateRecorder)."""
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     import torch
     import transformers
-    from spworker import llama, samples
-    from protrain.runtime.optimizer import ChunkOptimizer
-
-    grads = []
-    update = ChunkOptimizer._update
-
-    def recording(self, c, g, kernel, coef, *args, **kwargs):
-        lo = 0 if c.persistent else c.shard_lo
-        hi = c.numel if c.persistent else c.shard_hi
-        for s in c.slots:
-            a, b = max(s.offset, lo), min(s.stop, hi)
-            if a < b:
-                grads[-1].append((s.name, a - s.offset, b - s.offset, g[a - lo:b - lo].float().tolist()))
-        return update(self, c, g, kernel, coef, *args, **kwargs)
-    ChunkOptimizer._update = recording
+    from spworker import UpdateRecorder, llama, samples
+    recorder = recorder or UpdateRecorder()
+    grads = recorder.start()
 
     class Data(torch.utils.data.Dataset):
         """Sample i of step k is row i of the spworker global batch of step k."""
@@ -53,8 +41,12 @@ def train(rank: int, world: int, spec: dict, out_dir: str) -> dict:
             return {"input_ids": ids[row], "labels": labels[row]}
 
     class Record(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
+        def on_step_begin(self, args, state, control, model=None, **kw):
             grads.append([])
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            # This step's host updates (CPU Adam may run into the next forward) recorded in it.
+            trainer.model_wrapped.protrain_sync()
 
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "train_batch_size": "auto", "gradient_clipping": "auto",
@@ -91,7 +83,6 @@ def train(rank: int, world: int, spec: dict, out_dir: str) -> dict:
     if rank == 0:
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, f"weights-{spec.get('name', 'trainer')}.pt"))
-    ChunkOptimizer._update = update
     return result
 
 

@@ -46,38 +46,20 @@ def run_rank(rank: int, world: int, port: int, runs: list[dict], out_dir: str) -
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     sys.path.insert(0, os.path.dirname(__file__))
-    import torch
-    from protrain.runtime.optimizer import ChunkOptimizer
-
-    grads = []            # per optimizer step: [(name, lo, hi, values)]
-    update = ChunkOptimizer._update
-
-    def recording(self, c, g, kernel, coef, *args, **kwargs):
-        lo = 0 if c.persistent else c.shard_lo
-        hi = c.numel if c.persistent else c.shard_hi
-        for s in c.slots:
-            a, b = max(s.offset, lo), min(s.stop, hi)
-            if a < b:
-                grads[-1].append((s.name, a - s.offset, b - s.offset,
-                                  g[a - lo:b - lo].float().tolist()))
-        return update(self, c, g, kernel, coef, *args, **kwargs)
-    ChunkOptimizer._update = recording
+    recorder = UpdateRecorder()
     _count_host_waits()
 
     results = {}
     for spec in runs:
-        grads.clear()
         try:
             if spec.get("exchange"):
                 results[spec["name"]] = _exchange(rank, world)
                 continue
             if spec.get("trainer"):
                 import sptrainer
-                ChunkOptimizer._update = update
-                results[spec["name"]] = sptrainer.train(rank, world, spec, out_dir)
-                ChunkOptimizer._update = recording
+                results[spec["name"]] = sptrainer.train(rank, world, spec, out_dir, recorder)
                 continue
-            results[spec["name"]] = _train(rank, world, spec, grads, out_dir)
+            results[spec["name"]] = _train(rank, world, spec, recorder, out_dir)
         except Exception as e:  # noqa: BLE001 - reported to the test, which names the run
             results[spec["name"]] = {"error": f"{type(e).__name__}: {e}"}
             if not spec.get("expect_error"):
@@ -90,9 +72,54 @@ def run_rank(rank: int, world: int, port: int, runs: list[dict], out_dir: str) -
         dist.destroy_process_group()
 
 
+class UpdateRecorder:
+    """Records the gradients each optimizer step applies (what Adam receives, per parameter
+    piece: ``(name, lo, hi, values)``) into the list of the engine that applied them.
+
+    ``start()`` gives the list for the engine built next; the engine adopts it at its first
+    runtime (and keeps it across re-plans), and only its runtimes' optimizers record into it.
+    Other chunk optimizers running in the process record nothing: the hardware probe's (its
+    update-overhead measure steps a ChunkOptimizer of its own, parameters ``p0``, ``p1``, ...,
+    during the first forward of an engine) and an earlier engine's."""
+
+    def __init__(self):
+        from protrain.runtime.optimizer import ChunkOptimizer
+        from protrain_ds.engine import ProTrainEngine
+        self.current: list = []
+        update, build = ChunkOptimizer._update, ProTrainEngine._protrain_build_runtime
+
+        def recording(opt, c, g, kernel, coef, *args, **kwargs):
+            steps = getattr(opt, "recorded_grads", None)
+            if steps is not None:
+                lo = 0 if c.persistent else c.shard_lo
+                hi = c.numel if c.persistent else c.shard_hi
+                for s in c.slots:
+                    a, b = max(s.offset, lo), min(s.stop, hi)
+                    if a < b:
+                        steps[-1].append((s.name, a - s.offset, b - s.offset,
+                                          g[a - lo:b - lo].float().tolist()))
+            return update(opt, c, g, kernel, coef, *args, **kwargs)
+
+        def building(engine, *args, **kwargs):
+            build(engine, *args, **kwargs)
+            if not hasattr(engine, "recorded_grads"):
+                engine.recorded_grads = self.current
+            engine.protrain_runtime.optimizer.recorded_grads = engine.recorded_grads
+            engine.protrain_runtime.streams.count_host_reads = True    # HOST_WAITS
+        ChunkOptimizer._update = recording
+        ProTrainEngine._protrain_build_runtime = building
+
+    def start(self) -> list:
+        """A new list of steps for the engine built next (each step: a list of pieces)."""
+        self.current = []
+        return self.current
+
+
 HOST_WAITS = {"to_host": 0, "all_gather_object": 0}
-"""Host reads of device data (Streams.to_host) and layouts gathered as objects, counted from
-the first training forward of a run to the end of its loop."""
+"""Host reads of device data (Streams.to_host of an engine's runtime: not the hardware probe's,
+which measures with streams of its own during an engine's first forward when the probe is not
+cached) and layouts gathered as objects, counted from the first training forward of a run to
+the end of its loop."""
 
 
 def _count_host_waits() -> None:
@@ -101,7 +128,8 @@ def _count_host_waits() -> None:
     to_host, gather_object = Streams.to_host, dist.all_gather_object
 
     def reading(self, t):
-        HOST_WAITS["to_host"] += 1
+        if getattr(self, "count_host_reads", False):
+            HOST_WAITS["to_host"] += 1
         return to_host(self, t)
 
     def gathering(*a, **k):
@@ -188,7 +216,7 @@ def budget_between(spec, world: int, degrees=(1, 2)) -> int:
     return int(math.sqrt(need[0] * need[1]))
 
 
-def _train(rank, world, spec, grads, out_dir) -> dict:
+def _train(rank, world, spec, recorder, out_dir) -> dict:
     import torch
     import deepspeed
     gas = spec.get("gas", 1)
@@ -209,6 +237,7 @@ def _train(rank, world, spec, grads, out_dir) -> dict:
     else:
         from protrain.models import GPT, GPTConfig
         model = GPT(GPTConfig(**{k: v for k, v in spec["model"].items() if k != "kind"}))
+    grads = recorder.start()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     if spec.get("load"):
         path, _ = engine.load_checkpoint(spec["load"])
@@ -218,6 +247,10 @@ def _train(rank, world, spec, grads, out_dir) -> dict:
     HOST_WAITS.update(to_host=0, all_gather_object=0)
     for step in range(start, start + spec["steps"]):
         ids, labels = samples(spec, step)
+        # The last step's host updates (CPU Adam may run into the next forward) are recorded
+        # into their own step: wait for them before the next one begins.
+        if getattr(engine, "protrain_sync", None) is not None:
+            engine.protrain_sync()
         grads.append([])
         for micro in range(gas):
             lo = rank * share + micro * mb
@@ -239,6 +272,8 @@ def _train(rank, world, spec, grads, out_dir) -> dict:
             engine.step()
             losses.append(loss.item())
     waits = dict(HOST_WAITS)
+    if getattr(engine, "protrain_sync", None) is not None:
+        engine.protrain_sync()
     if spec.get("save"):
         engine.save_checkpoint(spec["save"])
     result = {"losses": losses, "grads": [list(g) for g in grads], "host_waits": waits}
