@@ -18,7 +18,10 @@ from protrain.runtime.adam import AdamHyper
 from protrain.runtime.options import OptimizerSetup
 
 _OPTIMIZER_PARAM_KEYS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode",
-                         "torch_adam", "amsgrad", "fp32_optimizer_states"}
+                         "torch_adam", "amsgrad", "fp32_optimizer_states", "foreach"}
+DEEPSPEED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+"""The defaults of DeepSpeed's FusedAdam and DeepSpeedCPUAdam, which an "Adam"/"AdamW" section
+gets without ``torch_adam`` (torch's AdamW would default weight_decay to 0.01)."""
 
 
 class ProTrainOptimizer(ZeROOptimizer):
@@ -54,6 +57,11 @@ class ProTrainOptimizer(ZeROOptimizer):
     # ---- configuration ---------------------------------------------------------------------
     @staticmethod
     def _from_config(engine, model_parameters):
+        """The param-group holder DeepSpeed would build for the config's Adam/AdamW section,
+        with DeepSpeed's defaults (``DeepSpeedEngine._configure_basic_optimizer``): its
+        FusedAdam / DeepSpeedCPUAdam (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0,
+        bias_correction true) unless ``torch_adam``, which takes torch's Adam/AdamW and its
+        defaults (AdamW: weight_decay 0.01)."""
         params = dict(engine.optimizer_params() or {})
         for key in params:
             if key not in _OPTIMIZER_PARAM_KEYS:
@@ -63,10 +71,13 @@ class ProTrainOptimizer(ZeROOptimizer):
         # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
         adamw = name.lower() == "adamw" or params.pop("adam_w_mode", True)
         torch_adam = bool(params.pop("torch_adam", False))
-        params.pop("amsgrad", None)
+        params.pop("amsgrad", None)          # true is refused with the section (config.py)
         params.pop("fp32_optimizer_states", None)
+        params.pop("foreach", None)
         bias_correction = params.pop("bias_correction", True)
         cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        if not torch_adam:
+            params = {**DEEPSPEED_ADAM_DEFAULTS, **params}
         shell = cls(model_parameters, **params)
         for g in shell.param_groups:
             g.setdefault("bias_correction", bias_correction)
