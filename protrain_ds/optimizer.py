@@ -24,6 +24,23 @@ DEEPSPEED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weig
 gets without ``torch_adam`` (torch's AdamW would default weight_decay to 0.01)."""
 
 
+def _torch_flags(opt) -> tuple[bool | None, bool | None] | None:
+    """(fused, foreach) of a torch.optim Adam/AdamW (None for another optimizer); settings the
+    chunk runtime does not run are refused by name, not dropped."""
+    if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return None
+    unsupported = {"amsgrad": True, "maximize": True, "capturable": True, "differentiable": True}
+    for g in opt.param_groups:
+        for key, bad in unsupported.items():
+            if g.get(key) == bad:
+                raise ConfigError(
+                    f"{type(opt).__name__}({key}={bad}) is not supported with protrain (the chunk "
+                    f"runtime runs Adam without it): drop {key}, or remove the \"protrain\" section "
+                    f"to run this optimizer with plain DeepSpeed")
+    groups = opt.param_groups or [opt.defaults]
+    return groups[0].get("fused", opt.defaults.get("fused")), groups[0].get("foreach", opt.defaults.get("foreach"))
+
+
 class ProTrainOptimizer(ZeROOptimizer):
     def __init__(self, engine, client_optimizer, model_parameters):
         super().__init__()
@@ -41,6 +58,9 @@ class ProTrainOptimizer(ZeROOptimizer):
             if not isinstance(opt, torch.optim.Optimizer) and callable(opt):
                 opt = opt(model_parameters)
             self.optimizer, self.adamw = opt, self._adamw_of(opt)
+            # Plain DeepSpeed steps a client torch Adam/AdamW itself: run torch's arithmetic
+            # with its flags, not DeepSpeed's CPU Adam (the same bits as the script without us).
+            self.torch_adam = _torch_flags(opt) is not None
         self.param_groups = self.optimizer.param_groups
         self.defaults = self.optimizer.defaults
         self.state = {}
@@ -87,8 +107,8 @@ class ProTrainOptimizer(ZeROOptimizer):
     def _adamw_of(opt) -> bool:
         if isinstance(opt, torch.optim.AdamW):
             return True
-        if isinstance(opt, torch.optim.Adam):
-            return False
+        if isinstance(opt, torch.optim.Adam):       # AdamW's arithmetic when decoupled
+            return bool(opt.defaults.get("decoupled_weight_decay", False))
         for attr in ("adam_w_mode", "adamw_mode"):
             if hasattr(opt, attr):
                 return bool(getattr(opt, attr))
@@ -107,8 +127,9 @@ class ProTrainOptimizer(ZeROOptimizer):
                              weight_decay=group.get("weight_decay", defaults.get("weight_decay", 0.0)),
                              bias_correction=group.get("bias_correction", True), adamw=adamw)
 
+        fused, foreach = _torch_flags(self.optimizer) or (None, None)
         return OptimizerSetup(param_groups=self.param_groups, hyper=hyper, adamw=adamw,
-                              torch_adam=self.torch_adam,
+                              torch_adam=self.torch_adam, torch_fused=fused, torch_foreach=foreach,
                               grad_accumulation_steps=self.engine.gradient_accumulation_steps(),
                               clip=self.engine.gradient_clipping() or 0.0,
                               loss_scaler=self.loss_scaler)

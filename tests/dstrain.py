@@ -36,13 +36,15 @@ def with_protrain(cfg: dict, **section) -> dict:
 
 
 def train(ds_config: dict, model_cfg: GPTConfig = TINY, steps: int = 20, seed: int = 0,
-          loss_factor: float = 1.0):
+          loss_factor: float = 1.0, optimizer=None):
     """Train ``steps`` optimizer steps; returns (losses, final weights, engine). Backward runs
-    on ``loss * loss_factor`` (the gradient norm's scale, e.g. to keep it under clipping)."""
+    on ``loss * loss_factor`` (the gradient norm's scale, e.g. to keep it under clipping).
+    ``optimizer``: a function of the parameters building the script's own optimizer."""
     torch.manual_seed(seed)
     model = GPT(model_cfg)
+    client = optimizer(model.parameters()) if optimizer is not None else None
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config)
+                                           config=ds_config, optimizer=client)
     losses = []
     for i in range(steps * engine.gradient_accumulation_steps()):
         x, y = synthetic_batch(model_cfg, ds_config["train_micro_batch_size_per_gpu"], seed=i,

@@ -25,3 +25,33 @@ def test_an_optimizer_section_takes_deepspeeds_defaults(optimizer):
     assert pt_losses == ds_losses
     for name, w in ds_weights.items():
         assert torch.equal(pt_weights[name], w), name
+
+
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.01, foreach=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.01, decoupled_weight_decay=True),
+], ids=["AdamW", "AdamW-fused", "Adam-foreach", "Adam-decoupled"])
+def test_a_client_torch_optimizer_is_run_as_torch_runs_it(make):
+    """Plain DeepSpeed steps a script's own torch Adam/AdamW itself: ProTrain runs torch's
+    arithmetic with the same flags (was DeepSpeed's CPU Adam kernel: 4.8e-7 apart)."""
+    cfg = base_config(gradient_clipping=1.0)
+    del cfg["optimizer"]
+    ds_losses, ds_weights, _ = train(cfg, steps=4, optimizer=make)
+    pt_losses, pt_weights, engine = train(with_protrain(cfg, **OFFLOADED), steps=4, optimizer=make)
+    assert engine.protrain_runtime.chunks.offloaded()
+    assert pt_losses == ds_losses
+    for name, w in ds_weights.items():
+        assert torch.equal(pt_weights[name], w), name
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize"])
+def test_a_client_optimizer_setting_the_runtime_cannot_run_is_refused_by_name(flag):
+    from protrain.config import ConfigError
+    cfg = base_config()
+    del cfg["optimizer"]
+    with pytest.raises(ConfigError, match=rf"AdamW\({flag}=True\) is not supported with protrain"):
+        train(with_protrain(cfg), steps=1, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, **{flag: True}))

@@ -137,14 +137,27 @@ class NativeCPUAdamKernel:
 
 
 class TorchAdamKernel:
-    """torch's Adam/AdamW: fused on CUDA, single-tensor elsewhere (what torch.optim picks for
-    CPU tensors, so results match a plain torch optimizer bit for bit)."""
+    """torch's Adam/AdamW through the implementation torch.optim would take for the same tensors
+    and flags (``fused``, ``foreach``; None: torch's default for the tensor's device -
+    single-tensor on the CPU, for-each on CUDA), so results match a plain torch optimizer bit
+    for bit."""
 
     simd = False
     """Every element the same arithmetic, however a segment is split."""
 
-    def __init__(self, fused: bool):
+    def __init__(self, fused: bool | None = None, foreach: bool | None = None):
         self.fused = fused
+        self.foreach = foreach
+
+    def _flags(self, master: torch.Tensor) -> tuple[bool, bool]:
+        if self.fused is not None or self.foreach is not None:
+            return bool(self.fused), bool(self.foreach)
+        try:
+            from torch.optim.optimizer import _default_to_fused_or_foreach
+            fused, foreach = _default_to_fused_or_foreach([master], False, False)
+        except (ImportError, TypeError):          # another torch: its plain default
+            fused, foreach = False, master.device.type == "cuda"
+        return bool(fused), bool(foreach)
 
     def update(self, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper, *,
                scale=None, grad_writable: bool = True, backup=()) -> None:
@@ -153,13 +166,14 @@ class TorchAdamKernel:
         if not h.bias_correction:
             raise ValueError("torch's Adam always applies bias correction; set "
                              "\"bias_correction\": true or drop \"torch_adam\"")
-        dev = master.device if self.fused else torch.device("cpu")
+        fused, foreach = self._flags(master)
+        dev = master.device if fused else torch.device("cpu")
         # Incremented inside. A fill, not torch.tensor(): a host value copied to the device
         # with a blocking copy would synchronise with the compute stream on every update.
         step_t = torch.full((), float(step - 1), dtype=torch.float32, device=dev)
         fn = _torch_adamw.adamw if h.adamw else _torch_adam.adam
-        fn([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], foreach=False,
-           fused=self.fused, amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr,
+        fn([master], [grad], [exp_avg], [exp_avg_sq], [], [step_t], foreach=foreach,
+           fused=fused, amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr,
            weight_decay=h.weight_decay, eps=h.eps, maximize=False)
 
     def prime(self, steps_done: int, h: AdamHyper) -> None:

@@ -25,7 +25,14 @@ class OptimizerSetup:
     adamw: bool
     """Decoupled weight decay (AdamW) rather than L2 added to the gradient (Adam)."""
     torch_adam: bool = False
-    """Use torch's Adam implementation everywhere (DeepSpeed's ``"torch_adam": true``)."""
+    """Use torch's Adam implementation everywhere (DeepSpeed's ``"torch_adam": true``, or a
+    client torch.optim.Adam/AdamW, which plain DeepSpeed steps itself)."""
+    torch_fused: bool | None = None
+    """With ``torch_adam``: torch's fused implementation (a client optimizer's ``fused``);
+    None: torch's default for the tensors' device."""
+    torch_foreach: bool | None = None
+    """With ``torch_adam``: torch's for-each implementation (a client optimizer's
+    ``foreach``); None: torch's default for the tensors' device."""
     grad_accumulation_steps: int = 1
     """Micro-batches whose gradients are added up before each optimizer step."""
     clip: float = 0.0

@@ -385,7 +385,9 @@ def adam_kernels(device: torch.device, setup: OptimizerSetup, offloaded: bool):
     Adam is the host one (same bits as DeepSpeed's). With every chunk on a GPU there is no
     host kernel, so a machine without a compiler trains all the same."""
     if device.type == "cuda":
-        return (host_kernel(device, setup) if offloaded else None), TorchAdamKernel(fused=True)
+        device_kernel = TorchAdamKernel(setup.torch_fused, setup.torch_foreach) if setup.torch_adam \
+            else TorchAdamKernel(fused=True)
+        return (host_kernel(device, setup) if offloaded else None), device_kernel
     # Two instances of the host kernel: the persistent chunks' updates (main thread) and the
     # offloaded ones' (the worker, a thread with ``host_thread``) interleave by timing, and the
     # C++ kernel keeps state per instance (step, beta^t; DeepSpeed's binding lr and bias
@@ -402,7 +404,7 @@ def uses_native_kernel(device: torch.device, setup: OptimizerSetup) -> bool:
 
 def host_kernel(device: torch.device, setup: OptimizerSetup):
     if setup.torch_adam:
-        return TorchAdamKernel(fused=False)
+        return TorchAdamKernel(setup.torch_fused, setup.torch_foreach)
     threads = setup.cpu_adam_threads
     return NativeCPUAdamKernel(setup.adamw, threads) if uses_native_kernel(device, setup) \
         else CPUAdamKernel(setup.adamw, threads)
