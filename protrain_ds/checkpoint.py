@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from protrain.config import ConfigError
+from protrain.runtime.collectives import DataParallel
 from protrain.runtime.states import Piece, RuntimeState, assemble, export_pieces
 from protrain.units import fmt_bytes
 
@@ -425,15 +426,20 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
     if mismatch:
         raise CheckpointError(f"checkpoint {path} was saved from another model: parameters "
                               f"{mismatch[:3]} differ")
-    if engine.protrain_runtime is None:
-        from protrain.plan import Plan
-        engine._protrain_build_runtime(Plan.from_dict(meta["plan"]))
-    runtime = engine.protrain_runtime
-    runtime.optimizer.sync()
     pieces = read_pieces(path, info["world"])
     # Every rank's pieces: each rank cuts out what it holds; the step's gradients are dropped.
-    runtime.import_state(RuntimeState(pieces=[p for ps in pieces.values() for p in ps], local=False,
-                                      optimizer_states=load_optimizer_states and not load_module_only))
+    state = RuntimeState(pieces=[p for ps in pieces.values() for p in ps], local=False,
+                         optimizer_states=load_optimizer_states and not load_module_only)
+    runtime = engine.protrain_runtime
+    if runtime is None:
+        # Not planned yet: this job plans at its first forward as a fresh one does - its own
+        # pins, plan_file, machine and batch, not the checkpoint's plan - and takes the states
+        # then. The weights are the module's from now on (evaluation, generation, state_dict).
+        _set_weights(engine.module, pieces, meta["params"])
+        engine.protrain_resume_from(state)
+    else:
+        runtime.optimizer.sync()
+        runtime.import_state(state)
     if meta.get("extra_state"):
         engine.module.load_state_dict(meta["extra_state"], strict=False)
     if load_module_only:
@@ -447,7 +453,7 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
     if opt.loss_scaler is not None and meta["loss_scaler"] is not None:
         vars(opt.loss_scaler).update(meta["loss_scaler"])
-    dp = runtime.chunks.dp
+    dp = DataParallel()
     if info["world"] == dp.world:
         rng = torch.load(path / _states_file(dp.rank), map_location="cpu", weights_only=False,
                          mmap=True)["rng"]
@@ -455,6 +461,18 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
     return str(path), meta["client_state"]
+
+
+def _set_weights(module, pieces: dict[str, list[Piece]], shapes: dict[str, list[int]]) -> None:
+    """Write the checkpoint's fp32 weights into ``module``'s trainable parameters (each rounded
+    to the parameter's dtype, as the runtime rounds its masters)."""
+    named = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, shape in shapes.items():
+            numel = 1
+            for d in shape:
+                numel *= d
+            named[name].copy_(assemble(pieces, name, 0, numel)[0].view(shape))
 
 
 def consolidated_state_dict(load_dir, tag=None) -> dict[str, torch.Tensor]:

@@ -89,6 +89,9 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_second: ModelProfile | None = None   # the profile at half the sequence
         self._protrain_ce_calls = 1
         self._protrain_links = (0.0, 0.0)     # (all-gather, all-to-all) bandwidth between the ranks
+        self._protrain_resume = None
+        """A checkpoint's states loaded before the first plan (RuntimeState), taken into the
+        runtime the first forward builds."""
         self.protrain_retired_by: str | None = None
         """Set when a later engine took this engine's model over (handover.py): every later
         call is refused naming it."""
@@ -414,6 +417,14 @@ class ProTrainEngine(DeepSpeedEngine):
                                                 batch=(inputs, kwargs))
         self._protrain_build_runtime(plan, dp)
         self._protrain_covered = self._protrain_covered or target
+        if self._protrain_resume is not None:
+            state, self._protrain_resume = self._protrain_resume, None
+            self.protrain_runtime.import_state(state)
+
+    def protrain_resume_from(self, state) -> None:
+        """Take ``state`` (a checkpoint's, loaded before the first forward) into the runtime
+        the first forward plans and builds for this job."""
+        self._protrain_resume = state
 
     # ---- the planning session's steps, as DeepSpeed runs them (protrain.session) -------------
     def _protrain_steps(self) -> PlanningSteps:

@@ -55,3 +55,44 @@ def test_a_client_optimizer_setting_the_runtime_cannot_run_is_refused_by_name(fl
     del cfg["optimizer"]
     with pytest.raises(ConfigError, match=rf"AdamW\({flag}=True\) is not supported with protrain"):
         train(with_protrain(cfg), steps=1, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, **{flag: True}))
+
+
+def test_a_job_resumed_from_a_checkpoint_runs_its_own_pins(tmp_path):
+    """load_checkpoint into a fresh engine: the job plans at its first forward with its own
+    pins (not the checkpoint's plan, which was run silently before) and goes on exactly."""
+    import deepspeed
+    from protrain.models import GPT, synthetic_batch
+    cfg = base_config(gradient_clipping=1.0)
+    ds_losses, ds_weights, _ = train(cfg, steps=6)
+
+    def run(section, steps, load=None, save=None):
+        torch.manual_seed(0)
+        model = GPT(TINY)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=with_protrain(cfg, **section))
+        start = 0
+        if load:
+            engine.load_checkpoint(load)
+            start = engine.global_steps
+            # The weights are there before the first forward (evaluation, state_dict).
+            assert torch.equal(model.state_dict()["transformer.h.0.mlp.c_fc.weight"],
+                               saved_weights["transformer.h.0.mlp.c_fc.weight"])
+        losses = []
+        for i in range(start, start + steps):
+            x, y = synthetic_batch(TINY, 2, seed=i)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        if save:
+            engine.save_checkpoint(save)
+        state = model.state_dict()
+        return losses, {n: state[n].clone() for n, _ in model.named_parameters()}, engine
+
+    first, saved_weights, _ = run(OFFLOADED, 3, save=str(tmp_path))
+    second, weights, engine = run(dict(n_persist="all", n_checkpoint=1), 3, load=str(tmp_path))
+    knobs = engine.protrain_plan.knobs
+    assert knobs.n_checkpoint == 1 and not engine.protrain_runtime.chunks.offloaded(), knobs
+    assert first + second == ds_losses
+    for name, w in ds_weights.items():
+        assert torch.equal(weights[name], w), name
