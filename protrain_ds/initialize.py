@@ -22,10 +22,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                collate_fn=None, config=None, mesh_param=None, config_params=None):
     """Same signature and return value as ``deepspeed.initialize``: (engine, optimizer,
     training_dataloader, lr_scheduler)."""
-    import deepspeed
-    original = getattr(deepspeed, _ORIGINAL, None) or deepspeed.initialize
-    if getattr(original, "_protrain_wrapper", False):
-        original = original.__wrapped__
+    original = _deepspeed_initialize()
     kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                   training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                   dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
@@ -40,6 +37,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         retire_engines_of(_module_of(model), "a newer DeepSpeed engine")
         return original(**kwargs)
     return _initialize_protrain(ds_config, kwargs)
+
+
+def _deepspeed_initialize():
+    """DeepSpeed's own initialize (not the wrapper installed over it)."""
+    import deepspeed
+    original = getattr(deepspeed, _ORIGINAL, None) or deepspeed.initialize
+    if getattr(original, "_protrain_wrapper", False):
+        original = original.__wrapped__
+    return original
 
 
 def _module_of(model):
@@ -83,6 +89,8 @@ def _initialize_protrain(ds_config: dict, kw: dict):
         raise ConfigError("protrain does not drive DeepSpeed's pipeline engine (a PipelineModule "
                           "was given): use protrain with data parallel training, or disable it")
     clean, overridden = strip_replaced_knobs(ds_config)
+    if kw["optimizer"] is None and "optimizer" not in ds_config:
+        return _step_aside(clean, kw, pt_config)
     retire_engines_of(model, "a newer ProTrain engine")
     zero.partition_parameters.shutdown_init_context()
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
@@ -103,6 +111,24 @@ def _initialize_protrain(ds_config: dict, kw: dict):
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _step_aside(clean: dict, kw: dict, pt_config: ProTrainDSConfig):
+    """An engine without an optimizer (a reference model for DPO, an evaluation before
+    training) only runs forward passes: ProTrain, which plans the training step, steps aside and
+    plain DeepSpeed runs it on the config ProTrain would hand it (ZeRO stage 0, so the
+    parameters stay plain tensors a later ProTrain engine can take), saying so."""
+    from deepspeed import comm as dist
+    clean = {k: v for k, v in clean.items() if k != "protrain"}
+    retire_engines_of(_module_of(kw["model"]), "a newer DeepSpeed engine")
+    out = _deepspeed_initialize()(**dict(kw, config=clean, config_params=None))
+    if (not dist.is_initialized() or dist.get_rank() == 0) and pt_config.verbosity >= 1:
+        print("ProTrain: this engine has no optimizer (no \"optimizer\" section, none passed to "
+              "initialize), so it only runs forward passes: ProTrain steps aside and plain "
+              "DeepSpeed runs it with ZeRO stage 0 (the whole model on the device). For a model "
+              "larger than the device, run its inference without the \"protrain\" section "
+              "(ZeRO-3 inference)", flush=True)
+    return out
 
 
 def install(deepspeed_module) -> None:

@@ -96,3 +96,41 @@ def test_a_job_resumed_from_a_checkpoint_runs_its_own_pins(tmp_path):
     assert first + second == ds_losses
     for name, w in ds_weights.items():
         assert torch.equal(weights[name], w), name
+
+
+def test_an_engine_without_an_optimizer_runs_forward_as_deepspeed_does(capsys):
+    """A reference model (TRL's DPO) or an evaluation before training: initialize without an
+    optimizer. ProTrain steps aside, saying so, and plain DeepSpeed runs it; a training engine
+    built on the same model afterwards is ProTrain's and trains like DeepSpeed."""
+    import deepspeed
+    from protrain.models import GPT, synthetic_batch
+    from protrain_ds.engine import ProTrainEngine
+    cfg = base_config(gradient_clipping=1.0)
+    bare = {k: v for k, v in cfg.items() if k != "optimizer"}
+    ds_losses, ds_weights, _ = train(cfg, steps=3)
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    x, y = synthetic_batch(TINY, 2, seed=0)
+    plain, *_ = deepspeed.initialize(model=model, config=bare)
+    with torch.no_grad():
+        want = plain(x, y).item()
+    section = dict(with_protrain(bare), protrain=dict(with_protrain(bare)["protrain"], verbosity=1))
+    inference, *_ = deepspeed.initialize(model=model, config=section)
+    assert not isinstance(inference, ProTrainEngine)
+    assert "ProTrain steps aside" in capsys.readouterr().out
+    with torch.no_grad():
+        assert inference(x, y).item() == want
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=with_protrain(cfg, **OFFLOADED))
+    assert isinstance(engine, ProTrainEngine)
+    losses = []
+    for i in range(3):
+        x, y = synthetic_batch(TINY, 2, seed=i)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses == ds_losses
+    state = model.state_dict()
+    for name, w in ds_weights.items():
+        assert torch.equal(state[name], w), name
