@@ -581,6 +581,20 @@ class ProTrainEngine(DeepSpeedEngine):
                     load_lr_scheduler_states=load_lr_scheduler_states,
                     load_module_only=load_module_only)
 
+    # ---- ZeRO-3's weight export, for callers that read the JSON's stage 3 -----------------
+    def zero_gather_16bit_weights_on_model_save(self):
+        """ProTrain's state_dict always gathers the full weights (every rank calls it), so
+        accelerate's get_state_dict and the Trainer's save_model, which ask this when the JSON
+        says ZeRO stage 3, get them (DeepSpeed's answer, false by default, sent them to
+        zero_to_fp32 with no weights written)."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters=False):
+        """The full state_dict in the training dtype on the host, as ZeRO-3's consolidation
+        gives it (called on every rank)."""
+        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        return {k: v.detach().cpu() for k, v in state.items()}
+
     def _profile(self, blocks, inputs, kwargs, length: int | None = None) -> tuple[ModelProfile, int]:
         """The measured profile on this batch, and how many cross_entropy calls its forward
         made; at ``length`` or ``profile_seq_len`` the first tokens only (protrain.session.profiling)."""

@@ -86,7 +86,7 @@ def ds_json(case: dict) -> dict:
            "train_batch_size": "auto", "gradient_clipping": "auto",
            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
                                                       "betas": "auto", "eps": "auto"}},
-           "zero_optimization": {"stage": 0}}
+           "zero_optimization": {"stage": 3 if case.get("zero3") else 0}}
     if case.get("bf16"):
         cfg["bf16"] = {"enabled": "auto"}
     if case.get("scheduler"):
@@ -182,6 +182,12 @@ def train(case: dict, out_dir: str) -> dict:
         last = max((d for d in os.listdir(out) if d.startswith("checkpoint-")),
                    key=lambda d: int(d.split("-")[1]))
         result["saved"] = load_file(os.path.join(out, last, "model.safetensors"))
+    if case.get("zero3"):               # the user's usual way to get the weights out
+        from safetensors.torch import load_file
+        final = os.path.join(out, "final")
+        trainer.save_model(final)
+        result["final_saved"] = load_file(os.path.join(final, "model.safetensors")) \
+            if os.path.exists(os.path.join(final, "model.safetensors")) else None
     engine.destroy()                   # gathers parameters sharded over ranks back
     result["weights"] = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return result

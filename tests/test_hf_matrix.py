@@ -292,6 +292,15 @@ def test_two_ranks_the_trainer_saves_the_whole_model(two_ranks_matrix):
     assert all(torch.equal(pt["saved"][n], w) for n, w in ds["saved"].items())
 
 
+def test_a_zero3_json_saves_the_whole_model_through_the_trainer(tmp_path):
+    """A ZeRO-3 JSON with the section: trainer.save_model() writes the trained weights (it
+    asked the engine for ZeRO-3's gathered weights, got 'not gathered' and wrote none)."""
+    pt = hfmatrix.train(dict(arch="llama", protrain=True, zero3=True, steps=3), str(tmp_path))
+    assert pt["engine"] == "ProTrainEngine" and pt["final_saved"] is not None
+    for n, w in pt["weights"].items():
+        assert torch.equal(pt["final_saved"][n].float(), w), n
+
+
 def test_a_peft_model_takes_what_its_base_model_takes():
     """PEFT's forward passes **kwargs on to the model it wraps: the engine must see that it
     takes position_ids (sequence shards) and use_cache (turned off in training), while a bare
