@@ -7,6 +7,9 @@
                                         that rank's pieces of every parameter: fp32 master,
                                         Adam m and v, step (see protrain.runtime.states), RNG
     save_dir/<tag>/manifest.json        every file's size and CRC32, written last
+    save_dir/<tag>/zero_pp_rank_*_mp_rank_00_{model,optim}_states.pt, save_dir/zero_to_fp32.py
+                                        with a ZeRO stage in the JSON: DeepSpeed's ZeRO-3
+                                        files for its recovery tools (zero_files.py)
 
 Crash-safe, step by step (tests/test_checkpoint.py kills a save before every file-system
 change it makes and loads what is left):
@@ -51,6 +54,8 @@ from protrain.runtime.collectives import DataParallel
 from protrain.runtime.states import Piece, RuntimeState, assemble, export_pieces
 from protrain.units import fmt_bytes
 
+from . import zero_files
+
 log = logging.getLogger("protrain")
 
 META = "protrain_meta.pt"
@@ -67,8 +72,9 @@ def _states_file(rank: int) -> str:
     return f"protrain_states_rank{rank:05d}.pt"
 
 
-def _expected_files(world: int) -> set[str]:
-    return {META} | {_states_file(r) for r in range(world)}
+def _expected_files(world: int, zero: bool = False) -> set[str]:
+    """The files of a checkpoint of ``world`` ranks (``zero``: with DeepSpeed's ZeRO-3 files)."""
+    return {META} | {_states_file(r) for r in range(world)} | (zero_files.files(world) if zero else set())
 
 
 def _crc32(path: Path) -> int:
@@ -118,11 +124,23 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
             _save_durable(_meta(engine, tag, dp.world, client_state), partial / META)
     _settle(dp, tag, save_dir, attempt("writing its files", write_files))
 
+    # 2b. With a ZeRO stage in the JSON, DeepSpeed's ZeRO-3 files too (zero_files.py), cut
+    # from every rank's files just written: DeepSpeed's zero_to_fp32 tools read them.
+    zero = engine.protrain_zero_stage >= 1
+    if zero:
+        def write_zero_files():
+            zero_files.write(partial, dp.rank, dp.world, _param_shapes(engine),
+                             read_pieces(partial, dp.world), _extra_state(engine), engine.module,
+                             _save_durable)
+            if dp.rank == 0:
+                zero_files.copy_recovery_script(save_dir)
+        _settle(dp, tag, save_dir, attempt("writing DeepSpeed's ZeRO-3 files", write_zero_files))
+
     # 3-5. Rank 0 certifies and publishes.
     error, published = None, []
     if dp.rank == 0:
         error = attempt(f"publishing {save_dir / tag}",
-                        lambda: _commit(save_dir, tag, dp.world, save_latest, published))
+                        lambda: _commit(save_dir, tag, dp.world, save_latest, published, zero))
         if error and published:
             error += f" ({_PUBLISHED}: the checkpoint is complete in {save_dir / tag})"
     _settle(dp, tag, save_dir, error)
@@ -169,15 +187,17 @@ def _prepare(save_dir: Path, tag: str) -> None:
     _fsync_dir(save_dir)
 
 
-def _commit(save_dir: Path, tag: str, world: int, save_latest: bool, published: list) -> None:
+def _commit(save_dir: Path, tag: str, world: int, save_latest: bool, published: list,
+            zero: bool = False) -> None:
     partial, final, old = save_dir / f".{tag}.partial", save_dir / tag, save_dir / f".{tag}.old"
     files = {f.name: {"bytes": f.stat().st_size, "crc32": _crc32(f)}
              for f in sorted(partial.iterdir()) if f.name != MANIFEST}
-    expected = _expected_files(world)
+    expected = _expected_files(world, zero)
     if set(files) != expected:
         raise CheckpointError(f"{partial}: expected files {sorted(expected)}, found {sorted(files)}")
     _write_durable(partial / MANIFEST, json.dumps(
-        {"format": FORMAT, "tag": tag, "world": world, "complete": True, "files": files}, indent=1))
+        {"format": FORMAT, "tag": tag, "world": world, "complete": True, "zero_files": zero,
+         "files": files}, indent=1))
     _fsync_dir(partial)
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -362,7 +382,7 @@ def verify(path: Path) -> dict:
                               f"{type(files).__name__}); it was edited or damaged")
     # The manifest vouches for the files it lists: it must list every file a checkpoint of its
     # world size has (an edited list would let an unchecked file in).
-    expected = _expected_files(world)
+    expected = _expected_files(world, info.get("zero_files") is True)
     if set(files) != expected:
         missing, extra = sorted(expected - set(files)), sorted(set(files) - expected)
         raise CheckpointError(

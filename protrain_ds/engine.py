@@ -70,11 +70,14 @@ SAVE_ON_EVERY_RANK = (
 
 class ProTrainEngine(DeepSpeedEngine):
     def __init__(self, *args, protrain_config: ProTrainDSConfig, overridden: list[str],
-                 compile_request=None, **kwargs):
+                 compile_request=None, zero_stage: int = 0, **kwargs):
         # Set before DeepSpeed's constructor: it calls _configure_optimizer.
         self.protrain_config = protrain_config
         self.protrain_compile = compile_request   # torch.compile asked for (protrain.runtime.compile)
         self.protrain_overridden = overridden
+        self.protrain_zero_stage = zero_stage
+        """The ZeRO stage the user's JSON named (the plan replaces it; checkpoints then also
+        carry DeepSpeed's ZeRO-3 files for its recovery tools: zero_files.py)."""
         self.protrain_runtime: ProTrainRuntime | None = None
         self._protrain_overlap = None   # OverlapStats, kept across re-plans
         self.protrain_plan: Plan | None = None

@@ -107,7 +107,8 @@ def _initialize_protrain(ds_config: dict, kw: dict):
                             mpu=kw["mpu"], dist_init_required=kw["dist_init_required"],
                             collate_fn=kw["collate_fn"], config=clean, config_class=config_class,
                             protrain_config=pt_config, overridden=overridden,
-                            compile_request=compile_request)
+                            compile_request=compile_request,
+                            zero_stage=int((ds_config.get("zero_optimization") or {}).get("stage") or 0))
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -63,6 +63,31 @@ def test_load_into_another_world_size_and_consolidated_fp32_export(tmp_path):
     assert torch.load(out).keys() == fp32.keys()
 
 
+def test_deepspeeds_zero_to_fp32_reads_a_checkpoint_of_a_zero_json(tmp_path):
+    """A JSON that says ZeRO stage 3 (the plan replaces it): the checkpoint also holds the
+    ZeRO-3 files DeepSpeed's recovery tools read, and zero_to_fp32.py lies next to the tags
+    (DeepSpeed's own tools could not read it: "can't find *_model_states.pt"). Two ranks, the
+    embedding tied to the head (a shared parameter)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    ckpt = tmp_path / "ckpt"
+    model = dict(MODEL, tie_embeddings=True)
+    launch(2, dict(_spec(steps=3, save=str(ckpt)), model=model,
+                   extra=dict(EXTRA, zero_optimization={"stage": 3})), str(tmp_path / "run"))
+    trained = torch.load(tmp_path / "run" / "weights.pt")
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    assert set(trained) <= set(fp32)
+    for name, w in trained.items():
+        assert torch.equal(fp32[name].contiguous(), w), name
+    out = tmp_path / "fp32"
+    # pytorch_model.bin: safetensors refuses tied weights, with DeepSpeed's own checkpoints too
+    r = subprocess.run([sys.executable, str(ckpt / "zero_to_fp32.py"), str(ckpt), str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    written = torch.load(out / "pytorch_model.bin")
+    for name, w in trained.items():
+        assert torch.equal(written[name], w), name
+
+
 def test_partial_corrupt_or_foreign_checkpoints_are_refused(tmp_path, monkeypatch):
     from dstrain import UNTIED, base_config, train, with_protrain
     import protrain_ds.checkpoint as ck
