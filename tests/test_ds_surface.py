@@ -134,3 +134,93 @@ def test_an_engine_without_an_optimizer_runs_forward_as_deepspeed_does(capsys):
     state = model.state_dict()
     for name, w in ds_weights.items():
         assert torch.equal(state[name], w), name
+
+
+def _generate_after_a_step(protrain: bool, lora: bool):
+    """A tiny Hugging Face Llama (LoRA on top with ``lora``) trained one step through the
+    engine, then sampled greedily through model.generate (the model's own forward, not the
+    engine's), as a script printing samples during training does."""
+    import deepspeed
+    import hfmatrix
+    model = hfmatrix.tiny_model("llama")
+    if lora:
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                           target_modules=["q_proj", "v_proj"]))
+    cfg = base_config()
+    if protrain:
+        cfg = with_protrain(cfg, **hfmatrix.offloading(model))
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
+    ids = torch.randint(3, hfmatrix.VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids[:, :6], max_new_tokens=5, do_sample=False,
+                             pad_token_id=0)
+        logits = engine.module(input_ids=ids).logits
+    return out, logits, engine
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["llama", "llama-lora"])
+def test_generate_and_module_calls_outside_the_engine_see_the_trained_weights(lora):
+    """model.generate and engine.module(x) run the model's forward without the engine's call:
+    the offloaded embedding and head were empty tensors there ("'weight' must be 2-D")."""
+    if lora:
+        pytest.importorskip("peft")
+    ds_out, ds_logits, _ = _generate_after_a_step(False, lora)
+    pt_out, pt_logits, engine = _generate_after_a_step(True, lora)
+    assert engine.protrain_runtime.chunks.offloaded()
+    assert torch.equal(pt_out, ds_out)
+    assert torch.equal(pt_logits, ds_logits)
+
+
+def _rank_alone(rank, world, port, out_dir):
+    import json
+    import os
+    import time
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    import deepspeed
+    from dstrain import UNTIED
+    from protrain.models import GPT, synthetic_batch
+    torch.manual_seed(0)
+    model = GPT(UNTIED)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=with_protrain(base_config(), **OFFLOADED, gather_timeout=3))
+    x, y = synthetic_batch(UNTIED, 2, seed=rank)
+    engine.backward(engine(x, y))
+    engine.step()
+    got = {}
+    if rank == 0:           # a sample on rank 0 alone: refused by name, not a hang
+        t = time.monotonic()
+        try:
+            with torch.no_grad():
+                engine.module(x, y)
+        except RuntimeError as e:
+            got["error"], got["waited"] = str(e), time.monotonic() - t
+    torch.distributed.barrier()
+    with torch.no_grad():   # on every rank: through the engine and outside it, the same
+        got["engine"], got["module"] = engine(x, y).item(), engine.module(x, y).item()
+    engine.backward(engine(x, y))      # and training goes on
+    engine.step()
+    engine.destroy()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def test_a_forward_on_one_rank_alone_is_refused_by_name_not_a_hang(tmp_path):
+    """Two ranks, sharded offloaded chunks: an evaluation forward on rank 0 alone would wait
+    for ever in the gather of the other rank's shards (it hung); it fails after gather_timeout
+    naming the ranks that did not come and the fix, and training goes on."""
+    import json
+    import torch.multiprocessing as mp
+    from dpworker import free_port
+    mp.start_processes(_rank_alone, args=(2, free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert "rank(s) [1] did not call it within 3 s" in ranks[0]["error"], ranks[0]
+    assert "on every rank" in ranks[0]["error"] and ranks[0]["waited"] < 30
+    for r in ranks:
+        assert r["engine"] == r["module"]

@@ -45,6 +45,7 @@ from .host_limits import check_pinning
 from .nvme_states import NvmeStates
 from .optimizer import ChunkOptimizer
 from .options import OptimizerSetup, RuntimeOptions
+from .outside import OutsideForwards, path_to_blocks
 from .states import RuntimeState, assemble, export_pieces, import_pieces, redistribute
 from .streams import Streams
 
@@ -138,6 +139,11 @@ class ProTrainRuntime:
         self.full_state = FullStateDict(model, self.chunks, timeout_s=options.gather_timeout_s,
                                         fix=options.save_fix)
         self._hooks.callback(self.full_state.remove)
+        # A forward of the model that does not come through the engine (generate, module(x)).
+        self._forward_depth = 0
+        outside = OutsideForwards(path_to_blocks(model, self.blocks), self.forward_context,
+                                  lambda: self._forward_depth > 0)
+        self._hooks.callback(outside.remove)
         self._part_chunks = [[self.chunks.chunks[c] for c in cs] for cs in layout.part_chunks]
         self._in_backward = False
         self.tracer = None
@@ -182,12 +188,16 @@ class ProTrainRuntime:
     def forward_context(self):
         """Wrap one forward pass (the model's forward, and the loss if computed outside)."""
         self._begin_forward()
-        with ExitStack() as stack:
-            if self.accounting is not None:
-                self.accounting.begin()
-            if self._needs_saved_hooks:
-                stack.enter_context(self.activations.hooks())
-            yield
+        self._forward_depth += 1
+        try:
+            with ExitStack() as stack:
+                if self.accounting is not None:
+                    self.accounting.begin()
+                if self._needs_saved_hooks:
+                    stack.enter_context(self.activations.hooks())
+                yield
+        finally:
+            self._forward_depth -= 1
         self.activations.enter_forward_block(None)
 
     def begin_backward(self) -> None:
@@ -196,6 +206,15 @@ class ProTrainRuntime:
         self.activations.backward_start()
 
     def _begin_forward(self) -> None:
+        if not torch.is_grad_enabled() and self.chunks.dp.world > 1 and any(
+                c.shard_size < c.numel for c in self.chunks.offloaded()):
+            # A forward without gradients (evaluation, samples) may run on some ranks only; its
+            # uploads gather shards from every rank: meet first, so one rank alone fails by name
+            # after the timeout instead of waiting in the gather for ever.
+            self.chunks.dp.rendezvous(
+                "a forward pass without gradients (evaluation, generate)",
+                timeout_s=self.options.gather_timeout_s,
+                fix="Run evaluation and generate on every rank (and print on one), as with ZeRO-3.")
         if self._in_backward:
             self.finish_backward()
         self.optimizer.pre_forward()
