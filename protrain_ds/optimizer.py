@@ -17,6 +17,8 @@ from protrain.config import ConfigError
 from protrain.runtime.adam import AdamHyper
 from protrain.runtime.options import OptimizerSetup
 
+from .trainable import step_rule
+
 _OPTIMIZER_PARAM_KEYS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode",
                          "torch_adam", "amsgrad", "fp32_optimizer_states"}
 
@@ -38,6 +40,9 @@ class ProTrainOptimizer(ZeROOptimizer):
             if not isinstance(opt, torch.optim.Optimizer) and callable(opt):
                 opt = opt(model_parameters)
             self.optimizer, self.adamw = opt, self._adamw_of(opt)
+        self.step_rule = step_rule(client_optimizer, self.torch_adam)
+        """How plain DeepSpeed's optimizer counts Adam steps (trainable.py): what a change of
+        the trainable set carries over."""
         self.param_groups = self.optimizer.param_groups
         self.defaults = self.optimizer.defaults
         self.state = {}

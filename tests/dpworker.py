@@ -61,7 +61,11 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     factor = spec.get("loss_factor", 1.0)
     torch.manual_seed(0)
     model = _model(spec.get("kind", "gpt"), cfg)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    set_trainable(model, spec.get("frozen", ()), False)
+    # "trainable": the optimizer holds the parameters trainable now (the Hugging Face Trainer's way)
+    held = [p for p in model.parameters() if p.requires_grad] if spec.get("optimizer_over") == "trainable" \
+        else model.parameters()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=held, config=ds)
     if spec.get("load"):
         path, client = engine.load_checkpoint(spec["load"])
         assert path is not None and client == {"note": "resume me"}, (path, client)
@@ -69,6 +73,9 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     losses, norms = [], []     # norms: ProTrain's global gradient norm at each boundary
     plans, peaks = [], []      # per micro-batch: the plan in force, (device peak, its bound)
     for i in range(start, start + spec["steps"]):
+        for at, prefixes, flag in spec.get("requires_grad", ()):    # [(micro-batch, prefixes, flag)]
+            if at == i:
+                set_trainable(model, prefixes, flag)
         x, y = synthetic_batch(cfg, global_batch, seed=i)
         x, y = x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb]
         if spec.get("batches"):                # (micro-batch, tokens) of each rank's batch
@@ -118,6 +125,13 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, "weights.pt"))
     return result, engine
+
+
+def set_trainable(model, prefixes, flag: bool) -> None:
+    """requires_grad = ``flag`` on the parameters whose names start with one of ``prefixes``."""
+    for n, p in model.named_parameters():
+        if any(n.startswith(x) for x in prefixes):
+            p.requires_grad_(flag)
 
 
 class _AsIfNCCL:
