@@ -107,7 +107,9 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
 
     # 2. Every rank's files, on the drive before anyone reports success.
     def write_files():
-        pieces = [vars(p) for p in export_pieces(runtime.chunks)]
+        # With the states of parameters frozen since they trained (trainable.py), which an
+        # unfreeze after the resume goes on from.
+        pieces = [vars(p) for p in export_pieces(runtime.chunks) + engine._protrain_states.saved_pieces()]
         rng = {"cpu": torch.random.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -134,6 +136,9 @@ def _meta(engine, tag: str, world: int, client_state) -> dict:
         "format": FORMAT, "world": world, "tag": tag,
         "plan": engine.protrain_plan.to_dict(),
         "params": _param_shapes(engine),
+        "parked": sorted(engine._protrain_states.parked),
+        "step_counts": dict(engine._protrain_states.counts),
+        "adam_chain": engine.protrain_runtime.adam_chain(),
         "extra_state": _extra_state(engine),
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
@@ -417,10 +422,13 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
     have = _param_shapes(engine)
     want = meta["params"]
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
-    if frozen & set(want):
-        raise CheckpointError(f"checkpoint {path} trained parameters {sorted(frozen & set(want))[:3]}, "
-                              f"which are frozen (requires_grad=False) in this run: resume with the "
-                              f"same trainable parameters")
+    parked = meta.get("parked", [])
+    if frozen & set(want) or set(parked) & set(have):
+        odd = sorted(frozen & set(want)) or sorted(set(parked) & set(have))
+        raise CheckpointError(f"checkpoint {path} was saved with parameters {odd[:3]} "
+                              f"{'trainable' if frozen & set(want) else 'frozen'}, and they are "
+                              f"{'frozen' if frozen & set(want) else 'trainable'} (requires_grad) in "
+                              f"this run: resume with the same trainable parameters")
     mismatch = [n for n in want if have.get(n) != want[n]] + sorted(set(have) - set(want))
     if mismatch:
         raise CheckpointError(f"checkpoint {path} was saved from another model: parameters "
@@ -433,7 +441,12 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
     pieces = read_pieces(path, info["world"])
     # Every rank's pieces: each rank cuts out what it holds; the step's gradients are dropped.
     runtime.import_state(RuntimeState(pieces=[p for ps in pieces.values() for p in ps], local=False,
-                                      optimizer_states=load_optimizer_states and not load_module_only))
+                                      optimizer_states=load_optimizer_states and not load_module_only,
+                                      adam_chain=_chain(meta.get("adam_chain"))))
+    if load_optimizer_states and not load_module_only:
+        engine._protrain_states.restore(pieces, parked, meta.get("step_counts", {}),
+                                        rank0=runtime.chunks.dp.rank == 0, half=runtime.chunks.half)
+    engine._protrain_lost = None          # every state is the checkpoint's now
     if meta.get("extra_state"):
         engine.module.load_state_dict(meta["extra_state"], strict=False)
     if load_module_only:
@@ -455,6 +468,10 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
     return str(path), meta["client_state"]
+
+
+def _chain(saved) -> tuple[int, int] | None:
+    return tuple(saved) if saved is not None else None
 
 
 def consolidated_state_dict(load_dir, tag=None) -> dict[str, torch.Tensor]:

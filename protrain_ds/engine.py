@@ -90,6 +90,8 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_second: ModelProfile | None = None   # the profile at half the sequence
         self._protrain_ce_calls = 1
         self._protrain_links = (0.0, 0.0)     # (all-gather, all-to-all) bandwidth between the ranks
+        self._protrain_lost: str | None = None
+        """Why a re-plan failed after closing the runtime (its states lost), else None."""
         super().__init__(*args, dont_change_device=True, **kwargs)
         # Every forward agrees on the batch shape over the ranks, in host memory (see host_side).
         self._protrain_host = host_side(DataParallel())
@@ -183,6 +185,12 @@ class ProTrainEngine(DeepSpeedEngine):
 
     # ---- training ----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        if self._protrain_lost is not None:
+            raise RuntimeError(
+                f"ProTrain: a re-plan failed after the old plan's runtime was closed "
+                f"({self._protrain_lost}), and the optimizer states went with it: training cannot "
+                f"go on exactly. Fix the cause and resume from the last checkpoint "
+                f"(engine.load_checkpoint)")
         kwargs = _no_kv_cache(self.module, kwargs)
         if self.protrain_runtime is None:
             self._protrain_setup(inputs, kwargs, self._protrain_batch(inputs, kwargs))
@@ -297,11 +305,17 @@ class ProTrainEngine(DeepSpeedEngine):
             for name in set(steps) - trainable:
                 named[name].data = named[name].data.to(self.device)
         planner = replace(_planner_config(self, dp), memory_margin=margin)
-        plan = self.protrain_session.replan(planner, target, old=old, keep_grads=keep_grads,
-                                            batch=(inputs, kwargs), remeasure=trainable is not None)
-        self._protrain_build_runtime(plan, dp)
-        # Another layout or sharding: each rank gets what it holds now.
-        self.protrain_runtime.import_state(state, exchange=self._protrain_host)
+        try:
+            plan = self.protrain_session.replan(planner, target, old=old, keep_grads=keep_grads,
+                                                batch=(inputs, kwargs), remeasure=trainable is not None)
+            self._protrain_build_runtime(plan, dp)
+            # Another layout or sharding: each rank gets what it holds now.
+            self.protrain_runtime.import_state(state, exchange=self._protrain_host)
+        except BaseException as e:
+            # The states live only in ``state`` now: a later forward must not plan afresh from
+            # zero moments as if this were the first one.
+            self._protrain_lost = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            raise
         return old, self.protrain_plan
 
     def _protrain_trainable_changed(self, change: TrainableChange, inputs, kwargs) -> None:

@@ -110,7 +110,7 @@ class TrainableStates:
             if name in steps:
                 mine = by_name.get(name, [])
             elif name in self.parked:
-                mine = [_unpark(p, self.params[name], half) for p in self.parked.pop(name)]
+                mine = [_unpark(p, self.params[name]) for p in self.parked.pop(name)]
             else:
                 mine = [_fresh(name, self.params[name])] if rank0 else []
             count = counts[group_of[name]]
@@ -121,6 +121,19 @@ class TrainableStates:
         return RuntimeState(pieces=pieces, local=True, adam_chain=state.adam_chain)
 
 
+    # ---- checkpoints ----------------------------------------------------------------------
+    def saved_pieces(self) -> list[Piece]:
+        """This rank's parked pieces as a checkpoint stores them (the master filled in)."""
+        return [_unpark(p, self.params[p.name]) for pieces in self.parked.values() for p in pieces]
+
+    def restore(self, pieces: dict[str, list[Piece]], parked: list[str], counts: dict[str, int], *,
+                rank0: bool, half: bool) -> None:
+        """Take a checkpoint's parked states (``pieces``: every rank's, by name; kept whole on
+        rank 0, every rank knowing which parameters have one) and FusedAdam's counts."""
+        self.parked = {n: [_park(p, half) for p in pieces.get(n, ())] if rank0 else [] for n in parked}
+        self.counts = dict(counts)
+
+
 def _park(p: Piece, half: bool) -> Piece:
     """A piece kept while its parameter is frozen (copies: an exported piece may view the
     old layout's memory or its state file)."""
@@ -128,7 +141,9 @@ def _park(p: Piece, half: bool) -> Piece:
     return Piece(p.name, p.lo, p.hi, master, p.exp_avg.clone(), p.exp_avg_sq.clone(), p.step)
 
 
-def _unpark(p: Piece, param: nn.Parameter, half: bool) -> Piece:
+def _unpark(p: Piece, param: nn.Parameter) -> Piece:
+    """A parked piece as the chunks take it back: its master the parameter as it is now,
+    unless it is still the parked master's rounding (16-bit)."""
     now = param.detach().reshape(-1)[p.lo:p.hi].cpu()
     master = p.master
     # 16-bit: the fp32 master stands while the weight is still its rounding; a weight the script

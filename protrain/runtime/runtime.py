@@ -268,7 +268,7 @@ class ProTrainRuntime:
         if not grads:
             self.optimizer.discard_gradients()    # this micro-batch's partial gradients
         return RuntimeState(pieces=export_pieces(self.chunks, grads=grads), grads=grads,
-                            adam_chain=self._adam_chain())
+                            adam_chain=self.adam_chain())
 
     def import_state(self, state: RuntimeState, *, exchange: DataParallel | None = None) -> None:
         """Take ``state`` (another runtime's ``export_state``, or a checkpoint's pieces) into
@@ -310,14 +310,15 @@ class ProTrainRuntime:
     def _largest_step(self) -> int:
         return max((s.step for c in self.chunks.chunks for s in c.slots), default=0)
 
-    def _adam_chain(self) -> tuple[int, int]:
-        """(the step whose beta^t the host Adam kernels last computed with pow(), the step of
-        their last update). The C++ kernel keeps beta^t and multiplies it by beta when the step
-        advances by one, recomputing it with pow() when the step jumps (the bits differ): a
-        step count that restarts or resumes (a param group's step under DeepSpeed's FusedAdam
-        after its last parameter was frozen or unfrozen, protrain_ds/trainable.py) jumps at the
-        first update after an import, and at most there (all parameters step together
-        within a layout)."""
+    def adam_chain(self) -> tuple[int, int]:
+        """The host Adam kernels' beta^t as ``RuntimeState.adam_chain`` records it (exports
+        carry it; a checkpoint stores it beside the pieces): (the step whose beta^t they last
+        computed with pow(), the step of their last update). The C++ kernel keeps beta^t and
+        multiplies it by beta when the step advances by one, recomputing it with pow() when the
+        step jumps (the bits differ). A step count that restarts or resumes (a param group's
+        under DeepSpeed's FusedAdam after its last parameter was frozen or unfrozen,
+        protrain_ds/trainable.py) jumps at the first update after an import, and only there:
+        within a layout every parameter steps together."""
         pow_at, last = self._chain_at_import
         now = self._largest_step()
         if now == self._steps_at_import:
