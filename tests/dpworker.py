@@ -20,6 +20,11 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
         if one.get("saves"):
             import saveworker
             result, engine = saveworker.run(rank, world, one, out)
+        elif one.get("expect_error"):         # a refusal every rank must raise: its words
+            try:
+                result, engine = train_run(rank, world, one, out)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                result, engine = {"error": f"{type(e).__name__}: {e}"}, None
         else:
             result, engine = train_run(rank, world, one, out)
         if name == list(runs)[-1]:
@@ -46,6 +51,8 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     # A device backend (NCCL) as far as collectives.host_side can tell: host messages then go
     # over a gloo group of their own, as on GPUs.
     coll_mod.dist = _AsIfNCCL() if spec.get("device_backend") else torch.distributed
+    if spec.get("threads"):             # compute threads of this rank (default: torch's)
+        torch.set_num_threads(spec["threads"])
     cfg = GPTConfig(**spec["model"])
     global_batch = spec["global_batch"]
     mb = global_batch // world
@@ -73,8 +80,9 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     losses, norms = [], []     # norms: ProTrain's global gradient norm at each boundary
     plans, peaks = [], []      # per micro-batch: the plan in force, (device peak, its bound)
     for i in range(start, start + spec["steps"]):
-        for at, prefixes, flag in spec.get("requires_grad", ()):    # [(micro-batch, prefixes, flag)]
-            if at == i:
+        # [(micro-batch, prefixes, flag[, the one rank that does it])]
+        for at, prefixes, flag, *only in spec.get("requires_grad", ()):
+            if at == i and (not only or only[0] == rank):
                 set_trainable(model, prefixes, flag)
         x, y = synthetic_batch(cfg, global_batch, seed=i)
         x, y = x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb]
@@ -210,7 +218,8 @@ def leave(engine) -> list[str]:
     if not dist.is_initialized():
         return []
     dist.barrier()                        # leave together: rank 0 hosts the rendezvous store
-    for name in [n for n, v in vars(engine).items() if isinstance(v, dist.ProcessGroup)]:
+    held = vars(engine).items() if engine is not None else ()     # None: the run was refused
+    for name in [n for n, v in held if isinstance(v, dist.ProcessGroup)]:
         setattr(engine, name, None)
     ds_comm.destroy_process_group()
     gc.collect()                          # cycles holding a group go now, not at shutdown

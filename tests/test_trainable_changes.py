@@ -194,3 +194,24 @@ def test_the_runtime_refuses_a_training_forward_under_a_stale_layout():
     with torch.no_grad(), rt.forward_context():
         model(x, y)
     rt.close()
+
+
+def test_two_ranks_change_together_like_deepspeed_and_refuse_changing_apart(tmp_path):
+    """One launch: the freeze-later schedule on two ranks (offloaded chunks sharded, states
+    exchanged at each change) trains DeepSpeed's bits; a change made on rank 1 alone is
+    refused on both ranks, naming the parameter, at the forward that would diverge."""
+    apart = spec("subset", False, OFFLOADED, steps=3, expect_error=True,
+                 requires_grad=[(1, ["transformer.h.0.ln_1"], False, 1)])
+    runs = {"apart": apart,
+            "deepspeed": spec("freeze later", True, None),
+            "protrain": spec("freeze later", True, SPECULATING)}
+    runs = {name: dict(one, threads=1) for name, one in runs.items()}
+    got = launch_runs(2, runs, str(tmp_path))
+    for r in (0, 1):
+        assert "ranks train different parameters" in got["apart"][r]["error"]
+        assert "transformer.h.0.ln_1.weight" in got["apart"][r]["error"] and "ranks [0]" in got["apart"][r]["error"]
+    assert got["protrain"][0]["losses"] == got["deepspeed"][0]["losses"]
+    assert got["protrain"][1]["losses"] == got["deepspeed"][1]["losses"]
+    a, b = (torch.load(tmp_path / name / "weights.pt") for name in ("protrain", "deepspeed"))
+    assert all(torch.equal(w, b[n]) for n, w in a.items())
+    assert got["protrain"][0]["offloaded"] > 0
