@@ -40,7 +40,8 @@ class ProTrainOptimizer(ZeROOptimizer):
             if not isinstance(opt, torch.optim.Optimizer) and callable(opt):
                 opt = opt(model_parameters)
             self.optimizer, self.adamw = opt, self._adamw_of(opt)
-        self.step_rule = step_rule(client_optimizer, self.torch_adam)
+        self.step_rule = step_rule(client_optimizer, self.torch_adam,
+                                   engine.fp16_enabled() or engine.bfloat16_enabled())
         """How plain DeepSpeed's optimizer counts Adam steps (trainable.py): what a change of
         the trainable set carries over."""
         self.param_groups = self.optimizer.param_groups

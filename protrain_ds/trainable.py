@@ -18,6 +18,12 @@ does, measured against it (tests/test_trainable_changes.py):
   never was last), and unfreezing it resumes its own. torch's Adam/AdamW (``torch_adam``, or
   a torch optimizer passed to initialize) count per parameter.
 
+In bf16 / fp16 plain DeepSpeed ZeRO-0 does otherwise: its wrapper (FP16_Optimizer) steps flat
+fp32 copies of the param groups made at initialize, so parameters frozen later go on moving
+(zeros for gradients, with momentum) and those frozen at initialize are never updated (measured
+on CPU with bf16). ProTrain does not reproduce that: it trains the fp32 way, its counts the
+wrapper's (the steps taken).
+
 ``TrainableStates`` keeps what the chunks no longer hold (the states of parameters frozen
 since, this rank's pieces, until they are unfrozen) and FusedAdam's per-parameter counts, and
 builds the states the new layout imports.
@@ -30,14 +36,20 @@ from torch import nn
 from protrain.config import ConfigError
 from protrain.runtime.states import Piece, RuntimeState
 
-GROUP, PARAM = "group", "param"
-"""Step-count rules: FusedAdam's (one count per param group) and torch's (one per parameter)."""
+GROUP, PARAM, FLAT = "group", "param", "flat"
+"""Step-count rules: FusedAdam's (one count per param group, its last trained parameter's),
+torch's (one per parameter), and that of DeepSpeed's 16-bit wrapper (every parameter the count
+of steps taken)."""
 
 
-def step_rule(client_optimizer, torch_adam: bool) -> str:
-    """The rule of the optimizer plain DeepSpeed would step: FusedAdam's for the config's Adam
-    and AdamW (``client_optimizer`` None) and for a FusedAdam passed in; torch's for
-    ``torch_adam`` and the other optimizers passed in."""
+def step_rule(client_optimizer, torch_adam: bool, half: bool) -> str:
+    """The rule of the optimizer plain DeepSpeed would step: in bf16 / fp16 its wrapper's, which
+    steps flat fp32 copies of the param groups built at initialize (FP16_Optimizer: one
+    tensor per group, always with a gradient, so the count never restarts); else FusedAdam's
+    for the config's Adam and AdamW (``client_optimizer`` None) and for a FusedAdam passed in;
+    torch's for ``torch_adam`` and the other optimizers passed in."""
+    if half:
+        return FLAT
     if client_optimizer is None:
         return PARAM if torch_adam else GROUP
     return GROUP if type(client_optimizer).__name__ == "FusedAdam" else PARAM
@@ -67,6 +79,9 @@ class TrainableStates:
         them (the last trained parameter of each group holds its group's). Refused where the
         groups would count differently (FusedAdam's single C++ kernel then alternates counts
         within a step, computing beta^t by pow() where the chunks' kernels multiply)."""
+        if self.rule == FLAT:
+            taken = max(steps.values(), default=0)
+            return [taken if any(n in trainable for n in g) else None for g in self.groups]
         if self.rule != GROUP:
             return [None] * len(self.groups)
         counts = dict(self.counts)

@@ -110,20 +110,58 @@ def test_a_checkpoint_taken_while_frozen_resumes_the_parked_states(run):
     assert all(torch.equal(w, whole[1][n]) for n, w in resumed[1].items())
 
 
+def test_in_bf16_a_frozen_parameter_stands_still_and_resumes_from_its_fp32_master(engine):
+    """16-bit: no bit-for-bit reference (DeepSpeed's bf16 wrapper steps flat copies made at
+    initialize: it would move the frozen weights on zeros), so what the fp32 rule means: the
+    frozen weights do not move, and once unfrozen they train on from their parked fp32
+    masters (not from their bf16 rounding), with the count of steps taken."""
+    from protrain.models import GPTConfig, synthetic_batch
+    model, eng, step = engine(bf16={"enabled": True})
+    step(0)
+    step(1)
+    frozen = [model.transformer.h[0].mlp.c_fc.weight, model.lm_head.weight]
+    eng.protrain_sync()
+    masters = [master_of(eng, p) for p in frozen]
+    assert any(not torch.equal(m, p.detach().float()) for m, p in zip(masters, frozen))
+    for p in frozen:
+        p.requires_grad_(False)
+    held = [p.detach().clone() for p in frozen]
+    step(2)
+    step(3)
+    assert all(torch.equal(p.detach(), h) for p, h in zip(frozen, held))
+    assert all(p not in eng.protrain_runtime.chunks.slot_of for p in frozen)
+    for p in frozen:
+        p.requires_grad_(True)
+    x, y = synthetic_batch(GPTConfig(**MODEL), 2, seed=4)
+    loss = eng(x, y)                                  # the layout for the new set, built here
+    assert all(torch.equal(master_of(eng, p), m) for p, m in zip(frozen, masters))
+    assert {eng.protrain_runtime.chunks.slot_of[p][1].step for p in frozen} == {4}
+    eng.backward(loss)
+    eng.step()
+    assert all(not torch.equal(p.detach(), h) for p, h in zip(frozen, held))
+
+
+def master_of(eng, p) -> torch.Tensor:
+    """The fp32 master of ``p`` in its chunk (one rank: an offloaded chunk's shard is whole)."""
+    c, s = eng.protrain_runtime.chunks.slot_of[p]
+    with eng.protrain_runtime.chunks.host_states(c):
+        return c.master[s.offset:s.stop].clone()
+
+
 # ---- refused by name ----------------------------------------------------------------------------
 @pytest.fixture
 def engine(run, request):
-    """engine(gas=1, frozen=(), groups=None) -> (model, engine, step(i) running micro-batch i)."""
+    """engine(gas=1, frozen=(), groups=None, **ds) -> (model, engine, step(i) running micro-batch i)."""
     import deepspeed
     from dpworker import set_trainable
     from protrain.models import GPT, GPTConfig, synthetic_batch
     cfg = GPTConfig(**MODEL)
 
-    def make(gas: int = 1, frozen=(), groups=None):
+    def make(gas: int = 1, frozen=(), groups=None, **extra):
         torch.manual_seed(0)
         model = GPT(cfg)
         set_trainable(model, frozen, False)
-        ds = dstrain.with_protrain(dstrain.base_config(gradient_accumulation_steps=gas), **OFFLOADED,
+        ds = dstrain.with_protrain(dstrain.base_config(gradient_accumulation_steps=gas, **extra), **OFFLOADED,
                                    profile_cache_dir=str(run.out / "profiles"))
         held = groups(model) if groups else [p for p in model.parameters() if p.requires_grad]
         eng, *_ = deepspeed.initialize(model=model, model_parameters=held, config=ds)
