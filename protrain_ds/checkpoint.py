@@ -422,13 +422,17 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
     have = _param_shapes(engine)
     want = meta["params"]
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    if frozen & set(want):
+        raise CheckpointError(f"checkpoint {path} trained parameters {sorted(frozen & set(want))[:3]}, "
+                              f"which are frozen (requires_grad=False) in this run: resume with the "
+                              f"same trainable parameters")
     parked = meta.get("parked", [])
-    if frozen & set(want) or set(parked) & set(have):
-        odd = sorted(frozen & set(want)) or sorted(set(parked) & set(have))
-        raise CheckpointError(f"checkpoint {path} was saved with parameters {odd[:3]} "
-                              f"{'trainable' if frozen & set(want) else 'frozen'}, and they are "
-                              f"{'frozen' if frozen & set(want) else 'trainable'} (requires_grad) in "
-                              f"this run: resume with the same trainable parameters")
+    unfrozen = sorted(set(have) & (set(parked) | set(meta.get("extra_state") or {})))
+    if unfrozen:
+        raise CheckpointError(f"checkpoint {path} was saved with parameters {unfrozen[:3]} frozen, "
+                              f"which train (requires_grad=True) in this run: resume with the same "
+                              f"trainable parameters (set requires_grad as it was at the save before "
+                              f"loading, and change it after)")
     mismatch = [n for n in want if have.get(n) != want[n]] + sorted(set(have) - set(want))
     if mismatch:
         raise CheckpointError(f"checkpoint {path} was saved from another model: parameters "
@@ -440,10 +444,11 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
     runtime.optimizer.sync()
     pieces = read_pieces(path, info["world"])
     # Every rank's pieces: each rank cuts out what it holds; the step's gradients are dropped.
+    states = load_optimizer_states and not load_module_only
     runtime.import_state(RuntimeState(pieces=[p for ps in pieces.values() for p in ps], local=False,
-                                      optimizer_states=load_optimizer_states and not load_module_only,
-                                      adam_chain=_chain(meta.get("adam_chain"))))
-    if load_optimizer_states and not load_module_only:
+                                      optimizer_states=states,
+                                      adam_chain=_chain(meta.get("adam_chain")) if states else None))
+    if states:
         engine._protrain_states.restore(pieces, parked, meta.get("step_counts", {}),
                                         rank0=runtime.chunks.dp.rank == 0, half=runtime.chunks.half)
     engine._protrain_lost = None          # every state is the checkpoint's now

@@ -94,10 +94,10 @@ def test_with_accumulation_too(run):
     assert same(got, want)
 
 
-def test_a_checkpoint_taken_while_frozen_resumes_the_parked_states(run):
+def test_a_checkpoint_taken_while_frozen_resumes_the_parked_states(run, engine):
     """Saved after the head and the embeddings were frozen (their moments and FusedAdam's
     counts held outside the chunks), resumed in a new engine that unfreezes them later: the
-    same bits as the run that never stopped."""
+    same bits as the run that never stopped. Resuming with the head trainable is refused."""
     out = run.out
     first = spec("freeze later", False, OFFLOADED, save=str(out / "ckpt"), save_at=4)
     first["steps"] = 4
@@ -108,6 +108,9 @@ def test_a_checkpoint_taken_while_frozen_resumes_the_parked_states(run):
     whole = run("freeze later, False, deepspeed", spec("freeze later", False, None))
     assert resumed[0]["losses"] == whole[0]["losses"][4:]
     assert all(torch.equal(w, whole[1][n]) for n, w in resumed[1].items())
+    _, eng, _ = engine(frozen=EMBED + ["transformer.h.0."], groups=lambda m: m.parameters())
+    with pytest.raises(Exception, match=r"saved with parameters \['lm_head\.weight'\] frozen"):
+        eng.load_checkpoint(str(out / "ckpt"))
 
 
 def test_in_bf16_a_frozen_parameter_stands_still_and_resumes_from_its_fp32_master(engine):
