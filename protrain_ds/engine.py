@@ -329,8 +329,8 @@ class ProTrainEngine(DeepSpeedEngine):
                 f"ProTrain: requires_grad changed ({change.describe()}) between micro-batches of one "
                 f"optimizer step (this forward is micro-batch {self.micro_steps % gas + 1} of "
                 f"{gas}): the step's gradients were accumulated for the parameters that trained "
-                f"before. Change requires_grad right after engine.step() at an accumulation "
-                f"boundary (engine.is_gradient_accumulation_boundary() was true for its backward)")
+                f"before. Change requires_grad after the engine.step() that ends an optimizer step "
+                f"(the micro-batch for which engine.is_gradient_accumulation_boundary() is true)")
         states = self._protrain_states
         trainable = {n for n, p in states.params.items() if p.requires_grad}
         outside = sorted(trainable - states.held())

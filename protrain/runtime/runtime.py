@@ -16,7 +16,8 @@ end of backward:           the remaining chunks' gradients are complete.
 The public surface adapters stop at: ``forward_context()``, ``begin_backward()``,
 ``finish_backward()`` and ``step()`` for each iteration; ``export_state()`` on the runtime a
 re-plan replaces and ``import_state()`` on the one built for the new plan (or from a
-checkpoint's states); ``close()``; and the optimizer's events (``runtime.optimizer``:
+checkpoint's states); ``trainable_change()`` before a training forward (a change of
+requires_grad needs a layout built for the new set: trainable.py); ``close()``; and the optimizer's events (``runtime.optimizer``:
 ``can_redo_micro_batch``, ``holds_accumulated_gradients``, ``discard_gradients``,
 ``scale_gradients``, ``zero_grad``, ``sync``). What the runtime is told besides its plan is in
 ``options.py``.
