@@ -114,7 +114,9 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
 
     # 2. Every rank's files, on the drive before anyone reports success.
     def write_files():
-        pieces = [vars(p) for p in export_pieces(runtime.chunks)]
+        # With the states of parameters frozen since they trained (trainable.py), which an
+        # unfreeze after the resume goes on from.
+        pieces = [vars(p) for p in export_pieces(runtime.chunks) + engine._protrain_states.saved_pieces()]
         rng = {"cpu": torch.random.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -153,6 +155,9 @@ def _meta(engine, tag: str, world: int, client_state) -> dict:
         "format": FORMAT, "world": world, "tag": tag,
         "plan": engine.protrain_plan.to_dict(),
         "params": _param_shapes(engine),
+        "parked": sorted(engine._protrain_states.parked),
+        "step_counts": dict(engine._protrain_states.counts),
+        "adam_chain": engine.protrain_runtime.adam_chain(),
         "extra_state": _extra_state(engine),
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
@@ -442,24 +447,40 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
         raise CheckpointError(f"checkpoint {path} trained parameters {sorted(frozen & set(want))[:3]}, "
                               f"which are frozen (requires_grad=False) in this run: resume with the "
                               f"same trainable parameters")
+    parked = meta.get("parked", [])
+    unfrozen = sorted(set(have) & (set(parked) | set(meta.get("extra_state") or {})))
+    if unfrozen:
+        raise CheckpointError(f"checkpoint {path} was saved with parameters {unfrozen[:3]} frozen, "
+                              f"which train (requires_grad=True) in this run: resume with the same "
+                              f"trainable parameters (set requires_grad as it was at the save before "
+                              f"loading, and change it after)")
     mismatch = [n for n in want if have.get(n) != want[n]] + sorted(set(have) - set(want))
     if mismatch:
         raise CheckpointError(f"checkpoint {path} was saved from another model: parameters "
                               f"{mismatch[:3]} differ")
     pieces = read_pieces(path, info["world"])
     # Every rank's pieces: each rank cuts out what it holds; the step's gradients are dropped.
+    states = load_optimizer_states and not load_module_only
     state = RuntimeState(pieces=[p for ps in pieces.values() for p in ps], local=False,
-                         optimizer_states=load_optimizer_states and not load_module_only)
-    runtime = engine.protrain_runtime
-    if runtime is None:
+                         optimizer_states=states,
+                         adam_chain=_chain(meta.get("adam_chain")) if states else None)
+
+    def take() -> None:
+        rt = engine.protrain_runtime
+        rt.import_state(state)
+        if states:
+            engine._protrain_states.restore(pieces, parked, meta.get("step_counts", {}),
+                                            rank0=rt.chunks.dp.rank == 0, half=rt.chunks.half)
+    if engine.protrain_runtime is None:
         # Not planned yet: this job plans at its first forward as a fresh one does - its own
         # pins, plan_file, machine and batch, not the checkpoint's plan - and takes the states
         # then. The weights are the module's from now on (evaluation, generation, state_dict).
         _set_weights(engine.module, pieces, meta["params"])
-        engine.protrain_resume_from(state)
+        engine.protrain_resume_from(take)
     else:
-        runtime.optimizer.sync()
-        runtime.import_state(state)
+        engine.protrain_runtime.optimizer.sync()
+        take()
+    engine._protrain_lost = None          # every state is the checkpoint's now
     if meta.get("extra_state"):
         engine.module.load_state_dict(meta["extra_state"], strict=False)
     if load_module_only:
@@ -493,6 +514,10 @@ def _set_weights(module, pieces: dict[str, list[Piece]], shapes: dict[str, list[
             for d in shape:
                 numel *= d
             named[name].copy_(assemble(pieces, name, 0, numel)[0].view(shape))
+
+
+def _chain(saved) -> tuple[int, int] | None:
+    return tuple(saved) if saved is not None else None
 
 
 def consolidated_state_dict(load_dir, tag=None) -> dict[str, torch.Tensor]:

@@ -45,6 +45,7 @@ from protrain.runtime.host_limits import read_host_limits
 from protrain.runtime.node import NodeShare, node_share
 from protrain.runtime.options import RuntimeOptions
 from protrain.runtime.runtime import ProTrainRuntime
+from protrain.runtime.trainable import TrainableChange, signature
 from protrain.search import InfeasibleError, check_budgets
 from protrain.session import PlanFailure, PlanningSession, PlanningSteps, PlanRanks
 from protrain.session.machine import probe_links, with_storage_and_links
@@ -57,6 +58,7 @@ from . import handover
 from .config import ProTrainDSConfig
 from .optimizer import ProTrainOptimizer
 from .sequence_parallel import SequenceParallelForward, model_takes, unsupported_reason
+from .trainable import TrainableStates
 
 log = logging.getLogger("protrain")
 
@@ -93,11 +95,13 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_ce_calls = 1
         self._protrain_links = (0.0, 0.0)     # (all-gather, all-to-all) bandwidth between the ranks
         self._protrain_resume = None
-        """A checkpoint's states loaded before the first plan (RuntimeState), taken into the
-        runtime the first forward builds."""
+        """Takes a checkpoint's states loaded before the first plan into the runtime the first
+        forward builds (checkpoint.load)."""
         self.protrain_retired_by: str | None = None
         """Set when a later engine took this engine's model over (handover.py): every later
         call is refused naming it."""
+        self._protrain_lost: str | None = None
+        """Why a re-plan failed after closing the runtime (its states lost), else None."""
         super().__init__(*args, dont_change_device=True, **kwargs)
         # Every forward agrees on the batch shape over the ranks, in host memory (see host_side).
         self._protrain_host = host_side(DataParallel())
@@ -106,6 +110,10 @@ class ProTrainEngine(DeepSpeedEngine):
         if not isinstance(self.optimizer, ProTrainOptimizer):
             raise ConfigError("ProTrain needs an optimizer to train: add an \"optimizer\" section "
                               "(Adam or AdamW) to the DeepSpeed config or pass one to initialize")
+        self._protrain_states = TrainableStates(self.module, self.optimizer.param_groups,
+                                                self.optimizer.step_rule)
+        """Optimizer states outside the chunks (parameters frozen since they trained) and the
+        step counts a change of the trainable set carries (trainable.py)."""
         self._protrain_preflight()
         # An unusable cache directory is reported and ignored.
         self._protrain_cache = ProfileCache(
@@ -190,6 +198,12 @@ class ProTrainEngine(DeepSpeedEngine):
     def forward(self, *inputs, **kwargs):
         if self.protrain_retired_by is not None:
             raise handover.retired_error(self, "a forward pass")
+        if self._protrain_lost is not None:
+            raise RuntimeError(
+                f"ProTrain: a re-plan failed after the old plan's runtime was closed "
+                f"({self._protrain_lost}), and the optimizer states went with it: training cannot "
+                f"go on exactly. Fix the cause and resume from the last checkpoint "
+                f"(engine.load_checkpoint)")
         kwargs = _no_kv_cache(self.module, kwargs)
         if self.protrain_runtime is None:
             self._protrain_setup(inputs, kwargs, self._protrain_batch(inputs, kwargs))
@@ -198,6 +212,9 @@ class ProTrainEngine(DeepSpeedEngine):
             # generation) may run on one rank alone, so it neither agrees on the shape nor
             # re-plans: it saves no activations for backward, which the plan mostly holds.
             shape = self._protrain_batch(inputs, kwargs)
+            change = self.protrain_runtime.trainable_change()
+            if change is not None:
+                self._protrain_trainable_changed(change, inputs, kwargs)
             if shape is not None and self._protrain_covered is None:
                 self._protrain_covered = shape       # a plan that does not say (an older file)
             elif shape is not None and not self._protrain_covered.covers(shape):
@@ -269,19 +286,24 @@ class ProTrainEngine(DeepSpeedEngine):
                                                world=self._protrain_host.world)
 
     def _protrain_move(self, target: BatchShape | None, inputs, kwargs, *, margin: float,
-                       keep_grads: bool) -> tuple[Plan, Plan]:
+                       keep_grads: bool, trainable: set[str] | None = None) -> tuple[Plan, Plan]:
         """Plan again for batches up to ``target`` with ``margin``, and move every state into
         the new plan's chunks: weights, fp32 masters, Adam moments and step counts, and with
         ``keep_grads`` the gradients accumulated in this optimizer step (else they are
         dropped). A collective: every rank calls it, rank 0 plans (profiling ``inputs`` if it
         holds no profile: a loaded plan). The old runtime's memory is given back before the
-        new one allocates. Returns (old plan, new plan)."""
+        new one allocates. ``trainable``: the parameters that train now, when that set changed
+        (profiled again; states carried as trainable.py says). Returns (old plan, new plan)."""
         rt = self.protrain_runtime
         dp = rt.chunks.dp
         opt = self.optimizer
         while opt._backward_active_depth > 0:       # DeepSpeed's backward never finished
             opt.exit_backward()
+        steps = rt.step_counts()
         state = rt.export_state(grads=keep_grads)
+        if trainable is not None:
+            state = self._protrain_states.carry(state, steps, trainable, rank0=dp.rank == 0,
+                                                half=rt.chunks.half)
         old = self.protrain_plan
         # Park every parameter on the host and drop every reference to the old runtime (its
         # chunks, buffers, optimizer states) before the new chunks take the device.
@@ -292,13 +314,57 @@ class ProTrainEngine(DeepSpeedEngine):
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        if trainable is not None:
+            # Frozen now: outside every chunk, where the forward runs (closing left them on the host).
+            named = self._protrain_states.params
+            for name in set(steps) - trainable:
+                named[name].data = named[name].data.to(self.device)
         planner = replace(_planner_config(self, dp), memory_margin=margin)
-        plan = self.protrain_session.replan(planner, target, old=old, keep_grads=keep_grads,
-                                            batch=(inputs, kwargs))
-        self._protrain_build_runtime(plan, dp)
-        # Another layout or sharding: each rank gets what it holds now.
-        self.protrain_runtime.import_state(state, exchange=self._protrain_host)
+        try:
+            plan = self.protrain_session.replan(planner, target, old=old, keep_grads=keep_grads,
+                                                batch=(inputs, kwargs), remeasure=trainable is not None)
+            self._protrain_build_runtime(plan, dp)
+            # Another layout or sharding: each rank gets what it holds now.
+            self.protrain_runtime.import_state(state, exchange=self._protrain_host)
+        except BaseException as e:
+            # The states live only in ``state`` now: a later forward must not plan afresh from
+            # zero moments as if this were the first one.
+            self._protrain_lost = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            raise
         return old, self.protrain_plan
+
+    def _protrain_trainable_changed(self, change: TrainableChange, inputs, kwargs) -> None:
+        """``requires_grad`` changed since the chunks were built (on every rank alike: the
+        forward's shape agreement compares the sets): move to chunks built for the parameters
+        that train now, profiled again, each state carried as plain DeepSpeed keeps it
+        (trainable.py). Refused, before anything moves, where no layout can train it exactly."""
+        gas = self.gradient_accumulation_steps()
+        if self.micro_steps % gas:
+            raise RuntimeError(
+                f"ProTrain: requires_grad changed ({change.describe()}) between micro-batches of one "
+                f"optimizer step (this forward is micro-batch {self.micro_steps % gas + 1} of "
+                f"{gas}): the step's gradients were accumulated for the parameters that trained "
+                f"before. Change requires_grad after the engine.step() that ends an optimizer step "
+                f"(the micro-batch for which engine.is_gradient_accumulation_boundary() is true)")
+        states = self._protrain_states
+        trainable = {n for n, p in states.params.items() if p.requires_grad}
+        outside = sorted(trainable - states.held())
+        if outside:
+            raise ConfigError(
+                f"ProTrain: parameters {outside[:3]} train now (requires_grad=True) but are in no "
+                f"param group of the optimizer (it was built before they were unfrozen): plain "
+                f"DeepSpeed computes their gradients and never updates them. Freeze them again, or "
+                f"build the optimizer over them (model_parameters=model.parameters())")
+        if not trainable:
+            raise ConfigError(f"ProTrain: requires_grad changed ({change.describe()}) and no "
+                              f"parameter trains now; keep at least one trainable, or run the "
+                              f"forward under torch.no_grad()")
+        states.group_steps(self.protrain_runtime.step_counts(), trainable)     # may refuse
+        self._protrain_preflight()           # the pins against the new set (chunk_size), all ranks
+        margin = max(self.protrain_config.planner.memory_margin, self.protrain_session.margin)
+        old, plan = self._protrain_move(self._protrain_covered, inputs, kwargs, margin=margin,
+                                        keep_grads=False, trainable=trainable)
+        self.protrain_session.say_trainable_changed(change.describe(), len(trainable), old, plan)
 
     def train_batch(self, data_iter):
         """Run one optimizer step over ``gradient_accumulation_steps`` micro-batches drawn from
@@ -386,10 +452,27 @@ class ProTrainEngine(DeepSpeedEngine):
         micro_batch, seq = _batch_shape(inputs, kwargs)
         host = self._protrain_host
         if host.world > 1:
-            t = torch.tensor([micro_batch or 0, seq or 0], dtype=torch.int64)
+            # The trainable set's digest rides along (max of it and of its negation): every rank
+            # must move to a layout for the same set at the same forward.
+            sig = signature(tuple(p.requires_grad for p in self._protrain_states.params.values()))
+            t = torch.tensor([micro_batch or 0, seq or 0, sig, -sig], dtype=torch.int64)
             host.all_reduce_(t, op=dist.ReduceOp.MAX)
             micro_batch, seq = int(t[0]), int(t[1])
+            if int(t[2]) != -int(t[3]):
+                self._protrain_ranks_disagree()
         return BatchShape(micro_batch, seq) if micro_batch and seq else None
+
+    def _protrain_ranks_disagree(self) -> None:
+        """The ranks train different parameter sets at this forward (every rank is here): say
+        which, on every rank."""
+        mine = sorted(n for n, p in self._protrain_states.params.items() if p.requires_grad)
+        sets = self._protrain_host.all_gather_object(mine)
+        diff = sorted(set().union(*map(set, sets)) - set.intersection(*map(set, sets)))
+        ranks = [r for r, names in enumerate(sets) if diff[0] in names] if diff else []
+        raise ConfigError(
+            f"ProTrain: the ranks train different parameters at this forward ({diff[:3]} has "
+            f"requires_grad=True on ranks {ranks} only): every rank must set requires_grad alike, "
+            f"at the same step")
 
     def _protrain_setup(self, inputs, kwargs, shape: BatchShape | None) -> None:
         cfg = self.protrain_config
@@ -421,13 +504,13 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_build_runtime(plan, dp)
         self._protrain_covered = self._protrain_covered or target
         if self._protrain_resume is not None:
-            state, self._protrain_resume = self._protrain_resume, None
-            self.protrain_runtime.import_state(state)
+            take, self._protrain_resume = self._protrain_resume, None
+            take()
 
-    def protrain_resume_from(self, state) -> None:
-        """Take ``state`` (a checkpoint's, loaded before the first forward) into the runtime
-        the first forward plans and builds for this job."""
-        self._protrain_resume = state
+    def protrain_resume_from(self, take) -> None:
+        """``take()`` puts a checkpoint's states (loaded before the runtime exists) into the
+        runtime the next forward plans and builds for this job."""
+        self._protrain_resume = take
 
     # ---- the planning session's steps, as DeepSpeed runs them (protrain.session) -------------
     def _protrain_steps(self) -> PlanningSteps:

@@ -17,6 +17,8 @@ from protrain.config import ConfigError
 from protrain.runtime.adam import AdamHyper
 from protrain.runtime.options import OptimizerSetup
 
+from .trainable import step_rule
+
 _OPTIMIZER_PARAM_KEYS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode",
                          "torch_adam", "amsgrad", "fp32_optimizer_states", "foreach"}
 DEEPSPEED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
@@ -61,6 +63,10 @@ class ProTrainOptimizer(ZeROOptimizer):
             # Plain DeepSpeed steps a client torch Adam/AdamW itself: run torch's arithmetic
             # with its flags, not DeepSpeed's CPU Adam (the same bits as the script without us).
             self.torch_adam = _torch_flags(opt) is not None
+        self.step_rule = step_rule(client_optimizer, self.torch_adam,
+                                   engine.fp16_enabled() or engine.bfloat16_enabled())
+        """How plain DeepSpeed's optimizer counts Adam steps (trainable.py): what a change of
+        the trainable set carries over."""
         self.param_groups = self.optimizer.param_groups
         self.defaults = self.optimizer.defaults
         self.state = {}

@@ -20,6 +20,11 @@ def run_rank(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None
         if one.get("saves"):
             import saveworker
             result, engine = saveworker.run(rank, world, one, out)
+        elif one.get("expect_error"):         # a refusal every rank must raise: its words
+            try:
+                result, engine = train_run(rank, world, one, out)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                result, engine = {"error": f"{type(e).__name__}: {e}"}, None
         else:
             result, engine = train_run(rank, world, one, out)
         if name == list(runs)[-1]:
@@ -46,6 +51,8 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     # A device backend (NCCL) as far as collectives.host_side can tell: host messages then go
     # over a gloo group of their own, as on GPUs.
     coll_mod.dist = _AsIfNCCL() if spec.get("device_backend") else torch.distributed
+    if spec.get("threads"):             # compute threads of this rank (default: torch's)
+        torch.set_num_threads(spec["threads"])
     cfg = GPTConfig(**spec["model"])
     global_batch = spec["global_batch"]
     mb = global_batch // world
@@ -61,7 +68,11 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     factor = spec.get("loss_factor", 1.0)
     torch.manual_seed(0)
     model = _model(spec.get("kind", "gpt"), cfg)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    set_trainable(model, spec.get("frozen", ()), False)
+    # "trainable": the optimizer holds the parameters trainable now (the Hugging Face Trainer's way)
+    held = [p for p in model.parameters() if p.requires_grad] if spec.get("optimizer_over") == "trainable" \
+        else model.parameters()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=held, config=ds)
     if spec.get("load"):
         path, client = engine.load_checkpoint(spec["load"])
         assert path is not None and client == {"note": "resume me"}, (path, client)
@@ -69,6 +80,10 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
     losses, norms = [], []     # norms: ProTrain's global gradient norm at each boundary
     plans, peaks = [], []      # per micro-batch: the plan in force, (device peak, its bound)
     for i in range(start, start + spec["steps"]):
+        # [(micro-batch, prefixes, flag[, the one rank that does it])]
+        for at, prefixes, flag, *only in spec.get("requires_grad", ()):
+            if at == i and (not only or only[0] == rank):
+                set_trainable(model, prefixes, flag)
         x, y = synthetic_batch(cfg, global_batch, seed=i)
         x, y = x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb]
         if spec.get("batches"):                # (micro-batch, tokens) of each rank's batch
@@ -118,6 +133,13 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         torch.save({n: p.detach().float().clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, "weights.pt"))
     return result, engine
+
+
+def set_trainable(model, prefixes, flag: bool) -> None:
+    """requires_grad = ``flag`` on the parameters whose names start with one of ``prefixes``."""
+    for n, p in model.named_parameters():
+        if any(n.startswith(x) for x in prefixes):
+            p.requires_grad_(flag)
 
 
 class _AsIfNCCL:
@@ -196,7 +218,8 @@ def leave(engine) -> list[str]:
     if not dist.is_initialized():
         return []
     dist.barrier()                        # leave together: rank 0 hosts the rendezvous store
-    for name in [n for n, v in vars(engine).items() if isinstance(v, dist.ProcessGroup)]:
+    held = vars(engine).items() if engine is not None else ()     # None: the run was refused
+    for name in [n for n, v in held if isinstance(v, dist.ProcessGroup)]:
         setattr(engine, name, None)
     ds_comm.destroy_process_group()
     gc.collect()                          # cycles holding a group go now, not at shutdown

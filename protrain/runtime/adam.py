@@ -82,16 +82,16 @@ class CPUAdamKernel:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-    def prime(self, steps_done: int, h: AdamHyper) -> None:
+    def prime(self, steps_done: int, h: AdamHyper, *, pow_at: int = 1) -> None:
         """Put a fresh kernel in the state a long-running one has after ``steps_done`` steps.
 
         The C++ kernel keeps beta^t and, when the step advances by one, updates it by one
         multiplication (pow() only when it jumps). A kernel created after a restart would take
         pow() where the uninterrupted run multiplied, and differ in the last bit; empty
-        updates at steps 1..steps_done rebuild the same product (microseconds each)."""
-        empty = torch.empty(0)
-        for step in range(1, steps_done + 1):
-            self.update(empty, empty, empty, empty, step, h)
+        updates rebuild the same value (microseconds each): pow() at ``pow_at`` (the step the
+        run last jumped to; 1: it never jumped, and a fresh kernel's first step multiplies
+        beta by 1, which is pow(beta, 1)), then one multiplication per step to ``steps_done``."""
+        _prime(self, steps_done, h, pow_at)
 
 
 class NativeCPUAdamKernel:
@@ -123,11 +123,9 @@ class NativeCPUAdamKernel:
                         h.bias_correction, master, grad, exp_avg, exp_avg_sq,
                         1.0 if scale is None else float(scale), list(backup), None, self.threads)
 
-    def prime(self, steps_done: int, h: AdamHyper) -> None:
-        """As CPUAdamKernel.prime: the same beta^t product as an uninterrupted run."""
-        empty = torch.empty(0)
-        for step in range(1, steps_done + 1):
-            self.update(empty, empty, empty, empty, step, h)
+    def prime(self, steps_done: int, h: AdamHyper, *, pow_at: int = 1) -> None:
+        """As CPUAdamKernel.prime: the same beta^t as the run that made the states."""
+        _prime(self, steps_done, h, pow_at)
 
     def __del__(self):
         try:
@@ -176,8 +174,18 @@ class TorchAdamKernel:
            fused=fused, amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr,
            weight_decay=h.weight_decay, eps=h.eps, maximize=False)
 
-    def prime(self, steps_done: int, h: AdamHyper) -> None:
+    def prime(self, steps_done: int, h: AdamHyper, *, pow_at: int = 1) -> None:
         """Stateless between calls: nothing to restore."""
+
+
+def _prime(kernel, steps_done: int, h: AdamHyper, pow_at: int) -> None:
+    """Empty updates taking a fresh C++ kernel (its step 0) to beta^t = pow(beta, pow_at) times
+    beta once per step after it, at ``steps_done``: the first jumps (pow) unless it is step 1."""
+    if steps_done <= 0:
+        return
+    empty = torch.empty(0)
+    for step in range(min(pow_at, steps_done), steps_done + 1):
+        kernel.update(empty, empty, empty, empty, step, h)
 
 
 def update_as_per_tensor(kernel, master, grad, exp_avg, exp_avg_sq, step: int, h: AdamHyper, *,

@@ -16,7 +16,8 @@ end of backward:           the remaining chunks' gradients are complete.
 The public surface adapters stop at: ``forward_context()``, ``begin_backward()``,
 ``finish_backward()`` and ``step()`` for each iteration; ``export_state()`` on the runtime a
 re-plan replaces and ``import_state()`` on the one built for the new plan (or from a
-checkpoint's states); ``close()``; and the optimizer's events (``runtime.optimizer``:
+checkpoint's states); ``trainable_change()`` before a training forward (a change of
+requires_grad needs a layout built for the new set: trainable.py); ``close()``; and the optimizer's events (``runtime.optimizer``:
 ``can_redo_micro_batch``, ``holds_accumulated_gradients``, ``discard_gradients``,
 ``scale_gradients``, ``zero_grad``, ``sync``). What the runtime is told besides its plan is in
 ``options.py``.
@@ -48,6 +49,7 @@ from .options import OptimizerSetup, RuntimeOptions
 from .outside import OutsideForwards, path_to_blocks
 from .states import RuntimeState, assemble, export_pieces, import_pieces, redistribute
 from .streams import Streams
+from .trainable import TrainableChange, TrainableWatch
 
 
 class ProTrainRuntime:
@@ -74,6 +76,9 @@ class ProTrainRuntime:
             raise ValueError(f"the plan names parameters the model does not have: {missing[:3]}; "
                              f"it was made for another model (delete the plan file to re-plan)")
         group_of = {p: gi for gi, g in enumerate(setup.param_groups) for p in g["params"]}
+        self.trainable = TrainableWatch(model)
+        """The requires_grad flags the chunks are built for (checked at every training forward
+        and backward: trainable.py)."""
         params = [(n, named[n]) for n in param_names]
         frozen = [n for n, p in params if not p.requires_grad]
         if frozen:
@@ -160,6 +165,9 @@ class ProTrainRuntime:
         self._next_up = 0
         self._next_down = len(self.chunks.chunks) - 1
         self.iterations = 0
+        self._chain_at_import = (1, 0)
+        """The host Adam kernels' beta^t as imported (``RuntimeState.adam_chain``)."""
+        self._steps_at_import = 0
 
     # ---- lifecycle ------------------------------------------------------------------------
     def close(self, to_host: bool = False, gather: bool = True) -> None:
@@ -203,7 +211,18 @@ class ProTrainRuntime:
     def begin_backward(self) -> None:
         """Backward is about to start (called by the framework): bring the last block's
         swapped activations back while the head's backward runs."""
+        # The forward's graph decided which gradients exist: a change since cannot be honoured.
+        self.trainable.check("this backward")
         self.activations.backward_start()
+
+    def trainable_change(self) -> TrainableChange | None:
+        """Which parameters were frozen or unfrozen since the chunks were built (None: none):
+        an adapter moves to a layout for the new set before the next training forward."""
+        return self.trainable.change()
+
+    def step_counts(self) -> dict[str, int]:
+        """Adam steps taken by each parameter in the chunks (on every rank, whatever its shard)."""
+        return {s.name: s.step for c in self.chunks.chunks for s in c.slots}
 
     def _begin_forward(self) -> None:
         if not torch.is_grad_enabled() and self.chunks.dp.world > 1 and any(
@@ -215,6 +234,8 @@ class ProTrainRuntime:
                 "a forward pass without gradients (evaluation, generate)",
                 timeout_s=self.options.gather_timeout_s,
                 fix="Run evaluation and generate on every rank (and print on one), as with ZeRO-3.")
+        if torch.is_grad_enabled():       # an evaluation forward trains nothing: any layout runs it
+            self.trainable.check("this training forward")
         if self._in_backward:
             self.finish_backward()
         self.optimizer.pre_forward()
@@ -266,7 +287,8 @@ class ProTrainRuntime:
         self.streams.synchronize()                # copies into the gradient regions included
         if not grads:
             self.optimizer.discard_gradients()    # this micro-batch's partial gradients
-        return RuntimeState(pieces=export_pieces(self.chunks, grads=grads), grads=grads)
+        return RuntimeState(pieces=export_pieces(self.chunks, grads=grads), grads=grads,
+                            adam_chain=self.adam_chain())
 
     def import_state(self, state: RuntimeState, *, exchange: DataParallel | None = None) -> None:
         """Take ``state`` (another runtime's ``export_state``, or a checkpoint's pieces) into
@@ -287,20 +309,42 @@ class ProTrainRuntime:
             by_name.setdefault(piece.name, []).append(piece)
         import_pieces(self.chunks, lambda n, lo, hi: assemble(by_name, n, lo, hi),
                       optimizer_states=state.optimizer_states, grads=state.grads)
-        self._prime_kernels()
+        self._prime_kernels(state.adam_chain)
         if state.grads:
             self.optimizer.carry_gradients()
         else:
             self.optimizer.discard_gradients()
 
-    def _prime_kernels(self) -> None:
-        """After states were imported (checkpoint, re-plan): bring the Adam kernels to where an
-        uninterrupted run would be, so training continues bit for bit."""
-        steps = max((s.step for c in self.chunks.chunks for s in c.slots), default=0)
+    def _prime_kernels(self, chain: tuple[int, int] | None) -> None:
+        """After states were imported (checkpoint, re-plan): bring the Adam kernels to where the
+        run that made them left its kernels (``chain``; None: an uninterrupted run to the
+        largest step count), so training continues bit for bit."""
+        steps = self._largest_step()
+        chain = chain or (1, steps)
         hyper = self.setup.hyper(self.setup.param_groups[0])
         for kernel in {id(k): k for k in (self.optimizer.host_kernel, self.optimizer.device_kernel)
                        if k is not None}.values():
-            kernel.prime(steps, hyper)
+            kernel.prime(chain[1], hyper, pow_at=chain[0])
+        self._chain_at_import, self._steps_at_import = chain, steps
+
+    def _largest_step(self) -> int:
+        return max((s.step for c in self.chunks.chunks for s in c.slots), default=0)
+
+    def adam_chain(self) -> tuple[int, int]:
+        """The host Adam kernels' beta^t as ``RuntimeState.adam_chain`` records it (exports
+        carry it; a checkpoint stores it beside the pieces): (the step whose beta^t they last
+        computed with pow(), the step of their last update). The C++ kernel keeps beta^t and
+        multiplies it by beta when the step advances by one, recomputing it with pow() when the
+        step jumps (the bits differ). A step count that restarts or resumes (a param group's
+        under DeepSpeed's FusedAdam after its last parameter was frozen or unfrozen,
+        protrain_ds/trainable.py) jumps at the first update after an import, and only there:
+        within a layout every parameter steps together."""
+        pow_at, last = self._chain_at_import
+        now = self._largest_step()
+        if now == self._steps_at_import:
+            return pow_at, last
+        first = self._steps_at_import + 1
+        return (pow_at if first in (last, last + 1) else first), now
 
     # ---- boundaries -----------------------------------------------------------------------
     def _on_enter(self, phase: str, part: int, tensor) -> None:

@@ -50,6 +50,10 @@ class RuntimeState:
     """Import Adam's moments and step counts; False: the weights only, Adam starts afresh."""
     grads: bool = False
     """The pieces carry the gradients accumulated so far in the optimizer step in progress."""
+    adam_chain: tuple[int, int] | None = None
+    """(step, last step): the host Adam kernels' beta^t where the states were made -
+    computed with pow() at the first, multiplied by beta once per step to the second
+    (``ProTrainRuntime._adam_chain``); None: an uninterrupted run to the largest step count."""
 
 
 def _local_range(m: ChunkManager, c: Chunk) -> tuple[int, int]:

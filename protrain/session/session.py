@@ -126,11 +126,11 @@ class PlanningSession:
                                micro_batch_fit=error.micro_batch_fit)
 
     def decide(self, planner: PlannerConfig, target: BatchShape | None, *, load: bool = True,
-               batch=None) -> Decision:
+               batch=None, save: bool = True) -> Decision:
         """The plan every rank of the group runs for batches up to ``target``: the decider
         loads it from the plan file (with ``load``) or searches it from the profile (measured
-        now on ``batch`` if none is held) and saves it; every rank gets it or the same error
-        (a collective)."""
+        now on ``batch`` if none is held) and saves it there (with ``save``); every rank gets
+        it or the same error (a collective)."""
         steps = self.steps
         if steps.together is not None:
             steps.together()
@@ -159,7 +159,7 @@ class PlanningSession:
                     profile_seconds = time.perf_counter() - t0
                 plan = steps.search(self.profile, self._priced(planner), planner, target)
                 self._admit(plan, planner)
-                if self.plan_file:
+                if self.plan_file and save:
                     plan.save(self.plan_file)
             except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast below
                 failure = self._with_budget(e, planner)
@@ -197,18 +197,22 @@ class PlanningSession:
 
     # ---- planning again ----------------------------------------------------------------------
     def replan(self, planner: PlannerConfig, target: BatchShape | None, *, old: Plan,
-               keep_grads: bool, batch=None) -> Plan:
+               keep_grads: bool, batch=None, remeasure: bool = False) -> Plan:
         """The plan for batches up to ``target`` with ``planner`` (its margin the re-plan's),
         made now from the held profile (or one of ``batch``: after a loaded plan; a
         collective). ``keep_grads``: the gradients accumulated under ``old`` are carried into
-        the new plan."""
+        the new plan. ``remeasure``: the model changed what it trains (requires_grad), so the
+        held profile is of another parameter set: profile ``batch`` again; the plan is not
+        saved to the plan file, which keeps the plan the run starts with."""
+        if remeasure:
+            self.profile = None
         if keep_grads and self.ranks.dp.world > 1 and old.knobs.sequence_parallel == 1 and \
                 planner.pins.sequence_parallel is None:
             # A plan at P > 1 learns the script's loss factor (sequence_parallel.py) on its
             # first micro-step by rescaling what was accumulated, which would rescale the
             # gradients carried over from P = 1 too: the degree stays for this re-plan.
             planner = replace(planner, pins=replace(planner.pins, sequence_parallel=1))
-        return self.decide(planner, target, load=False, batch=batch).plan
+        return self.decide(planner, target, load=False, batch=batch, save=not remeasure).plan
 
     def margin_after_oom(self, configured: float, error: BaseException) -> float:
         """The memory margin to plan again with after an out-of-memory error on this rank:
@@ -233,6 +237,13 @@ class PlanningSession:
                   f"re-planned with a {self.margin:.0%} margin: {old.knobs.as_tuple()} -> "
                   f"{plan.knobs.as_tuple()}, predicted peak {plan.prediction.peak_device_bytes / 2**30:.2f} "
                   f"GiB; redoing the micro-batch", flush=True)
+
+    def say_trainable_changed(self, what: str, n_trainable: int, old: Plan, plan: Plan) -> None:
+        """The decider: the re-plan after ``requires_grad`` changed (``what``)."""
+        if self.ranks.decides:
+            print(f"ProTrain: requires_grad changed ({what}); re-planned for the {n_trainable} "
+                  f"trainable parameters: {old.knobs.as_tuple()} -> {plan.knobs.as_tuple()}, "
+                  f"predicted peak {fmt_bytes(plan.prediction.peak_device_bytes)}", flush=True)
 
     def say_longer_batch(self, shape: BatchShape, covered: BatchShape, target: BatchShape,
                          old: Plan, plan: Plan, *, world: int) -> None:
