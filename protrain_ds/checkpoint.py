@@ -90,11 +90,13 @@ def _crc32(path: Path) -> int:
 # ---- saving --------------------------------------------------------------------------------
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> bool:
     runtime = engine.protrain_runtime
-    if runtime is None:
-        raise CheckpointError("nothing to checkpoint yet: ProTrain builds its state at the first "
-                              "forward pass; save after a training step")
-    runtime.optimizer.worker.drain()
-    dp = runtime.chunks.dp
+    if runtime is None and engine._protrain_resume is not None:
+        raise CheckpointError("save_checkpoint after load_checkpoint and before any forward: the "
+                              "loaded states wait for the first forward's plan. Save after a "
+                              "training step, or copy the loaded checkpoint's directory")
+    if runtime is not None:
+        runtime.optimizer.worker.drain()
+    dp = runtime.chunks.dp if runtime is not None else DataParallel()
     save_dir = Path(save_dir)
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     if not tag or "/" in tag or tag.startswith("."):
@@ -116,7 +118,9 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
     def write_files():
         # With the states of parameters frozen since they trained (trainable.py), which an
         # unfreeze after the resume goes on from.
-        pieces = [vars(p) for p in export_pieces(runtime.chunks) + engine._protrain_states.saved_pieces()]
+        pieces = [vars(p) for p in (export_pieces(runtime.chunks) if runtime is not None else
+                                    _initial_pieces(engine, dp.rank))
+                  + engine._protrain_states.saved_pieces()]
         rng = {"cpu": torch.random.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -153,11 +157,11 @@ def _meta(engine, tag: str, world: int, client_state) -> dict:
     opt = engine.optimizer
     return {
         "format": FORMAT, "world": world, "tag": tag,
-        "plan": engine.protrain_plan.to_dict(),
+        "plan": engine.protrain_plan.to_dict() if engine.protrain_plan is not None else None,
         "params": _param_shapes(engine),
         "parked": sorted(engine._protrain_states.parked),
         "step_counts": dict(engine._protrain_states.counts),
-        "adam_chain": engine.protrain_runtime.adam_chain(),
+        "adam_chain": engine.protrain_runtime.adam_chain() if engine.protrain_runtime is not None else None,
         "extra_state": _extra_state(engine),
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
@@ -547,13 +551,32 @@ def _param_shapes(engine) -> dict[str, list[int]]:
     return {n: list(p.shape) for n, p in engine.module.named_parameters() if p.requires_grad}
 
 
+def _initial_pieces(engine, rank: int) -> list[Piece]:
+    """The states before the first step (a save before the first forward, which DeepSpeed
+    allows): each trainable parameter's value as its fp32 master, Adam's moments zero, step 0;
+    written by rank 0 alone (every rank's pieces together cover each parameter once)."""
+    if rank != 0:
+        return []
+    out = []
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            master = p.detach().float().cpu().reshape(-1).clone()
+            out.append(Piece(name=name, lo=0, hi=master.numel(), master=master,
+                             exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
+                             step=0))
+    return out
+
+
 def _extra_state(engine) -> dict:
     """What the module's state_dict holds besides trainable parameters (buffers, frozen
     parameters). Rank 0 alone reads it: the sharded parameters, left out, are not gathered."""
     module = engine.module
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
-    with engine.protrain_runtime.full_state.local():
+    if engine.protrain_runtime is None:         # not planned yet: plain tensors
         state = module.state_dict()
+    else:
+        with engine.protrain_runtime.full_state.local():
+            state = module.state_dict()
     return {k: v.detach().cpu().clone() for k, v in state.items() if k not in trainable}
 
 

@@ -224,3 +224,37 @@ def test_a_forward_on_one_rank_alone_is_refused_by_name_not_a_hang(tmp_path):
     assert "on every rank" in ranks[0]["error"] and ranks[0]["waited"] < 30
     for r in ranks:
         assert r["engine"] == r["module"]
+
+
+def test_a_checkpoint_saved_before_the_first_forward_resumes_like_deepspeed(tmp_path):
+    """DeepSpeed saves before any step (a script's checkpoint at step 0); ProTrain refused
+    ("nothing to checkpoint yet"). Saved, loaded into a fresh engine, trained: DeepSpeed's
+    losses and weights; DeepSpeed's tag checks apply before anything is written."""
+    import deepspeed
+    from protrain.config import ConfigError
+    from protrain.models import GPT, synthetic_batch
+    cfg = base_config(gradient_clipping=1.0)
+    ds_losses, ds_weights, _ = train(cfg, steps=3)
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=with_protrain(cfg, **OFFLOADED))
+    with pytest.raises(ConfigError, match="checkpoint tag"):
+        engine.save_checkpoint(str(tmp_path), tag="a/b")
+    assert engine.save_checkpoint(str(tmp_path))
+    torch.manual_seed(1)            # other initial weights: the checkpoint's must win
+    model = GPT(TINY)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=with_protrain(cfg, **OFFLOADED))
+    engine.load_checkpoint(str(tmp_path))
+    losses = []
+    for i in range(3):
+        x, y = synthetic_batch(TINY, 2, seed=i)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses == ds_losses
+    state = model.state_dict()
+    for name, w in ds_weights.items():
+        assert torch.equal(state[name], w), name
