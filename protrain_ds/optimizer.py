@@ -180,8 +180,13 @@ class ProTrainOptimizer(ZeROOptimizer):
 
     def state_dict(self):
         raise NotImplementedError(
-            "saving a ProTrain engine's optimizer state is not available yet (checkpointing is the "
-            "next milestone); engine.module.state_dict() has the current weights")
+            "optimizer.state_dict() of a ProTrain engine: its Adam states live in chunks sharded "
+            "over the ranks, on the host or on NVMe, and are saved with the rest of the training "
+            "state by engine.save_checkpoint(DIR) on every rank (as ZeRO's are); "
+            "engine.load_checkpoint(DIR) resumes them, and python -m protrain_ds.checkpoint DIR "
+            "OUT.pt exports the weights")
 
     def load_state_dict(self, state_dict):
-        raise NotImplementedError("loading optimizer state into a ProTrain engine is not available yet")
+        raise NotImplementedError(
+            "optimizer.load_state_dict() of a ProTrain engine: resume with "
+            "engine.load_checkpoint(DIR) from a checkpoint written by engine.save_checkpoint(DIR)")
