@@ -156,3 +156,25 @@ def test_an_evaluation_before_training_plans_then_trains_like_deepspeed(evaluate
     trained_first = run(True, buffers=True)[3][0]
     assert [(p.in_bytes, p.saved_bytes) for p in got[3][0].parts] == \
         [(p.in_bytes, p.saved_bytes) for p in trained_first.parts]
+
+
+@pytest.mark.parametrize("evaluate", list(EVALUATE))
+def test_the_profiler_measures_a_training_iteration_whatever_the_callers_mode(evaluate):
+    """profile_model itself (any adapter's first forward): called in eval mode without autograd,
+    it profiles what it profiles in train mode with autograd, and leaves the modes, the buffers
+    and the random stream as it found them."""
+    from protrain.measure.profiler import profile_model
+    torch.manual_seed(0)
+    model = OutputNet("dict", buffers=True)
+    x, y = batch(0)
+    trained = profile_model(model, lambda m: m(x, y), progress=False)
+    model.eval()
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    with EVALUATE[evaluate]():
+        got = profile_model(model, lambda m: m(x, y), progress=False)
+    assert [(p.in_bytes, p.saved_bytes) for p in got.parts] == \
+        [(p.in_bytes, p.saved_bytes) for p in trained.parts]
+    assert not any(m.training for m in model.modules())
+    assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())
+    assert torch.equal(torch.random.get_rng_state(), rng)
