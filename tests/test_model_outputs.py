@@ -43,15 +43,20 @@ def one_thread():
 
 
 @functools.lru_cache(maxsize=None)
-def run(protrain: bool, kind: str = "tensor", buffers: bool = False, evaluate: str | None = None):
+def run(protrain: bool, kind: str = "tensor", buffers: bool = False, evaluate: str | None = None,
+        compiled: bool = False):
     """Train ``STEPS`` steps of OutputNet(kind, buffers) under plain DeepSpeed or ProTrain
-    (``PINS``); with ``evaluate``, first a forward in eval mode under that context. Returns the
-    losses (the evaluation's first), the weights, every buffer, and for ProTrain the profile,
-    the block modes and the number of offloaded chunks."""
+    (``PINS``); with ``evaluate``, first a forward in eval mode under that context; ``compiled``:
+    ``engine.compile(backend="aot_eager")``. Returns the losses (the evaluation's first), the
+    weights, every buffer, and for ProTrain the profile, the block modes and the number of
+    offloaded chunks."""
     torch.manual_seed(0)
     model = OutputNet(kind, buffers=buffers)
     config = with_protrain(base_config(), **PINS) if protrain else base_config()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if compiled:
+        torch._dynamo.reset()
+        engine.compile(backend="aot_eager")
     losses = []
     if evaluate:
         model.eval()
@@ -135,11 +140,14 @@ def test_backward_boundaries_come_in_order_whatever_a_block_returns_or_passes_th
     assert seen == [("fwd", p) for p in range(1, 6)] + [("bwd", p) for p in range(4, -1, -1)]
 
 
-def test_buffers_end_as_plain_deepspeed_leaves_them():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_buffers_end_as_plain_deepspeed_leaves_them(compiled):
     """BatchNorm statistics, num_batches_tracked, a call counter and a moving average, in the
     pre part, the post part and every block (block 1 checkpointed, its recompute in backward):
-    neither profiling nor the recompute updates them once more."""
-    got = run(True, buffers=True)
+    neither profiling nor the recompute updates them once more; nor with the blocks compiled
+    (aot_eager runs the operators eager mode runs, here to the same bits: the reference is
+    eager DeepSpeed, a compiled one would take half a minute to compile)."""
+    got = run(True, buffers=True, compiled=compiled)
     assert_plan_streams_and_recomputes(*got[3][1:])
     ref = run(False, buffers=True)
     assert ref[2]["blocks.1.norm.1.calls"] == ref[2]["pre.0.bn.num_batches_tracked"] == STEPS
