@@ -106,6 +106,8 @@ def buffers_context_fn(block: nn.Module):
     """torch.utils.checkpoint ``context_fn`` keeping ``block``'s buffers as a plain run leaves
     them (a pair of null contexts for a block without buffers)."""
     def context_fn():
+        if not torch.is_grad_enabled():       # no backward, no recompute (an evaluation)
+            return nullcontext(), nullcontext()
         state = RecomputedBuffers(block)
         if not state.slots:
             return nullcontext(), nullcontext()
