@@ -115,7 +115,9 @@ def test_a_block_returning_no_tensor_to_start_its_backward_from_is_refused_by_na
 
 
 class Passing(torch.nn.Module):
-    """A block returning (a statistic, the hidden state, its input): the input passed through."""
+    """A block returning a statistic, an auxiliary loss made after the hidden state (its
+    gradient hook is the first of the block's to fire), the hidden state and its input (passed
+    through)."""
 
     def __init__(self, skip: bool):
         super().__init__()
@@ -124,7 +126,7 @@ class Passing(torch.nn.Module):
 
     def forward(self, x):
         h = x if self.skip else x + self.lin(x)
-        return {"stat": h.detach().sum(), "out": (h, x)}
+        return {"stat": h.detach().sum(), "aux": self.lin(h).pow(2).mean(), "out": (h, x)}
 
 
 def test_backward_boundaries_come_in_order_whatever_a_block_returns_or_passes_through():
@@ -134,9 +136,11 @@ def test_backward_boundaries_come_in_order_whatever_a_block_returns_or_passes_th
     seen = []
     with part_boundaries(blocks, lambda phase, part, x: seen.append((phase, part))):
         x = torch.randn(2, 4, requires_grad=True) * 1
+        aux = 0
         for b in blocks:
-            x = b(x)["out"][0]
-        x.sum().backward()
+            out = b(x)
+            x, aux = out["out"][0], aux + out["aux"]
+        (x.sum() + aux).backward()
     assert seen == [("fwd", p) for p in range(1, 6)] + [("bwd", p) for p in range(4, -1, -1)]
 
 
@@ -186,3 +190,36 @@ def test_the_profiler_measures_a_training_iteration_whatever_the_callers_mode(ev
     assert not any(m.training for m in model.modules())
     assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())
     assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+@pytest.mark.gpu
+def test_cuda_a_model_built_on_the_host_gets_its_buffers_on_the_device_and_trains_like_deepspeed():
+    """DeepSpeed moves a module built on the host to the device; ProTrain puts the parameters in
+    chunks and the buffers on the device too. A checkpointed block's buffers go through host
+    copies between its forward and its recompute (non-blocking, on the compute stream). GPU
+    kernels are not bit-exact between two runs (atomic adds): within float32 noise."""
+    results = []
+    for protrain in (False, True):
+        torch.manual_seed(0)
+        model = OutputNet("dict", buffers=True)
+        config = with_protrain(base_config(), device_memory=None, **PINS) if protrain else base_config()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        losses = []
+        for i in range(STEPS):
+            x, y = (t.to(engine.device) for t in batch(i))
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert all(b.device.type == "cuda" for b in model.buffers())
+        results.append((losses, {n: b.detach().cpu().clone() for n, b in model.named_buffers()}))
+        if protrain:
+            assert BlockMode.CKPT in engine.protrain_plan.block_modes
+            engine.destroy()
+    (ref_losses, ref_buffers), (losses, buffers) = results
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    for name, b in ref_buffers.items():
+        if b.is_floating_point():
+            assert torch.allclose(buffers[name], b, rtol=1e-4, atol=1e-5), name
+        else:
+            assert torch.equal(buffers[name], b), name

@@ -113,10 +113,21 @@ def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
     last_fwd = [None]
     inputs: dict[int, list[torch.Tensor]] = {}     # block -> its inputs, during its call
     returned: list[weakref.ref] = []               # what the last block returned
+    active = [True]
+
+    def end_backward():
+        last_bwd[0] = None
 
     def bwd(part):
-        if last_bwd[0] == part:
+        if not active:       # a gradient hook on a tensor that outlived the context (an input
+            return           # reused by later iterations): not ours any more
+        # Backward crosses the parts from the last down; a boundary reported above the part it
+        # is in was crossed already (a block's output whose gradient completes after a tensor
+        # the block made from it: that tensor's hook started the block's backward).
+        if last_bwd[0] is not None and part >= last_bwd[0]:
             return
+        if last_bwd[0] is None:      # this backward's first boundary: the next one starts afresh
+            torch.autograd.Variable._execution_engine.queue_callback(end_backward)
         last_bwd[0] = part
         on_enter("bwd", part, None)
     marks = _BackwardMarks(bwd)
@@ -170,5 +181,6 @@ def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
             handles.append(b.register_forward_hook(post_hook(i), with_kwargs=True))
         yield
     finally:
+        active.clear()
         for h in handles:
             h.remove()
