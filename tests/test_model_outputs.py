@@ -223,3 +223,22 @@ def test_cuda_a_model_built_on_the_host_gets_its_buffers_on_the_device_and_train
             assert torch.allclose(buffers[name], b, rtol=1e-4, atol=1e-5), name
         else:
             assert torch.equal(buffers[name], b), name
+
+
+@pytest.mark.parametrize("mode", [BlockMode.CKPT, BlockMode.SELECTIVE], ids=lambda m: m.letter)
+def test_a_recomputed_block_leaves_the_buffers_and_gradients_of_a_plain_iteration(mode):
+    """checkpointed_blocks, as the runtime and Megatron's layer hooks run CKPT and SELECTIVE
+    blocks: every block recomputed in backward, two iterations, against the same model run
+    plainly."""
+    from protrain.runtime.activations import checkpointed_blocks
+    runs = []
+    for modes in ([BlockMode.NONE] * 4, [mode] * 4):
+        torch.manual_seed(0)
+        model = OutputNet("tensor", buffers=True)
+        with checkpointed_blocks(list(model.blocks), modes):
+            for i in range(2):
+                model(*batch(i)).backward()
+        runs.append(({n: p.grad for n, p in model.named_parameters()}, dict(model.named_buffers())))
+    (grads, buffers), (ref_grads, ref_buffers) = runs[1], runs[0]
+    assert all(torch.equal(g, ref_grads[n]) for n, g in grads.items())
+    assert all(torch.equal(b, ref_buffers[n]) for n, b in buffers.items())

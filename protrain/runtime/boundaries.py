@@ -107,7 +107,8 @@ def _refuse(i: int, module: nn.Module, out) -> OutputError:
 def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
     """Install the hooks for the duration of the context. ``on_enter`` is called once per
     boundary: the boundary between two blocks is seen from both sides (output of block i-1,
-    input of block i), in forward and in backward, and reported once."""
+    input of block i), in forward and in backward, and reported once; in backward the parts
+    reported only go down."""
     n_parts = len(blocks) + 2
     last_bwd = [None]
     last_fwd = [None]
