@@ -103,6 +103,10 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_lost: str | None = None
         """Why a re-plan failed after closing the runtime (its states lost), else None."""
         super().__init__(*args, dont_change_device=True, **kwargs)
+        # DeepSpeed moves the whole module to the device. ProTrain places the parameters itself
+        # (in chunks) and moves the buffers as DeepSpeed would: a model built on the host keeps
+        # no BatchNorm statistics or masks there.
+        _buffers_to(self.module, self.device)
         # Every forward agrees on the batch shape over the ranks, in host memory (see host_side).
         self._protrain_host = host_side(DataParallel())
         # Gradients live in chunks, not in .grad: DeepSpeed's own all-reduce has nothing to do.
@@ -206,7 +210,10 @@ class ProTrainEngine(DeepSpeedEngine):
                 f"(engine.load_checkpoint)")
         kwargs = _no_kv_cache(self.module, kwargs)
         if self.protrain_runtime is None:
-            self._protrain_setup(inputs, kwargs, self._protrain_batch(inputs, kwargs))
+            # A first forward under torch.inference_mode() (an evaluation before training)
+            # plans all the same: the chunks it allocates are trained from later.
+            with torch.inference_mode(False):
+                self._protrain_setup(inputs, kwargs, self._protrain_batch(inputs, kwargs))
         elif torch.is_grad_enabled():
             # Training forwards run on every rank; one without autograd (evaluation,
             # generation) may run on one rank alone, so it neither agrees on the shape nor
@@ -812,6 +819,15 @@ def _set_rng_state(state) -> None:
     torch.random.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
+
+
+def _buffers_to(module: torch.nn.Module, device: torch.device) -> None:
+    """Every buffer of ``module`` on ``device``, as ``module.to(device)`` puts them (the same
+    module attributes, new tensors); parameters are left where they are."""
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
 
 
 def _no_kv_cache(module, kwargs: dict) -> dict:

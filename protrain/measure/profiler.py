@@ -12,9 +12,12 @@ Passes (forward + backward each, no optimizer step; weights are never changed):
    the live bytes around it; saved-tensor hooks count what autograd keeps per part.
 
 Parts are cut at the block boundaries: forward pre/post hooks on each block, and gradient
-hooks on each block's input and output tensors for backward. RNG state is restored before
-every pass and at the end, so profiling changes neither the weights nor the random stream
-the training run sees.
+hooks on each block's input and output tensors for backward. RNG state and the model's buffers
+(BatchNorm's running statistics, counters) are restored before every pass and at the end, so
+profiling changes neither the weights, nor the buffers, nor the random stream the training run
+sees. The passes are training iterations whatever the caller's mode: under autograd (a first
+forward under ``torch.no_grad()``, an evaluation before training, is profiled all the same) and,
+for a model in eval mode, in train mode; each module's mode is put back afterwards.
 
 A model whose parameters do not fit on the device is profiled by *streaming*: each block's
 parameters are copied in just before the block runs (forward and backward) and dropped
@@ -36,6 +39,7 @@ from torch import nn
 from ..profile.blocks import find_blocks
 from ..profile.model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
 from ..runtime.boundaries import part_boundaries
+from ..runtime.buffers import ModuleState
 from ..runtime.meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from ..runtime.streams import Streams
 from .attention import AttentionTimer, KeptBytes
@@ -224,7 +228,7 @@ def profile_model(model: nn.Module, step: StepFn, *, blocks: Sequence[nn.Module]
         stream_params = any(p.device != device for p in params)
     tracer = _Tracer(model, step, blocks, params, device, stream_params, progress)
     try:
-        with _eager():
+        with _eager(), torch.inference_mode(False), torch.enable_grad():
             return tracer.run(name=name or type(model).__name__, micro_batch=micro_batch, seq_len=seq_len)
     finally:
         tracer.restore()
@@ -245,6 +249,11 @@ class _Tracer:
         self.original_devices = {p: p.device for p in params}
         self.clock = _Clock(device)
         self.rng = _RngState(device)
+        self.module_state = ModuleState(model)
+        if not model.training:
+            # The profile is of a training iteration (dropout on, BatchNorm on the batch's
+            # statistics); ``restore`` puts every module's own mode back.
+            model.train()
         self.streamer: _ParamStreamer | None = None
         self.registry: StorageRegistry | None = None
         self.meter = None
@@ -273,6 +282,7 @@ class _Tracer:
                 p.data = p.data.to(dev)
             p.grad = None
         self.rng.restore()
+        self.module_state.restore()
 
     def _exclude(self, nbytes: int) -> None:
         if self.meter is not None:
@@ -351,6 +361,7 @@ class _Tracer:
         "load" mark starts the upload of streamed weights, which belongs to no part. ``loads``
         receives the (start, end) clock marks of every upload."""
         self.rng.restore()
+        self.module_state.restore_buffers()
         marks: list[tuple[str, int, object]] = []
 
         n_blocks = len(self.blocks)

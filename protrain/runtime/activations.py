@@ -35,7 +35,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..block_mode import BlockMode
 from .meter import storage_ptr
-from .selective import selective_context_fn
+from .buffers import buffers_context_fn
+from .selective import combine_context_fns, selective_context_fn
 from .storage import BlockFile, RunDirectory, StorageConfigError, choose_store
 from .streams import Streams
 
@@ -431,12 +432,18 @@ def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode],
     """Run the CKPT and SELECTIVE blocks of ``modes`` under checkpoint for the duration of the
     context (what the runtime does), e.g. to measure a plan's activation memory without the
     runtime. ``context_fn`` is torch checkpoint's hook to restore framework RNG state on
-    recompute (Megatron's tensor-parallel RNG tracker)."""
+    recompute (Megatron's tensor-parallel RNG tracker). The recompute leaves the block's
+    buffers as the forward left them, and runs from the values the forward found
+    (protrain.runtime.buffers): BatchNorm's statistics are updated once per forward, as in a
+    plain run."""
     saved = {}
     try:
         for i, (b, m) in enumerate(zip(blocks, modes)):
             if m in (BlockMode.CKPT, BlockMode.SELECTIVE):
-                fn = selective_context_fn(context_fn) if m == BlockMode.SELECTIVE else context_fn
+                # The buffers' contexts outermost: their copies are not replayed by the
+                # selective policy, and the RNG restore runs from the forward's buffers too.
+                fn = combine_context_fns(buffers_context_fn(b), context_fn)
+                fn = selective_context_fn(fn) if m == BlockMode.SELECTIVE else fn
                 saved[i] = b.__dict__.get("forward")    # None: the class's forward
                 b.forward = functools.partial(_checkpointed, b.forward, _context_fn=fn)
         yield

@@ -66,15 +66,23 @@ def selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 
 def selective_context_fn(extra_context_fn=None):
     """``context_fn`` for torch.utils.checkpoint that applies the selective policy, combined
-    with an optional other one (Megatron's tensor-parallel RNG restore)."""
-    if extra_context_fn is None:
-        return functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    with an optional other one (Megatron's tensor-parallel RNG restore, the block's buffers),
+    entered outside the policy's: what it does is not replayed by the policy."""
+    policy = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+    return combine_context_fns(extra_context_fn, policy)
 
-    def both():
-        sel_fwd, sel_rec = create_selective_checkpoint_contexts(selective_policy)
-        ext_fwd, ext_rec = extra_context_fn()
-        return _stack(ext_fwd, sel_fwd), _stack(ext_rec, sel_rec)
-    return both
+
+def combine_context_fns(*context_fns):
+    """One ``context_fn`` for torch.utils.checkpoint from several (None ones left out): each
+    call makes every pair, and the contexts are entered in the order given."""
+    fns = [f for f in context_fns if f is not None]
+    if len(fns) <= 1:
+        return fns[0] if fns else None
+
+    def all_of():
+        pairs = [f() for f in fns]
+        return _stack(*(p[0] for p in pairs)), _stack(*(p[1] for p in pairs))
+    return all_of
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from contextlib import nullcontext
 from typing import Callable, ContextManager
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..profile.cache import ProfileCache
@@ -38,6 +39,11 @@ def profile_batch(module: nn.Module, blocks, inputs, kwargs, *, shape: tuple[int
     if cached is not None:
         return cached, 1
     probe = LossProbe()
+    # A first batch made under torch.inference_mode() (an evaluation before training): the
+    # profiled iterations run autograd, which cannot save inference tensors; ordinary tensors
+    # on the same memory can (no copy: the iteration allocates what it does from the batch).
+    with torch.inference_mode(False):
+        inputs, kwargs = pytree.tree_map_only(torch.Tensor, _not_inference, (tuple(inputs), dict(kwargs)))
     while True:
         a, k = truncate(inputs, kwargs, length) if length and length != seq else (inputs, kwargs)
         held = []
@@ -68,3 +74,11 @@ def profile_batch(module: nn.Module, blocks, inputs, kwargs, *, shape: tuple[int
     held.clear()
     cache.save(where, profile)
     return profile, probe.calls
+
+
+def _not_inference(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for an inference tensor an ordinary one viewing the same memory alike."""
+    if not t.is_inference():
+        return t
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
