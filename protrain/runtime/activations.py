@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..block_mode import BlockMode
 from .meter import storage_ptr
+from .recompute_buffers import keep_buffers
 from .selective import selective_context_fn
 from .storage import BlockFile, RunDirectory, StorageConfigError, choose_store
 from .streams import Streams
@@ -437,6 +438,7 @@ def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode],
         for i, (b, m) in enumerate(zip(blocks, modes)):
             if m in (BlockMode.CKPT, BlockMode.SELECTIVE):
                 fn = selective_context_fn(context_fn) if m == BlockMode.SELECTIVE else context_fn
+                fn = keep_buffers(b, fn)       # BatchNorm's statistics updated once, not twice
                 saved[i] = b.__dict__.get("forward")    # None: the class's forward
                 b.forward = functools.partial(_checkpointed, b.forward, _context_fn=fn)
         yield

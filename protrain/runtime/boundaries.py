@@ -14,6 +14,50 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+
+class BlockOrderError(RuntimeError):
+    """The blocks did not run in the list's order, each once per forward pass: the parts'
+    chunks and activations would be released or declared done before their last use.
+    ``what``: what ran out of order; the message adds the fix."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}; {BLOCK_ORDER_FIX}")
+        self.what = what
+
+
+BLOCK_ORDER_FIX = ("a block that runs twice in one forward (weights shared across layers, a layer "
+                   "applied in a loop) or out of the list's order cannot be planned per block: name "
+                   "a list whose blocks run once each, in order, with protrain.blocks, or leave "
+                   "protrain.blocks out (ProTrain then plans coarser blocks, or none)")
+
+
+class PartOrder:
+    """Checks that one iteration enters the parts in order: upward in forward (a new forward
+    starts at part 0), downward in backward (``backward_start``). ``names``: each part's name
+    for the error."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names = list(names)
+        self.fwd = 0
+        self.bwd: int | None = None
+
+    def forward(self, part: int) -> None:
+        if part == 0:
+            self.fwd = 0
+        elif part < self.fwd:
+            raise BlockOrderError(f"ProTrain: {self.names[part]} ran in forward after the forward "
+                                  f"had reached {self.names[self.fwd]}, later in the block list")
+        self.fwd = part
+        self.bwd = None
+
+    def backward(self, part: int) -> None:
+        if self.bwd is not None and part > self.bwd:
+            raise BlockOrderError(f"ProTrain: the backward of {self.names[part]} ran after the "
+                                  f"backward had reached {self.names[self.bwd]}, earlier in the block "
+                                  f"list (or two forwards ran before one backward)")
+        self.bwd = part
+
+
 OnEnter = Callable[[str, int, "torch.Tensor | None"], None]
 """on_enter(phase, part, tensor): phase "fwd" or "bwd"; ``tensor`` is the activation crossing
 the boundary in forward (block input or output), None in backward."""
@@ -52,9 +96,17 @@ def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
         def hook(module, args, kwargs):
             x = first_tensor(args, kwargs)
             if i == 0:
-                last_fwd[0] = None   # a new forward pass
+                # A new forward pass, and the next backward one: the last block's post hook
+                # says so too, but a model may not run its last block (an unused module).
+                last_fwd[0] = last_bwd[0] = None
             fwd(i + 1, x)
-            if x is not None and x.requires_grad:
+            # Backward leaves a block where the previous block's output has its gradient (the
+            # post hook), not where this block's input has it: code between two blocks (a
+            # pooling, an activation function, a parameter of the model's own) ran in the
+            # later block's part in forward and must run its backward there too - its saved
+            # tensors are in that block's stash, its parameters' chunks held for that part.
+            # Only the first block's input marks the way into the part before the blocks.
+            if i == 0 and x is not None and x.requires_grad:
                 x.register_hook(lambda g: bwd(i))
         return hook
 
