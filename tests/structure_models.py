@@ -123,14 +123,34 @@ class Encoder(nn.Module):
         return F.cross_entropy(self.head(h), y)
 
 
+class Albert(nn.Module):
+    """Hugging Face ALBERT's masked LM, behind a wrapper: one layer group (its default) that
+    runs once per layer, so no list of repeated blocks; its embedding tied to the output."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+        cfg = transformers.AlbertConfig(
+            vocab_size=64, embedding_size=16, hidden_size=32, num_hidden_layers=3,
+            num_attention_heads=2, intermediate_size=64, max_position_embeddings=32,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
+        self.model = transformers.AlbertForMaskedLM(cfg)
+
+    def forward(self, ids, labels):
+        return self.model(input_ids=ids, labels=labels).loss
+
+
 MODELS = {"simple": lambda: SimpleModel(32), "simple_empty_grad": lambda: SimpleModel(32, empty_grad=True),
           "simple_3_layers": lambda: SimpleModel(32, nlayers=3), "mlp": MLP, "cnn": CNN,
-          "reversed_cnn": ReversedCNN, "encoder": Encoder}
+          "reversed_cnn": ReversedCNN, "encoder": Encoder, "albert": Albert}
 
 
 def batch(kind: str, step: int, size: int):
     """The ``step``-th batch of ``size`` samples for a model of ``kind`` (the same on every run)."""
     g = torch.Generator().manual_seed(step)
+    if kind == "albert":
+        ids = torch.randint(0, 64, (size, 16), generator=g)
+        return ids, ids
     if kind.endswith("cnn"):
         return torch.randn(size, 3, 16, 16, generator=g), torch.randint(0, 10, (size,), generator=g)
     if kind.startswith("simple"):

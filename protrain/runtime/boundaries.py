@@ -33,8 +33,7 @@ BLOCK_ORDER_FIX = ("a block that runs twice in one forward (weights shared acros
 
 class PartOrder:
     """Checks that one iteration enters the parts in order: upward in forward (a new forward
-    starts at part 0), downward in backward (``backward_start``). ``names``: each part's name
-    for the error."""
+    starts at part 0), then downward in backward. ``names``: each part's name for the error."""
 
     def __init__(self, names: Sequence[str]):
         self.names = list(names)

@@ -6,8 +6,9 @@ running mean, variance and batch count - would update it twice, and the model wo
 from the one DeepSpeed trains (which runs each forward once). The recompute puts back every
 buffer the block's forward changed as it was before the recompute: a normalisation layer's
 running statistics (its kernel updates them without bumping the tensors' version counters),
-and any other buffer whose version counter moved or that was replaced by another tensor. The recomputed outputs are the
-same either way: in training BatchNorm normalises with the batch's statistics.
+and any other buffer whose version counter moved or that was replaced by another tensor. The
+recomputed outputs are the same either way: in training BatchNorm normalises with the batch's
+statistics.
 """
 from __future__ import annotations
 
