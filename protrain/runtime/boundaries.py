@@ -78,6 +78,7 @@ def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
     n_parts = len(blocks) + 2
     last_bwd = [None]
     last_fwd = [None]
+    hooked = [False] * len(blocks)     # block i's output took a backward hook in this forward
 
     def bwd(part):
         if last_bwd[0] == part:
@@ -98,20 +99,23 @@ def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
                 # A new forward pass, and the next backward one: the last block's post hook
                 # says so too, but a model may not run its last block (an unused module).
                 last_fwd[0] = last_bwd[0] = None
+                hooked[:] = [False] * len(hooked)
             fwd(i + 1, x)
             # Backward leaves a block where the previous block's output has its gradient (the
             # post hook), not where this block's input has it: code between two blocks (a
             # pooling, an activation function, a parameter of the model's own) ran in the
             # later block's part in forward and must run its backward there too - its saved
             # tensors are in that block's stash, its parameters' chunks held for that part.
-            # Only the first block's input marks the way into the part before the blocks.
-            if i == 0 and x is not None and x.requires_grad:
+            # The input marks it where there is no such output: before the first block, or
+            # after a block whose output had no tensor that takes a gradient.
+            if (i == 0 or not hooked[i - 1]) and x is not None and x.requires_grad:
                 x.register_hook(lambda g: bwd(i))
         return hook
 
     def post_hook(i):
         def hook(module, args, kwargs, out):
             y = first_tensor(out if isinstance(out, (tuple, list)) else (out,))
+            hooked[i] = y is not None and y.requires_grad
             if i + 2 == n_parts - 1:
                 last_bwd[0] = None  # a new backward will start from the post part
             fwd(i + 2, y)
