@@ -181,8 +181,8 @@ def train(kind: str, protrain: dict | None, *, steps: int = 4, sizes=None, rank:
     sizes = sizes or [2] * steps
     losses = []
     for i, mb in enumerate(sizes):
-        x, y = batch(kind, i, mb * world)
-        loss = engine(x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb])
+        x, y = (t[rank * mb:(rank + 1) * mb].to(engine.device) for t in batch(kind, i, mb * world))
+        loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
