@@ -6,6 +6,7 @@ names (tests/structure_models.py holds the models and the training loop)."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -139,6 +140,15 @@ def test_blocks_that_change_their_order_after_planning_are_refused(monkeypatch):
     said = r"block encoder.layer.0 ran in forward after the forward had reached block encoder.layer.2"
     with pytest.raises(BlockOrderError, match=said):
         train("encoder", {"blocks": "encoder.layer", "chunk_size": "8KiB", "n_persist": 1})
+
+
+@pytest.mark.parametrize("key, says", [
+    ("max_seq_len", "protrain.max_seq_len = 64: the first batch has no sequence dimension"),
+    ("profile_seq_len", "protrain.profile_seq_len = 64: the first batch has no [batch, sequence] tensor"),
+])
+def test_sequence_lengths_are_refused_for_a_batch_without_a_sequence(key, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        train("cnn", {key: 64})
 
 
 def test_batch_dims_find_a_sequence_only_where_the_inputs_have_one():
