@@ -181,6 +181,12 @@ class Plan(JsonValue):
     """Samples per micro-batch the plan was made for (None: unknown, e.g. an older plan file)."""
     seq_len: int | None = None
     """Sequence length the plan was made for (None: unknown)."""
+    blocks: tuple[str, ...] | None = None
+    """The blocks' qualified names in the model, in the order they run (one per block mode),
+    as the plan was made for them: the DeepSpeed engine runs the plan on these modules. Fewer
+    or none where the model's own list runs a block twice in a forward (ProTrain then plans
+    coarser blocks). None: not recorded (plans made elsewhere, older files): the blocks the
+    model's list gives."""
     ranks_per_node: int = 1
     """Ranks sharing the host the plan was made for (``HardwareProfile.ranks_per_node``): its
     CPU Adam and host passes are priced at 1/ranks_per_node of the node's rates. 1 in plan
@@ -218,6 +224,9 @@ class Plan(JsonValue):
                              f"n_ssd={k.n_ssd}, n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint}, "
                              f"n_selective={k.n_selective} blocks")
         nvme_chunk_ids(self.chunks.n_chunks, k.n_persist, k.n_nvme)   # raises if out of range
+        if self.blocks is not None and len(self.blocks) != n:
+            raise ValueError(f"Plan.blocks names {len(self.blocks)} blocks and block_modes "
+                             f"{modes_string(self.block_modes)} {n}")
 
 
     # ---- explanation ----------------------------------------------------------------------

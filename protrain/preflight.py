@@ -52,16 +52,19 @@ class ModelFacts:
     """Longest sequence a learned position table allows (0: no such hard limit known)."""
 
     @classmethod
-    def of(cls, module: nn.Module) -> "ModelFacts":
-        from .profile.blocks import find_blocks
+    def of(cls, module: nn.Module, blocks: str | None = None, where: str = "protrain") -> "ModelFacts":
+        """``blocks``: the block list's name, as the adapter's setting ``<where>.blocks`` gives it."""
+        from .profile.blocks import BlockListError, find_blocks
         try:
-            name, blocks = find_blocks(module)
+            name, found = find_blocks(module, blocks, key=f"{where}.blocks")
+        except BlockListError as e:
+            raise ConfigError(str(e)) from None
         except ValueError as e:
-            raise ConfigError(f"protrain: {e}") from None
+            raise ConfigError(f"{where}: {e}") from None
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         largest_name, largest = max(named, key=lambda item: item[1].numel(), default=("", None))
         heads, kv, note = _heads(module)
-        return cls(n_blocks=len(blocks), block_list=name,
+        return cls(n_blocks=len(found), block_list=name,
                    trainable_params=sum(p.numel() for _, p in named), n_trainable=len(named),
                    largest_param=largest.numel() if largest is not None else 0,
                    largest_name=largest_name,
@@ -139,6 +142,15 @@ def check_profile_length(profile_seq_len: int | None, seq_len: int | None,
                           f"profile the whole sequence")
 
 
+def check_max_length(max_seq_len: int | str | None, shape, where: str = "protrain") -> None:
+    """At the first batch (``shape``: batch_shape.BatchShape, None if unknown): the longest
+    sequence means nothing for a batch without one."""
+    if max_seq_len is not None and shape is not None and shape.seq_len is None:
+        raise ConfigError(f"{where}.max_seq_len = {max_seq_len!r}: the first batch has no sequence "
+                          f"dimension (no input_ids or inputs_embeds, no integer (batch, tokens) "
+                          f"tensor), so there is no length to plan for; remove the setting")
+
+
 def max_chunks(facts: ModelFacts, chunk_numel: int) -> int:
     """Most chunks the trainable parameters can fill at ``chunk_numel`` elements each, in any
     execution order: packing starts a chunk only when the next parameter does not fit, so two
@@ -178,13 +190,13 @@ def _check_block_counts(config: PlannerConfig, facts: ModelFacts, where: str) ->
     n = facts.n_blocks
     for key, v in given.items():
         if v > n:
-            raise ConfigError(f"{where}.{key} = {v}: the model has {n} transformer blocks "
+            raise ConfigError(f"{where}.{key} = {v}: the model has {n} blocks "
                               f"({facts.block_list}), so it takes 0 to {n}; lower it, "
                               f"{_FIX_AUTO}")
     if sum(given.values()) > n:
         listed = ", ".join(f"{where}.{k} = {v}" for k, v in given.items())
         raise ConfigError(f"{listed} add up to {sum(given.values())}, more than the model's {n} "
-                          f"transformer blocks ({facts.block_list}): each block has one mode; "
+                          f"blocks ({facts.block_list}): each block has one mode; "
                           f"lower them so they add up to at most {n}, or set one to \"auto\"")
 
 

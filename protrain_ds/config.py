@@ -38,6 +38,9 @@ _OWN_KEYS = {
                        "batch's length (linear parts by s, attention by s^2)",
     "max_seq_len": "the longest sequence the job trains on (or \"auto\": the model's own maximum): "
                    "the first forward plans for it, so no longer batch re-plans later",
+    "blocks": "qualified name of the ModuleList whose children are the model's blocks, e.g. "
+              "\"encoder.layer\" (default: found: a list of repeated blocks, else the top-level "
+              "modules that hold parameters)",
     "gather_timeout": "seconds a rank waits for the others in a collective save (state_dict with "
                       "sharded parameters, destroy) before failing with the reason (default: the "
                       "process group's timeout)",
@@ -119,6 +122,14 @@ class ProTrainDSConfig:
     config's max_position_embeddings, n_positions or block_size). None: plan for the first
     batch; a longer one re-plans before its forward, for the next power of two tokens (capped
     by the model's maximum), so lengths that keep growing re-plan a handful of times."""
+    blocks: str | None = None
+    """The qualified name of the ModuleList (or Sequential) whose children are the model's
+    blocks - the units the plan gives a mode each (keep, checkpoint, swap) and cuts the
+    iteration at - e.g. "encoder.layer" (BERT), "model.layers". Its children must run in the
+    list's order, each once per forward. Refused at initialize, naming the lists the model
+    has, when the name holds no such list. None: ProTrain finds them (protrain.profile.blocks:
+    a list of two or more children of one class, else the model's top-level modules that hold
+    parameters)."""
     sequence_parallel_key: str = "protrain.sequence_parallel"
     """The setting a pinned sequence-parallel degree came from (DeepSpeed's own
     ``sequence_parallel_size`` pins it too), named when the degree is refused."""
@@ -149,10 +160,12 @@ class ProTrainDSConfig:
         if not isinstance(enabled, bool):
             raise ConfigError(f"{SECTION}.enabled = {enabled!r}: must be true or false")
         kwargs: dict[str, Any] = {"enabled": enabled}
-        for key in ("plan_file", "profile_cache_dir", "ssd_path", "trace_file"):
+        for key in ("plan_file", "profile_cache_dir", "ssd_path", "trace_file", "blocks"):
             v = data.pop(key, None)
             if v is not None and (not isinstance(v, str) or not v):
-                raise ConfigError(f"{SECTION}.{key} = {v!r}: must be a path string")
+                raise ConfigError(f"{SECTION}.{key} = {v!r}: must be a "
+                                  + ("module name such as \"encoder.layer\"" if key == "blocks"
+                                     else "path string"))
             kwargs[key] = v
         v = data.pop("verbosity", 1)
         if isinstance(v, bool) or v not in (0, 1, 2):

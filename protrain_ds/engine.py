@@ -33,13 +33,14 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from protrain.batch_shape import BatchShape, model_max_seq_len
+from protrain.batch_shape import BatchShape, batch_dims, model_max_seq_len
 from protrain.config import ConfigError
 from protrain.plan import Plan
-from protrain.preflight import ModelFacts, check_profile_length, check_settings
-from protrain.profile.blocks import find_blocks
+from protrain.preflight import ModelFacts, check_max_length, check_profile_length, check_settings
+from protrain.profile.blocks import find_blocks, top_level_blocks
 from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
+from protrain.runtime.boundaries import BlockOrderError
 from protrain.runtime.collectives import DataParallel, host_side
 from protrain.runtime.host_limits import read_host_limits
 from protrain.runtime.node import NodeShare, node_share
@@ -149,7 +150,7 @@ class ProTrainEngine(DeepSpeedEngine):
         cfg = self.protrain_config
         error = None
         try:
-            check_settings(cfg.planner, ModelFacts.of(self.module), world=DataParallel().world,
+            check_settings(cfg.planner, ModelFacts.of(self.module, cfg.blocks), world=DataParallel().world,
                            ssd_path=cfg.ssd_path, sp_unsupported=unsupported_reason(self.module),
                            profile_seq_len=cfg.profile_seq_len, max_seq_len=cfg.max_seq_len,
                            model_max=model_max_seq_len(self.module), sp_key=cfg.sequence_parallel_key)
@@ -331,6 +332,7 @@ class ProTrainEngine(DeepSpeedEngine):
             plan = self.protrain_session.replan(planner, target, old=old, keep_grads=keep_grads,
                                                 batch=(inputs, kwargs), remeasure=trainable is not None)
             self._protrain_build_runtime(plan, dp)
+            self._protrain_covered = self._protrain_covered or target   # a plan without a sequence
             # Another layout or sharding: each rank gets what it holds now.
             self.protrain_runtime.import_state(state, exchange=self._protrain_host)
         except BaseException as e:
@@ -455,8 +457,9 @@ class ProTrainEngine(DeepSpeedEngine):
     def _protrain_batch(self, inputs, kwargs) -> BatchShape | None:
         """This forward's batch shape, the largest over the ranks (with pad-to-longest ranks see
         different lengths in one step; all of them must run one plan). One all-reduce of two
-        numbers in host memory per forward (collectives.host_side: no device sync)."""
-        micro_batch, seq = _batch_shape(inputs, kwargs)
+        numbers in host memory per forward (collectives.host_side: no device sync). A batch
+        without a sequence dimension (batch_shape.batch_dims) has the micro-batch alone."""
+        micro_batch, seq = batch_dims(inputs, kwargs)
         host = self._protrain_host
         if host.world > 1:
             # The trainable set's digest rides along (max of it and of its negation): every rank
@@ -467,7 +470,7 @@ class ProTrainEngine(DeepSpeedEngine):
             micro_batch, seq = int(t[0]), int(t[1])
             if int(t[2]) != -int(t[3]):
                 self._protrain_ranks_disagree()
-        return BatchShape(micro_batch, seq) if micro_batch and seq else None
+        return BatchShape(micro_batch, seq or None) if micro_batch else None
 
     def _protrain_ranks_disagree(self) -> None:
         """The ranks train different parameter sets at this forward (every rank is here): say
@@ -504,6 +507,7 @@ class ProTrainEngine(DeepSpeedEngine):
         longest = cfg.max_seq_len
         if longest == "auto":
             longest = model_max_seq_len(self.module)     # one there: checked at initialize
+        check_max_length(cfg.max_seq_len, shape)
         target = first_target(shape, self.train_micro_batch_size_per_gpu(), longest)
         plan = self.protrain_session.first_plan(_planner_config(self, dp), shape, target,
                                                 verbosity=cfg.verbosity, probe=self._hardware,
@@ -524,12 +528,48 @@ class ProTrainEngine(DeepSpeedEngine):
         cfg = self.protrain_config
         return PlanningSteps(
             load=lambda planner, target: load_plan_file(
-                cfg.plan_file, self.module, len(find_blocks(self.module)[1]), planner, target,
-                verbose=cfg.verbosity >= 1),
+                cfg.plan_file, self.module, len(self._protrain_blocks()), planner, target,
+                verbose=cfg.verbosity >= 1, block_sets=self._protrain_block_sets()),
             measure=self._protrain_measure, machine=self._protrain_machine,
             search=self._protrain_search, word=_rank0_failure, together=self._protrain_probe_links,
             host=lambda: read_host_limits(ranks_per_node=self._protrain_node.ranks_per_node),
             ssd_path=cfg.ssd_path)
+
+    def _protrain_block_tries(self) -> list[list]:
+        """The blocks to plan with, finest first: the model's list; unless protrain.blocks
+        names it, coarser ones for where a block of it runs twice in a forward."""
+        tries = [self._protrain_blocks()]
+        if self.protrain_config.blocks is None:
+            top = [m for _, m in top_level_blocks(self.module)]
+            tries += [top, []] if {id(m) for m in top} != {id(m) for m in tries[0]} else [[]]
+        return tries
+
+    def _protrain_block_sets(self) -> list[list[str]]:
+        """``_protrain_block_tries`` by qualified name (what a plan file may name)."""
+        names = {m: n for n, m in self.module.named_modules()}
+        return [[names[m] for m in blocks] for blocks in self._protrain_block_tries()]
+
+    def _protrain_blocks(self, plan: Plan | None = None) -> list:
+        """The model's blocks: those ``plan`` was made for (Plan.blocks, in the order they run),
+        else protrain.blocks' list, else the list found (checked at initialize)."""
+        key = self.protrain_config.blocks
+        if plan is None or plan.blocks is None:
+            return find_blocks(self.module, key)[1]
+        modules = dict(self.module.named_modules())
+        missing = [n for n in plan.blocks if n not in modules]
+        if missing:
+            raise ConfigError(f"ProTrain: the plan (protrain.plan_file, or the checkpoint's) was made "
+                              f"for blocks this model does not have ({', '.join(missing[:3])}); "
+                              f"delete the plan file to plan again")
+        if key is not None:
+            names = {m: n for n, m in modules.items()}
+            want = sorted(names[m] for m in find_blocks(self.module, key)[1])
+            if want != sorted(plan.blocks):
+                raise ConfigError(f"protrain.blocks = {key!r}: the plan (protrain.plan_file, or the "
+                                  f"checkpoint's) was made for other blocks ({', '.join(plan.blocks[:3])}"
+                                  f"{', ...' if len(plan.blocks) > 3 else ''}); delete the plan file "
+                                  f"to plan again, or set protrain.blocks as it was")
+        return [modules[n] for n in plan.blocks]
 
     @property
     def protrain_profile(self) -> ModelProfile | None:
@@ -544,14 +584,33 @@ class ProTrainEngine(DeepSpeedEngine):
         """Rank 0: the profile of the batch (``(inputs, kwargs)``), and with several ranks a
         second one at half its sequence: degrees that split the sequence below the profiled
         length need it to separate what grows with the sequence from what does not
-        (protrain.sp.scaling)."""
+        (protrain.sp.scaling). A batch without a sequence has no second profile."""
         inputs, kwargs = batch
-        _, blocks = find_blocks(self.module)
-        check_profile_length(self.protrain_config.profile_seq_len, _batch_shape(inputs, kwargs)[1])
-        profile, self._protrain_ce_calls = self._profile(blocks, inputs, kwargs)
+        check_profile_length(self.protrain_config.profile_seq_len, batch_dims(inputs, kwargs)[1])
+        profile, blocks = self._protrain_profile_blocks(inputs, kwargs)
         if DataParallel().world > 1 and profile.seq_len and profile.seq_len >= 2:
             self._protrain_second = self._profile(blocks, inputs, kwargs, length=profile.seq_len // 2)[0]
         return profile
+
+    def _protrain_profile_blocks(self, inputs, kwargs) -> tuple[ModelProfile, list]:
+        """Rank 0: the profile with the model's blocks, or where one of them runs twice in a
+        forward (a layer applied in a loop, shared weights) and protrain.blocks does not name
+        them, with coarser ones: the top-level modules, else none (the whole model one part).
+        The profile's block parts name the modules in the order they ran (Plan.blocks)."""
+        cfg = self.protrain_config
+        tries = self._protrain_block_tries()
+        for k, blocks in enumerate(tries):
+            try:
+                profile, self._protrain_ce_calls = self._profile(blocks, inputs, kwargs)
+                return profile, blocks
+            except BlockOrderError as e:
+                if cfg.blocks is not None:
+                    raise ConfigError(f"protrain.blocks = {cfg.blocks!r}: {e}") from None
+                if cfg.verbosity >= 1:
+                    coarser = (f"the {len(tries[k + 1])} top-level modules as blocks" if tries[k + 1]
+                               else "no blocks (the whole model one part)")
+                    print(f"{e.what}: planning with {coarser} instead", flush=True)
+        raise AssertionError("a model without blocks runs no block twice")
 
     def _protrain_machine(self):
         """Rank 0: the hardware the plans are made for (the session asks once)."""
@@ -566,13 +625,14 @@ class ProTrainEngine(DeepSpeedEngine):
         why = unsupported_reason(self.module) or (
             None if self._protrain_ce_calls else "the model computes no cross_entropy loss in "
             "forward (pass the labels), which sequence shards need")
-        return search_for_batches(profile, hw, planner, target, world=DataParallel().world,
+        plan = search_for_batches(profile, hw, planner, target, world=DataParallel().world,
                                   second=self._protrain_second, unsupported=why)
+        return replace(plan, blocks=tuple(part.name for part in profile.blocks))
 
     def _protrain_build_runtime(self, plan: Plan, dp: DataParallel | None = None) -> None:
         """Put the model's parameters into the plan's chunks and hook up the runtime (and, with
         P > 1, Ulysses attention in the blocks and the gather-and-rotate forward)."""
-        _, blocks = find_blocks(self.module)
+        blocks = self._protrain_blocks(plan)
         plan = self._protrain_launchable(plan)
         self.protrain_plan = plan
         setup = replace(self.optimizer.runtime_setup(), speculate_chunks=plan.n_speculate,
@@ -695,7 +755,7 @@ class ProTrainEngine(DeepSpeedEngine):
         gas = self.gradient_accumulation_steps()
         # engine.backward divides the loss by the accumulation steps and applies the loss scale.
         return profile_batch(
-            self.module, blocks, inputs, kwargs, shape=_batch_shape(inputs, kwargs), device=self.device,
+            self.module, blocks, inputs, kwargs, shape=batch_dims(inputs, kwargs), device=self.device,
             cache=self._protrain_cache, loss_of=lambda out: self.optimizer.scale_if_loss(_loss_of(out) / gas),
             length=length or cfg.profile_seq_len, progress=cfg.progress and self.global_rank == 0,
             eager=lambda: protrain_compile.eager_profiling(self.protrain_compile))
@@ -837,9 +897,3 @@ def _no_kv_cache(module, kwargs: dict) -> dict:
         return dict(kwargs, use_cache=False)
     return kwargs
 
-
-def _batch_shape(inputs, kwargs) -> tuple[int | None, int | None]:
-    for t in list(inputs) + list(kwargs.values()):
-        if isinstance(t, torch.Tensor) and t.dim() >= 2:
-            return int(t.shape[0]), int(t.shape[1])
-    return None, None

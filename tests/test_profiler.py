@@ -158,8 +158,13 @@ def test_finds_blocks_of_common_layouts():
             self.decoder.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
             self.heads = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])  # smaller decoy
     assert find_blocks(Megatronish())[0] == "decoder.layers"
-    with pytest.raises(ValueError, match="could not find the transformer blocks"):
-        find_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    # No list of repeated blocks: the top-level modules that hold parameters, looking through
+    # a wrapper (one child holding them all) and containers (ModuleList) into what they hold.
+    mlp = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    name, blocks = find_blocks(nn.ModuleDict({"net": mlp}))
+    assert blocks == [mlp[0], mlp[2]] and name == "top-level modules net.0, net.2"
+    with pytest.raises(ValueError, match="no module holding parameters"):
+        find_blocks(nn.Sequential(nn.ReLU()))
 
 
 def test_profiles_a_hugging_face_model_with_tuple_outputs():

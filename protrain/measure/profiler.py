@@ -38,7 +38,7 @@ from torch import nn
 
 from ..profile.blocks import find_blocks
 from ..profile.model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
-from ..runtime.boundaries import part_boundaries
+from ..runtime.boundaries import BlockOrderError, PartOrder, part_boundaries
 from ..runtime.buffers import ModuleState
 from ..runtime.meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from ..runtime.streams import Streams
@@ -298,7 +298,9 @@ class _Tracer:
         stats = [_PartStats() for _ in range(self.n_parts)]
         try:
             self.bar.set_postfix_str("warm-up")
-            self._pass(hooks=self.stream)
+            with _CallOrder(self.blocks) as calls:
+                self._pass(hooks=self.stream)
+            self._in_call_order(calls)
             # Best of the un-hooked iterations: the steady-state time the hooked part times
             # are rescaled to.
             self.bar.set_postfix_str("plain")
@@ -350,6 +352,29 @@ class _Tracer:
             micro_batch=micro_batch, seq_len=seq_len, hooked_slowdown=slowdown, ops=tuple(ops),
             heads=attention.heads, kv_heads=attention.kv_heads)
 
+    def _in_call_order(self, calls: "_CallOrder") -> None:
+        """Put the blocks in the order the warm-up ran them (the part boundaries, and the
+        runtime after them, take a block list in that order: top-level modules are listed as
+        declared, not as called); blocks it never ran go last. A block that ran twice cannot be
+        one part: BlockOrderError."""
+        names = self._block_names()
+        again = [i for i, n in calls.count.items() if n > 1]
+        if again:
+            raise BlockOrderError(f"ProTrain: block {names[again[0]]} ran {calls.count[again[0]]} "
+                                  f"times in one forward")
+        order = calls.first + [i for i in range(len(self.blocks)) if i not in calls.count]
+        if order == list(range(len(self.blocks))):
+            return
+        if self.streamer is not None:
+            raise BlockOrderError(f"ProTrain: the blocks ran in another order than listed ("
+                                  f"{', '.join(names[i] for i in calls.first[:4])}, ...) while "
+                                  f"their parameters were streamed")
+        self.blocks = [self.blocks[i] for i in order]
+        self.block_of_param = {}
+        for i, b in enumerate(self.blocks):
+            for p in b.parameters():
+                self.block_of_param.setdefault(p, i)
+
     def _block_names(self) -> list[str]:
         names = {m: n for n, m in self.model.named_modules()}
         return [names.get(b, f"block{i}") for i, b in enumerate(self.blocks)]
@@ -365,8 +390,11 @@ class _Tracer:
         marks: list[tuple[str, int, object]] = []
 
         n_blocks = len(self.blocks)
+        order = PartOrder(["<pre>"] + [f"block {n}" for n in self._block_names()] + ["<post>"])
 
         def boundary(phase: str, part: int, x: torch.Tensor | None = None):
+            # In order, as the runtime will check (the warm-up put the blocks in call order).
+            order.forward(part) if phase == "fwd" else order.backward(part)
             # Entering a part releases the block just left and brings in the one entered. The
             # upload is queued on the compute stream between two marks, so it is timed as
             # neither the part left nor the part entered.
@@ -587,6 +615,30 @@ def drop_param_grads(params):
 
 def _clear_grad(p: torch.Tensor) -> None:
     p.grad = None
+
+
+class _CallOrder:
+    """Which blocks one forward runs, in the order it first runs each, and how often."""
+
+    def __init__(self, blocks: Sequence[nn.Module]):
+        self.blocks = blocks
+        self.first: list[int] = []
+        self.count: dict[int, int] = {}
+        self.handles: list = []
+
+    def __enter__(self) -> "_CallOrder":
+        for i, b in enumerate(self.blocks):
+            self.handles.append(b.register_forward_pre_hook(lambda m, a, i=i: self._ran(i)))
+        return self
+
+    def _ran(self, i: int) -> None:
+        if i not in self.count:
+            self.first.append(i)
+        self.count[i] = self.count.get(i, 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 class _RngState:

@@ -56,12 +56,14 @@ class ProfileCache:
         self.key_name = key_name
 
     def path(self, module: nn.Module, inputs, kwargs, device: torch.device,
-             length: int | None = None) -> Path | None:
+             length: int | None = None, blocks=None) -> Path | None:
         """Where the profile of ``module`` on this batch lives (``length``: the profiled prefix
-        of the sequence, when shorter than the batch's)."""
+        of the sequence, when shorter than the batch's; ``blocks``: the modules profiled as
+        blocks, when given)."""
         if self.directory is None:
             return None
-        return self.directory / f"profile-{cache_key(module, inputs, kwargs, device, length)}.json"
+        key = cache_key(module, inputs, kwargs, device, length, blocks)
+        return self.directory / f"profile-{key}.json"
 
     def load(self, path: Path | None) -> ModelProfile | None:
         if path is None or not path.exists():
@@ -82,9 +84,11 @@ class ProfileCache:
 
 
 def cache_key(module: nn.Module, inputs, kwargs, device: torch.device,
-              length: int | None = None) -> str:
+              length: int | None = None, blocks=None) -> str:
+    names = {m: n for n, m in module.named_modules()}
     ident = {
         "profiled_length": length,
+        "blocks": None if blocks is None else [names.get(b, "?") for b in blocks],
         "model": f"{type(module).__module__}.{type(module).__qualname__}",
         "code": _code_fingerprint(module),
         "settings": [(name, _settings(m)) for name, m in module.named_modules()],

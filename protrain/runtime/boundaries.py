@@ -26,6 +26,49 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+
+class BlockOrderError(RuntimeError):
+    """The blocks did not run in the list's order, each once per forward pass: the parts'
+    chunks and activations would be released or declared done before their last use.
+    ``what``: what ran out of order; the message adds the fix."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}; {BLOCK_ORDER_FIX}")
+        self.what = what
+
+
+BLOCK_ORDER_FIX = ("a block that runs twice in one forward (weights shared across layers, a layer "
+                   "applied in a loop) or out of the list's order cannot be planned per block: name "
+                   "a list whose blocks run once each, in order, with protrain.blocks, or leave "
+                   "protrain.blocks out (ProTrain then plans coarser blocks, or none)")
+
+
+class PartOrder:
+    """Checks that one iteration enters the parts in order: upward in forward (a new forward
+    starts at part 0), then downward in backward. ``names``: each part's name for the error."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names = list(names)
+        self.fwd = 0
+        self.bwd: int | None = None
+
+    def forward(self, part: int) -> None:
+        if part == 0:
+            self.fwd = 0
+        elif part < self.fwd:
+            raise BlockOrderError(f"ProTrain: {self.names[part]} ran in forward after the forward "
+                                  f"had reached {self.names[self.fwd]}, later in the block list")
+        self.fwd = part
+        self.bwd = None
+
+    def backward(self, part: int) -> None:
+        if self.bwd is not None and part > self.bwd:
+            raise BlockOrderError(f"ProTrain: the backward of {self.names[part]} ran after the "
+                                  f"backward had reached {self.names[self.bwd]}, earlier in the block "
+                                  f"list (or two forwards ran before one backward)")
+        self.bwd = part
+
+
 OnEnter = Callable[[str, int, "torch.Tensor | None"], None]
 """on_enter(phase, part, tensor): phase "fwd" or "bwd"; ``tensor`` is the activation crossing
 the boundary in forward (block input or output), None in backward."""
@@ -114,6 +157,7 @@ def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
     last_fwd = [None]
     inputs: dict[int, list[torch.Tensor]] = {}     # block -> its inputs, during its call
     returned: list[weakref.ref] = []               # what the last block returned
+    hooked = [False] * len(blocks)     # block i's output took a backward mark in this forward
     active = [True]
 
     def end_backward():
@@ -144,16 +188,27 @@ def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
             ts = tensors_in((args, kwargs))
             inputs[i] = ts
             if i == 0:
-                last_fwd[0] = None   # a new forward pass
+                # A new forward pass, and the next backward one (a model may not run its last
+                # block, whose post hook says so too).
+                last_fwd[0] = last_bwd[0] = None
                 marks.new_forward()
+                hooked[:] = [False] * len(hooked)
             # The hidden state: what the previous block returned (a tensor made earlier and
             # handed to every block, rotary tables, would report this boundary in the pre
             # part's backward), else the first input that requires grad.
             hidden = [t for t in grad_tensors(ts) if any(r() is t for r in returned)] if i else []
             hidden = hidden or grad_tensors(ts)[:1]
             fwd(i + 1, hidden[0] if hidden else first_tensor(ts))
-            for t in hidden:
-                marks.mark(t, i)
+            # Backward leaves a block where the previous block's output has its gradient (its
+            # mark), not where this block's input has it: code between two blocks (a pooling,
+            # an activation function, a parameter of the model's own) ran in the later block's
+            # part in forward and must run its backward there too - its saved tensors are in
+            # that block's stash, its parameters' chunks held for that part. The input marks
+            # it where there is no such output: before the first block, or after a block that
+            # made no tensor that takes a gradient.
+            if i == 0 or not hooked[i - 1]:
+                for t in hidden:
+                    marks.mark(t, i)
         return hook
 
     def post_hook(i):
@@ -168,6 +223,7 @@ def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
             made = [t for t in grads if not any(t is x for x in inputs.get(i, ()))]
             inputs.pop(i, None)
             returned[:] = [weakref.ref(t) for t in grads]
+            hooked[i] = bool(made)
             if i + 2 == n_parts - 1:
                 last_bwd[0] = None  # a new backward will start from the post part
             fwd(i + 2, made[0] if made else first_tensor(ts))

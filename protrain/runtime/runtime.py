@@ -37,7 +37,7 @@ from ..state_tier import nvme_chunk_ids
 from .meter import OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from .activations import ActivationRuntime
 from .adam import CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
-from .boundaries import part_boundaries
+from .boundaries import PartOrder, part_boundaries
 from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
 from .compile import CompiledBlocks, CompileRequest
@@ -135,6 +135,10 @@ class ProTrainRuntime:
         self._needs_saved_hooks = bool(self.chunks.offloaded()) or any(
             m in (BlockMode.SWAP, BlockMode.SSD) for m in plan.block_modes)
         self._hooks = ExitStack()
+        names = {m: n for n, m in model.named_modules()}
+        self._order = PartOrder(["the model before its first block"]
+                                + [f"block {names.get(b, i)}" for i, b in enumerate(self.blocks)]
+                                + ["the model after its last block"])
         self._hooks.enter_context(part_boundaries(self.blocks, self._on_enter))
         for _, p in params:
             self._hooks.callback(p.register_post_accumulate_grad_hook(self.optimizer.on_grad).remove)
@@ -359,6 +363,7 @@ class ProTrainRuntime:
         return part - 1 if 1 <= part <= len(self.blocks) else None
 
     def _enter_forward(self, part: int) -> None:
+        self._order.forward(part)     # chunks of the parts left behind are released below
         # The post part counts as "block N" for the swap throttle (one block in flight).
         self.activations.forward_part(part)
         for c in self.chunks.offloaded():
@@ -379,6 +384,7 @@ class ProTrainRuntime:
             self._next_up += 1
 
     def _enter_backward(self, part: int) -> None:
+        self._order.backward(part)    # chunks of later parts are declared done below
         if not self._in_backward:
             self._in_backward = True
             self._next_down = len(self.chunks.chunks) - 1

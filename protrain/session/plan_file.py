@@ -9,6 +9,7 @@ pins; the device memory it needs).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from torch import nn
 
@@ -40,11 +41,15 @@ def check_plan_file(path: str) -> None:
 
 
 def load_plan_file(path: str | None, module: nn.Module, n_blocks: int, planner: PlannerConfig,
-                   target: BatchShape | None, *, verbose: bool) -> Plan | None:
+                   target: BatchShape | None, *, verbose: bool,
+                   block_sets: Sequence[Sequence[str]] = ()) -> Plan | None:
     """The plan in ``path`` if there is one and it was made for this run: the same trainable
     parameters of ``module``, ``n_blocks`` blocks and dtype (its predictions hold for nothing
     else), otherwise say what changed; and for batches up to ``target`` at least, otherwise
-    None (planned again for this run's batches, and saved there)."""
+    None (planned again for this run's batches, and saved there). ``block_sets``: the blocks
+    (qualified names) this run may plan with - the model's list, and the coarser ones taken
+    where a block of it runs twice; a plan that names its blocks (Plan.blocks) must name one
+    of them."""
     if not path or not Path(path).exists():
         return None
     try:
@@ -54,7 +59,7 @@ def load_plan_file(path: str | None, module: nn.Module, n_blocks: int, planner: 
     if not plan.params:
         raise ConfigError(f"protrain.plan_file {path} has no parameter layout (it was made from "
                           f"an analytic profile); delete it to plan from a measured profile")
-    why = _made_for_another_run(plan, module, n_blocks, planner)
+    why = _made_for_another_run(plan, module, n_blocks, planner, block_sets)
     if why is not None:
         raise ConfigError(f"protrain.plan_file {path} does not fit this run: {why}; delete it "
                           f"(or point plan_file at a new path) to re-plan")
@@ -62,7 +67,9 @@ def load_plan_file(path: str | None, module: nn.Module, n_blocks: int, planner: 
     if planner.device_memory and need > planner.device_memory:
         raise ConfigError(f"protrain.plan_file {path} needs {need / 2**30:.2f} GiB of device "
                           f"memory, above protrain.device_memory; delete it to re-plan")
-    if target is not None and plan.micro_batch and plan.seq_len and \
+    # A plan without a sequence (features, images) covers micro-batches alone.
+    shaped = plan.seq_len or (target is not None and target.seq_len is None)
+    if target is not None and plan.micro_batch and shaped and \
             not BatchShape(plan.micro_batch, plan.seq_len).covers(target):
         if verbose:
             print(f"ProTrain: the plan in {path} was made for batches up to {plan.micro_batch} x "
@@ -72,11 +79,18 @@ def load_plan_file(path: str | None, module: nn.Module, n_blocks: int, planner: 
     return plan
 
 
-def _made_for_another_run(plan: Plan, module: nn.Module, n_blocks: int,
-                          planner: PlannerConfig) -> str | None:
+def _made_for_another_run(plan: Plan, module: nn.Module, n_blocks: int, planner: PlannerConfig,
+                          block_sets: Sequence[Sequence[str]] = ()) -> str | None:
     """What differs between the run ``plan`` was made for and this one (None: nothing)."""
     named = dict(module.named_parameters())
     trainable = [n for n, p in named.items() if p.requires_grad]
+    if plan.blocks is not None and block_sets:    # the blocks it was made for, by name
+        if sorted(plan.blocks) in [sorted(b) for b in block_sets]:
+            n_blocks = len(plan.blocks)
+        elif len(plan.blocks) == n_blocks:
+            return (f"it was made for the blocks {', '.join(plan.blocks[:3])}"
+                    f"{', ...' if n_blocks > 3 else ''}, this model's are "
+                    f"{', '.join(block_sets[0][:3])}{', ...' if n_blocks > 3 else ''}")
     why = plan.differs_from(
         n_blocks=n_blocks, micro_batch=None, seq_len=None,
         param_bytes=named[trainable[0]].element_size() if trainable else plan.param_bytes)

@@ -34,7 +34,7 @@ def profile_batch(module: nn.Module, blocks, inputs, kwargs, *, shape: tuple[int
     from ..sp.batch import LossProbe, truncate
     micro_batch, seq = shape
     length = min(length or seq, seq) if seq else None
-    where = cache.path(module, inputs, kwargs, device, length)
+    where = cache.path(module, inputs, kwargs, device, length, blocks)
     cached = cache.load(where)
     if cached is not None:
         return cached, 1

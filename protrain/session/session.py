@@ -31,6 +31,11 @@ from .host_budget import admit, describe_budget, with_host_budget
 from .ranks import PlanRanks, Wording, share_decision
 
 
+NO_SEQUENCE = ("the batch has no sequence dimension (no input_ids or inputs_embeds, no integer "
+               "(batch, tokens) tensor): its samples cannot be split over the ranks")
+"""Why sequence parallelism is off for a batch of features or images (batch_shape.batch_dims)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PlanningSteps:
     """How an adapter does each step of deciding a plan."""
@@ -261,10 +266,11 @@ class PlanningSession:
 
 def first_target(shape: BatchShape | None, micro_batch: int, longest: int | None) -> BatchShape | None:
     """What the first plan covers: the first batch, the configured micro-batch, and the
-    longest sequence when given (then longer batches never re-plan)."""
+    longest sequence when given (then longer batches never re-plan); a batch without a sequence,
+    the micro-batches alone."""
     if shape is None:
         return None
-    return shape.union(BatchShape(micro_batch, longest or 0))
+    return shape.union(BatchShape(micro_batch, longest if shape.seq_len else None))
 
 
 def longer_target(shape: BatchShape, covered: BatchShape, *, micro_batch: int,
@@ -284,6 +290,8 @@ def search_for_batches(profile: ModelProfile, hw: HardwareProfile, planner: Plan
     if target is None or (world == 1 and (target.micro_batch, target.seq_len) ==
                           (profile.micro_batch, profile.seq_len)):
         return search(profile, hw, planner)
+    if target.seq_len is None or profile.seq_len is None:
+        unsupported = NO_SEQUENCE
     from ..sp.planner import search_sequence_parallel
     return search_sequence_parallel(profile, hw, planner, seq_len=target.seq_len,
                                     micro_batch=target.micro_batch, unsupported=unsupported,

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..batch_shape import batch_dims
 from .ulysses import SequenceParallelError
 
 IGNORE_INDEX = -100
@@ -47,16 +48,13 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def batch_shape(args, kwargs) -> tuple[int, int]:
-    """(batch, sequence) of a forward call: ``input_ids``, else the first integer tensor of
-    two or more dimensions, else the first such tensor."""
-    tensors = [kwargs.get("input_ids")] + list(args) + list(kwargs.values())
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.dim() >= 2]
-    ints = [t for t in tensors if not t.is_floating_point()]
-    if not tensors:
+    """(batch, sequence) of a forward call (protrain.batch_shape.batch_dims: ``input_ids``,
+    ``inputs_embeds``, else the first integer tensor of two dimensions)."""
+    b, s = batch_dims(args, kwargs)
+    if s is None:
         raise SequenceParallelError("sequence parallelism: the forward call has no [batch, sequence] "
-                                    "tensor (input_ids) to split")
-    t = (ints or tensors)[0]
-    return int(t.shape[0]), int(t.shape[1])
+                                    "tensor (input_ids, inputs_embeds, integer token ids) to split")
+    return b, s
 
 
 def _map(args, kwargs, fn):

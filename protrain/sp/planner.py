@@ -87,7 +87,7 @@ def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
     inner: dict[int, tuple[ModelProfile, PlannerConfig]] = {}
     per_sample = (micro_batch or profile.micro_batch or 1) / (profile.micro_batch or 1)
     for p in degrees:
-        below = seq_len * per_sample / p < (profile.seq_len or 0)
+        below = bool(seq_len) and seq_len * per_sample / p < (profile.seq_len or 0)
         scaled = scale_profile(profile, seq_len=seq_len, degree=p, alltoall_bandwidth=bandwidth,
                                second=second if below else None, micro_batch=micro_batch)
         a2a[p] = sum(b.comm_fwd_time + b.comm_bwd_time for b in scaled.blocks) * \

@@ -69,11 +69,14 @@ def scale_profile(profile: ModelProfile, *, seq_len: int | None = None, degree: 
                   micro_batch: int | None = None) -> ModelProfile:
     """The per-rank profile of ``profile`` at ``micro_batch`` samples (default: the profile's)
     of ``seq_len`` tokens split over ``degree`` ranks (``second``: the same model and batch
-    profiled at another sequence length, for the byte figures)."""
+    profiled at another sequence length, for the byte figures). A profile of a batch without
+    a sequence (``seq_len`` None: features, images) scales with the samples alone, on one rank."""
     if profile.sequence_parallel != 1:
         raise ValueError("scale_profile takes a profile measured on one rank (sequence_parallel=1)")
     s0 = profile.seq_len
     s = seq_len or s0
+    if s0 is None and seq_len is None and degree == 1 and second is None:
+        s0 = s = 1        # no sequence: every figure per sample
     if not s0:
         raise ValueError("the profile does not record its sequence length; it cannot be rescaled")
     b0 = profile.micro_batch
@@ -125,5 +128,6 @@ def scale_profile(profile: ModelProfile, *, seq_len: int | None = None, degree: 
             bwd_start=scaled.bwd_start + held + extra, bwd_peak=scaled.bwd_peak + held + extra,
             sel_saved_bytes=scaled.sel_saved_bytes + kept_comm if scaled.sel_saved_bytes else 0))
         held += extra
-    return replace(profile, parts=tuple(parts), seq_len=s, micro_batch=b, sequence_parallel=degree,
+    return replace(profile, parts=tuple(parts), seq_len=s if profile.seq_len else None, micro_batch=b,
+                   sequence_parallel=degree,
                    ops=(), name=profile.name)
