@@ -35,7 +35,7 @@ from torch import nn
 
 from ..profile.blocks import find_blocks
 from ..profile.model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
-from ..runtime.boundaries import part_boundaries
+from ..runtime.boundaries import part_boundaries, position_names
 from ..runtime.meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from ..runtime.streams import Streams
 from .attention import AttentionTimer, KeptBytes
@@ -341,8 +341,7 @@ class _Tracer:
             heads=attention.heads, kv_heads=attention.kv_heads)
 
     def _block_names(self) -> list[str]:
-        names = {m: n for n, m in self.model.named_modules()}
-        return [names.get(b, f"block{i}") for i, b in enumerate(self.blocks)]
+        return position_names(self.model, self.blocks)
 
     # ---- one iteration with the requested instrumentation ------------------------------
     def _pass(self, *, hooks: bool, timing: bool = False, stats=None, on_boundary=None,
@@ -365,7 +364,7 @@ class _Tracer:
                 start = self.clock.mark() if timing or loads is not None else None
                 if timing:
                     marks.append(("load", part, start))
-                left = part - 1 if phase == "fwd" else part + 1
+                left = self.state[1]    # not always the neighbour: a block called again re-enters
                 if 1 <= left <= n_blocks:
                     self.streamer.unload(left - 1)
                 if 1 <= part <= n_blocks:
@@ -393,7 +392,8 @@ class _Tracer:
         self.state = ("fwd", -1)
         with ExitStack() as stack:
             if hooks:
-                stack.enter_context(part_boundaries(self.blocks, boundary))
+                bounds = stack.enter_context(part_boundaries(self.blocks, boundary, self._block_names()))
+                bounds.begin_forward()   # refuse blocks called out of order at the first forward
             if self.streamer is not None or on_boundary is not None:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
                     *self._saved_hooks(stats if ledger is not None else None, ledger)))
@@ -447,11 +447,17 @@ class _Tracer:
         order: list[int] = []
         uses: dict[int, list[int]] = {}
 
+        entered = set()
+
         def on_boundary(phase, part):
             live = self.meter.live()
             s = stats[part]
             if phase == "fwd":
-                s.fwd_start, s.fwd_peak = live, max(s.fwd_peak, live)
+                # A block called again right after itself re-enters its part: it starts where
+                # its first call did.
+                s.fwd_start = s.fwd_start if part in entered else live
+                s.fwd_peak = max(s.fwd_peak, live)
+                entered.add(part)
             else:
                 s.bwd_start, s.bwd_peak = live, max(s.bwd_peak, live)
 
