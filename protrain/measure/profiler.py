@@ -38,7 +38,7 @@ from torch import nn
 
 from ..profile.blocks import find_blocks
 from ..profile.model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
-from ..runtime.boundaries import BlockOrderError, PartOrder, part_boundaries
+from ..runtime.boundaries import BlockOrderError, PartOrder, part_boundaries, position_names
 from ..runtime.buffers import ModuleState
 from ..runtime.meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from ..runtime.streams import Streams
@@ -355,19 +355,22 @@ class _Tracer:
     def _in_call_order(self, calls: "_CallOrder") -> None:
         """Put the blocks in the order the warm-up ran them (the part boundaries, and the
         runtime after them, take a block list in that order: top-level modules are listed as
-        declared, not as called); blocks it never ran go last. A block that ran twice cannot be
-        one part: BlockOrderError."""
+        declared, not as called); blocks it never ran go last. A list naming a module at
+        several positions (shared weights) is taken as listed: the part boundaries check the
+        order. A block called again after another one cannot be one part: BlockOrderError."""
+        if len({id(b) for b in self.blocks}) < len(self.blocks):
+            return
         names = self._block_names()
-        again = [i for i, n in calls.count.items() if n > 1]
+        again = [i for i in set(calls.calls) if calls.calls.count(i) > 1]
         if again:
-            raise BlockOrderError(f"ProTrain: block {names[again[0]]} ran {calls.count[again[0]]} "
-                                  f"times in one forward")
-        order = calls.first + [i for i in range(len(self.blocks)) if i not in calls.count]
+            raise BlockOrderError(f"ProTrain: block {names[again[0]]} ran again after other blocks "
+                                  f"in one forward")
+        order = calls.calls + [i for i in range(len(self.blocks)) if i not in calls.calls]
         if order == list(range(len(self.blocks))):
             return
         if self.streamer is not None:
             raise BlockOrderError(f"ProTrain: the blocks ran in another order than listed ("
-                                  f"{', '.join(names[i] for i in calls.first[:4])}, ...) while "
+                                  f"{', '.join(names[i] for i in calls.calls[:4])}, ...) while "
                                   f"their parameters were streamed")
         self.blocks = [self.blocks[i] for i in order]
         self.block_of_param = {}
@@ -376,8 +379,7 @@ class _Tracer:
                 self.block_of_param.setdefault(p, i)
 
     def _block_names(self) -> list[str]:
-        names = {m: n for n, m in self.model.named_modules()}
-        return [names.get(b, f"block{i}") for i, b in enumerate(self.blocks)]
+        return position_names(self.model, self.blocks)
 
     # ---- one iteration with the requested instrumentation ------------------------------
     def _pass(self, *, hooks: bool, timing: bool = False, stats=None, on_boundary=None,
@@ -404,7 +406,7 @@ class _Tracer:
                 start = self.clock.mark() if timing or loads is not None else None
                 if timing:
                     marks.append(("load", part, start))
-                left = part - 1 if phase == "fwd" else part + 1
+                left = self.state[1]    # not always the neighbour: a block called again re-enters
                 if 1 <= left <= n_blocks:
                     self.streamer.unload(left - 1)
                 if 1 <= part <= n_blocks:
@@ -432,7 +434,8 @@ class _Tracer:
         self.state = ("fwd", -1)
         with ExitStack() as stack:
             if hooks:
-                stack.enter_context(part_boundaries(self.blocks, boundary))
+                bounds = stack.enter_context(part_boundaries(self.blocks, boundary, self._block_names()))
+                bounds.begin_forward()   # refuse blocks called out of order at the first forward
             if self.streamer is not None or on_boundary is not None:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
                     *self._saved_hooks(stats if ledger is not None else None, ledger)))
@@ -486,11 +489,17 @@ class _Tracer:
         order: list[int] = []
         uses: dict[int, list[int]] = {}
 
+        entered = set()
+
         def on_boundary(phase, part):
             live = self.meter.live()
             s = stats[part]
             if phase == "fwd":
-                s.fwd_start, s.fwd_peak = live, max(s.fwd_peak, live)
+                # A block called again right after itself re-enters its part: it starts where
+                # its first call did.
+                s.fwd_start = s.fwd_start if part in entered else live
+                s.fwd_peak = max(s.fwd_peak, live)
+                entered.add(part)
             else:
                 s.bwd_start, s.bwd_peak = live, max(s.bwd_peak, live)
 
@@ -618,23 +627,24 @@ def _clear_grad(p: torch.Tensor) -> None:
 
 
 class _CallOrder:
-    """Which blocks one forward runs, in the order it first runs each, and how often."""
+    """The blocks one forward calls, in order (one entry per call; a block's calls that follow
+    one another count once: it stays in its part)."""
 
     def __init__(self, blocks: Sequence[nn.Module]):
         self.blocks = blocks
-        self.first: list[int] = []
-        self.count: dict[int, int] = {}
+        self.calls: list[int] = []
         self.handles: list = []
 
     def __enter__(self) -> "_CallOrder":
-        for i, b in enumerate(self.blocks):
+        for i, b in {id(b): (i, b) for i, b in reversed(list(enumerate(self.blocks)))}.values():
             self.handles.append(b.register_forward_pre_hook(lambda m, a, i=i: self._ran(i)))
         return self
 
     def _ran(self, i: int) -> None:
-        if i not in self.count:
-            self.first.append(i)
-        self.count[i] = self.count.get(i, 0) + 1
+        if torch._C._current_graph_task_id() != -1:      # a recompute in backward
+            return
+        if not self.calls or self.calls[-1] != i:
+            self.calls.append(i)
 
     def __exit__(self, *exc) -> None:
         for h in self.handles:

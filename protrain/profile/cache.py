@@ -8,7 +8,8 @@ traced iteration would measure something else. It covers:
   compiled methods of a class without a source file (defined in a notebook);
 - the model's settings: each module's plain attributes (dropout p, eps, head counts, flags
   such as ``training``), a Hugging Face ``config`` or a dataclass config, buffers, parameter
-  names, shapes, dtypes and which are trainable;
+  names, shapes, dtypes and which are trainable, and the names of each module registered
+  under several (shared layers);
 - the batch: every tensor input's shape and dtype, and the plain (scalar) keyword inputs;
 - the device, torch, and the profiler's own code.
 
@@ -92,6 +93,7 @@ def cache_key(module: nn.Module, inputs, kwargs, device: torch.device,
         "model": f"{type(module).__module__}.{type(module).__qualname__}",
         "code": _code_fingerprint(module),
         "settings": [(name, _settings(m)) for name, m in module.named_modules()],
+        "shared": _shared_modules(module),
         "params": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()],
         "buffers": [(n, list(b.shape), str(b.dtype)) for n, b in module.named_buffers()],
         "inputs": [(k, list(t.shape), str(t.dtype)) for k, t in
@@ -103,6 +105,16 @@ def cache_key(module: nn.Module, inputs, kwargs, device: torch.device,
     }
     # Insertion order is deterministic (code order); sorting could fail on mixed key types.
     return hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:16]
+
+
+def _shared_modules(module: nn.Module) -> list[list[str]]:
+    """Every name of each module registered under several (weights shared across layers):
+    ``[a, b, a, b]`` and ``[a, b, b, a]`` have the same modules and parameters, not the same
+    parts using them."""
+    names: dict[int, list[str]] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(name)
+    return [n for n in names.values() if len(n) > 1]
 
 
 def _code_fingerprint(module: nn.Module) -> str:

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..block_mode import BlockMode
+from .boundaries import block_positions
 from .meter import storage_ptr
 from .buffers import buffers_context_fn
 from .selective import combine_context_fns, selective_context_fn
@@ -258,7 +259,8 @@ class ActivationRuntime:
     def wrap_blocks(self) -> None:
         """Put the CKPT and SELECTIVE blocks' forwards under checkpoint."""
         if self._ckpt is None:
-            self._ckpt = checkpointed_blocks(self.blocks, self.modes, self._checkpoint_context_fn)
+            self._ckpt = checkpointed_blocks(self.blocks, self.modes, self._checkpoint_context_fn,
+                                             position=lambda: self.current_block)
             self._ckpt.__enter__()
 
     def unwrap_blocks(self) -> None:
@@ -329,7 +331,15 @@ class ActivationRuntime:
             return obj.materialize()
         if isinstance(obj, SwapRef):
             stash = self.stashes[obj.block]
-            entry = stash.stored[obj.key]
+            entry = stash.stored.get(obj.key)
+            if entry is None:
+                raise RuntimeError(
+                    f"ProTrain: block {obj.block}'s backward needs an activation it saved in "
+                    f"forward ({obj.dtype}, {tuple(obj.size)}), and its {self.modes[obj.block].name} "
+                    f"stash was already let go: the backward left the block before this use "
+                    f"(the block's output reached backward by a path the part boundaries do not "
+                    f"see, e.g. a block called twice on inputs that do not chain). Pin n_swap=0 and "
+                    f"n_ssd=0, or call each block once per forward")
             if entry.device_back is None:
                 self._fetch(stash, entry)
             stash.finish_read(entry)
@@ -427,29 +437,55 @@ def _checkpointed(forward, *args, _context_fn=None, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
 
+def _by_position(forward, calls: dict, position, *args, **kwargs):
+    """A module listed at positions of different modes: the mode of the position running now
+    (none known: outside the runtime's forward, eager)."""
+    fn = calls.get(position(), _EAGER)
+    if fn is _EAGER:
+        return forward(*args, **kwargs)
+    return _checkpointed(forward, *args, _context_fn=fn, **kwargs)
+
+
+_EAGER = object()
+
+
 @contextmanager
-def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode], context_fn=None):
+def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode], context_fn=None,
+                        position=None):
     """Run the CKPT and SELECTIVE blocks of ``modes`` under checkpoint for the duration of the
     context (what the runtime does), e.g. to measure a plan's activation memory without the
     runtime. ``context_fn`` is torch checkpoint's hook to restore framework RNG state on
     recompute (Megatron's tensor-parallel RNG tracker). The recompute leaves the block's
     buffers as the forward left them, and runs from the values the forward found
     (protrain.runtime.buffers): BatchNorm's statistics are updated once per forward, as in a
-    plain run."""
-    saved = {}
+    plain run. A module listed at several positions (shared weights) is wrapped once; where
+    their modes differ, ``position()`` - the index of the block running now, from the part
+    boundaries - picks each call's."""
+    saved = []
     try:
-        for i, (b, m) in enumerate(zip(blocks, modes)):
-            if m in (BlockMode.CKPT, BlockMode.SELECTIVE):
-                # The buffers' contexts outermost: their copies are not replayed by the
-                # selective policy, and the RNG restore runs from the forward's buffers too.
-                fn = combine_context_fns(buffers_context_fn(b), context_fn)
-                fn = selective_context_fn(fn) if m == BlockMode.SELECTIVE else fn
-                saved[i] = b.__dict__.get("forward")    # None: the class's forward
-                b.forward = functools.partial(_checkpointed, b.forward, _context_fn=fn)
+        for ps in block_positions(blocks).values():
+            b = blocks[ps[0]]
+            calls = {}
+            for i in ps:
+                if modes[i] in (BlockMode.CKPT, BlockMode.SELECTIVE):
+                    # The buffers' contexts outermost: their copies are not replayed by the
+                    # selective policy, and the RNG restore runs from the forward's buffers too.
+                    fn = combine_context_fns(buffers_context_fn(b), context_fn)
+                    calls[i] = selective_context_fn(fn) if modes[i] == BlockMode.SELECTIVE else fn
+            if not calls:
+                continue
+            saved.append((b, b.__dict__.get("forward")))     # None: the class's forward
+            if len({modes[i] for i in ps}) == 1:
+                b.forward = functools.partial(_checkpointed, b.forward, _context_fn=calls[ps[0]])
+            elif position is None:
+                raise ValueError(f"block {ps[0]} is listed at positions {ps} with modes "
+                                 f"{[modes[i].name for i in ps]}: pass position= (the block running)")
+            else:
+                b.forward = functools.partial(_by_position, b.forward, calls, position)
         yield
     finally:
-        for i, fwd in saved.items():
+        for b, fwd in reversed(saved):
             if fwd is None:
-                del blocks[i].forward
+                b.__dict__.pop("forward", None)
             else:
-                blocks[i].forward = fwd
+                b.forward = fwd

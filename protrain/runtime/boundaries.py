@@ -2,17 +2,37 @@
 
 Parts are numbered as in ModelProfile: 0 = pre (embeddings), i + 1 = block i, last = post
 (head, loss). Forward boundaries come from each block's forward pre/post hooks; backward
-boundaries from gradient hooks on each block's output (its backward starts) and input (its
-backward is done). Both the profiler and the runtime are driven by this one mechanism, so
-what is measured per part is what is scheduled per part.
+boundaries from gradient hooks on what each block returns (its backward starts) and, where no
+block before it made such a tensor, on its input (the part before it is entered). Both the
+profiler and the runtime are driven by this one mechanism, so what is measured per part is
+what is scheduled per part.
 
 A block may take and return its hidden state in any structure: a tensor, or tuples, lists,
 dicts, named tuples, dataclasses and Hugging Face ModelOutputs of tensors, nested
 (``tensors_in``). Its backward starts when a gradient reaches any floating-point tensor it
-returns that requires grad; a training forward of a block that returns none, while it has
-trainable parameters or gets an input that requires grad, is refused (``OutputError``):
+made and returns that requires grad; a training forward of a block that returns none, while it
+has trainable parameters or gets an input that requires grad, is refused (``OutputError``):
 without that hook its chunks would not be brought back for its backward, and it would train
-silently wrong.
+silently wrong. In backward the parts reported only go down.
+
+Blocks are *positions* in the block list, and each is entered once per forward, in list order
+(positions may be skipped: a layer dropped in this step). Two ways of calling a block more than
+once are scheduled exactly:
+
+- a module listed at several positions (weights shared across layers:
+  ``nn.ModuleList([blk] * 4)``, ``[a, b, a, b]``): each call is matched to the module's next
+  position after the one last entered; its parameters are then used by several parts, which
+  the layout keeps resident across all of them;
+- a block called again right after itself (``for _ in range(k): x = layer(x)``, ALBERT's layer
+  groups): the call re-enters its own part, which spans all of its calls, forward and backward.
+
+Any other order - a block called after a later one, e.g. ``[l0, l1]`` called l0, l1, l0, l1 -
+cannot be scheduled (a block's chunks and saved activations are let go once its part is left,
+and its gradients are taken when its backward is done), and raises ``BlockOrderError`` naming
+the block, once the owner marks its forwards (``begin_forward``: the runtime's and the
+profiler's do); the DeepSpeed engine then plans with coarser blocks. Hooks that fire during
+backward (a block recomputed under the user's own checkpoint) are not boundaries: backward
+boundaries come from the gradient hooks alone.
 """
 from __future__ import annotations
 
@@ -146,98 +166,203 @@ def _refuse(i: int, module: nn.Module, out) -> OutputError:
         f"tuple, list, dict, dataclass or ModelOutput")
 
 
-@contextmanager
-def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter):
-    """Install the hooks for the duration of the context. ``on_enter`` is called once per
-    boundary: the boundary between two blocks is seen from both sides (output of block i-1,
-    input of block i), in forward and in backward, and reported once; in backward the parts
-    reported only go down."""
-    n_parts = len(blocks) + 2
-    last_bwd = [None]
-    last_fwd = [None]
-    inputs: dict[int, list[torch.Tensor]] = {}     # block -> its inputs, during its call
-    returned: list[weakref.ref] = []               # what the last block returned
-    hooked = [False] * len(blocks)     # block i's output took a backward mark in this forward
-    active = [True]
+def block_positions(blocks: Sequence[nn.Module]) -> dict[int, list[int]]:
+    """id(module) -> the positions it is listed at, ascending (several: shared weights)."""
+    positions: dict[int, list[int]] = {}
+    for i, b in enumerate(blocks):
+        positions.setdefault(id(b), []).append(i)
+    return positions
 
-    def end_backward():
-        last_bwd[0] = None
 
-    def bwd(part):
-        if not active:       # a gradient hook on a tensor that outlived the context (an input
-            return           # reused by later iterations): not ours any more
+def position_names(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
+    """Each position's qualified name in ``model``: a module listed at several positions has a
+    name per listing (``transformer.h.2``), the one ending in its index where there is one."""
+    names: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(name)
+    out = []
+    for i, b in enumerate(blocks):
+        mine = names.get(id(b)) or [f"block {i}"]
+        out.append(next((n for n in mine if n.endswith(f".{i}")), mine[0]))
+    return out
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+class PartBoundaries:
+    """The hooks' state for one model: where the forward is in the block list, and which
+    boundary was reported last in each direction (a boundary between two blocks is seen from
+    both sides - output of block i-1, input of block i - and reported once)."""
+
+    def __init__(self, blocks: Sequence[nn.Module], on_enter: OnEnter, names: Sequence[str] | None = None):
+        self.blocks = list(blocks)
+        self.on_enter = on_enter
+        self.names = list(names) if names is not None else [f"block {i}" for i in range(len(self.blocks))]
+        self.n_parts = len(self.blocks) + 2
+        self.positions = block_positions(self.blocks)
+        self.strict = False
+        """Forwards are marked (``begin_forward``): a call out of order is refused, not taken
+        for the start of an unmarked forward pass."""
+        self.cursor = -1
+        """Position of the block entered last in this forward (-1: none yet)."""
+        self.inside = False
+        """Between the pre and the post hook of the block at ``cursor``."""
+        self.last_fwd: int | None = None
+        self.last_bwd: int | None = None
+        self.active = True
+        """False once the hooks are removed: gradient hooks left on tensors that outlive them
+        (an input reused by later iterations) report nothing."""
+        self.marks = _BackwardMarks(self._bwd)
+        self.inputs: dict[int, list[torch.Tensor]] = {}
+        """Position -> the tensors of its call in progress."""
+        self.returned: list[weakref.ref] = []
+        """The tensors requiring grad the last block returned (its successor's hidden state)."""
+        self.made_last = False
+        """The last block returned a tensor of its own that took a backward mark."""
+
+    def begin_forward(self) -> None:
+        """A forward pass begins (its owner reports part 0 itself)."""
+        self.strict = True
+        self._restart()
+
+    # ---- reports --------------------------------------------------------------------------
+    def _fwd(self, part: int, x) -> None:
+        if self.last_fwd == part:
+            return
+        self.last_fwd = part
+        self.on_enter("fwd", part, x)
+
+    def _bwd(self, part: int) -> None:
+        if not self.active:
+            return
         # Backward crosses the parts from the last down; a boundary reported above the part it
         # is in was crossed already (a block's output whose gradient completes after a tensor
-        # the block made from it: that tensor's hook started the block's backward).
-        if last_bwd[0] is not None and part >= last_bwd[0]:
+        # the block made from it: that tensor's hook started the block's backward), and one
+        # equal to it is its other side (or a re-entered block's earlier call).
+        if self.last_bwd is not None and part >= self.last_bwd:
             return
-        if last_bwd[0] is None:      # this backward's first boundary: the next one starts afresh
-            torch.autograd.Variable._execution_engine.queue_callback(end_backward)
-        last_bwd[0] = part
-        on_enter("bwd", part, None)
-    marks = _BackwardMarks(bwd)
+        if self.last_bwd is None:    # this backward's first boundary: the next one starts afresh
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.last_bwd = part
+        self.on_enter("bwd", part, None)
 
-    def fwd(part, x):
-        if last_fwd[0] == part:
+    def _end_backward(self) -> None:
+        self.last_bwd = None
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def pre_hook(self, module, args, kwargs):
+        if _in_backward():
             return
-        last_fwd[0] = part
-        on_enter("fwd", part, x)
+        i = self._place(module)
+        again = i == self.cursor
+        self.cursor, self.inside = i, True
+        ts = tensors_in((args, kwargs))
+        self.inputs[i] = ts
+        # The hidden state: what the previous block returned (a tensor made earlier and handed
+        # to every block, rotary tables, would report this boundary in the pre part's
+        # backward), else the first input that requires grad.
+        hidden = [t for t in grad_tensors(ts) if any(r() is t for r in self.returned)]
+        hidden = hidden or grad_tensors(ts)[:1]
+        self._fwd(i + 1, hidden[0] if hidden else first_tensor(ts))
+        # Backward leaves a block where the previous block's output has its gradient (its
+        # mark), not where this block's input has it: code between two blocks (a pooling, an
+        # activation function, a parameter of the model's own) ran in the later block's part
+        # in forward and must run its backward there too - its saved tensors are in that
+        # block's stash, its parameters' chunks held for that part. The input marks it where
+        # there is no such output: before the first block, or after a block that made no
+        # tensor that takes a gradient. A call right after itself takes the previous call's
+        # output, which marks this part already.
+        if not again and not self.made_last:
+            for t in hidden:
+                self.marks.mark(t, i)
 
-    def pre_hook(i):
-        def hook(module, args, kwargs):
-            ts = tensors_in((args, kwargs))
-            inputs[i] = ts
-            if i == 0:
-                # A new forward pass, and the next backward one (a model may not run its last
-                # block, whose post hook says so too).
-                last_fwd[0] = last_bwd[0] = None
-                marks.new_forward()
-                hooked[:] = [False] * len(hooked)
-            # The hidden state: what the previous block returned (a tensor made earlier and
-            # handed to every block, rotary tables, would report this boundary in the pre
-            # part's backward), else the first input that requires grad.
-            hidden = [t for t in grad_tensors(ts) if any(r() is t for r in returned)] if i else []
-            hidden = hidden or grad_tensors(ts)[:1]
-            fwd(i + 1, hidden[0] if hidden else first_tensor(ts))
-            # Backward leaves a block where the previous block's output has its gradient (its
-            # mark), not where this block's input has it: code between two blocks (a pooling,
-            # an activation function, a parameter of the model's own) ran in the later block's
-            # part in forward and must run its backward there too - its saved tensors are in
-            # that block's stash, its parameters' chunks held for that part. The input marks
-            # it where there is no such output: before the first block, or after a block that
-            # made no tensor that takes a gradient.
-            if i == 0 or not hooked[i - 1]:
-                for t in hidden:
-                    marks.mark(t, i)
-        return hook
+    def post_hook(self, module, args, kwargs, out):
+        if _in_backward():
+            return
+        i = self.cursor
+        if i < 0 or self.blocks[i] is not module or not self.inside:
+            if self.strict and torch.is_grad_enabled():
+                raise BlockOrderError(
+                    f"ProTrain: block {self._name(module)} returned while the forward was in "
+                    f"{self.names[i] if i >= 0 else 'no block'}: the blocks call one another "
+                    f"(nested)")
+            i = self.positions[id(module)][0] if i < 0 or self.blocks[i] is not module else i
+        self.inside = False
+        ts = tensors_in(out)
+        grads = grad_tensors(ts)
+        if not grads and torch.is_grad_enabled() and (
+                any(t.requires_grad for t in self.inputs.get(i, ())) or
+                any(p.requires_grad for p in module.parameters())):
+            raise _refuse(i, module, out)
+        # What the block made; an input it passes through is marked by its producer.
+        made = [t for t in grads if not any(t is x for x in self.inputs.get(i, ()))]
+        self.inputs.pop(i, None)
+        self.returned = [weakref.ref(t) for t in grads]
+        self.made_last = bool(made)
+        if i + 2 == self.n_parts - 1:
+            self.last_bwd = None  # a new backward will start from the post part
+        self._fwd(i + 2, made[0] if made else first_tensor(ts))
+        for t in made:
+            self.marks.mark(t, i + 1)
 
-    def post_hook(i):
-        def hook(module, args, kwargs, out):
-            ts = tensors_in(out)
-            grads = grad_tensors(ts)
-            if not grads and torch.is_grad_enabled() and (
-                    any(t.requires_grad for t in inputs.get(i, ())) or
-                    any(p.requires_grad for p in module.parameters())):
-                raise _refuse(i, module, out)
-            # What the block made; an input it passes through is marked by its producer.
-            made = [t for t in grads if not any(t is x for x in inputs.get(i, ()))]
-            inputs.pop(i, None)
-            returned[:] = [weakref.ref(t) for t in grads]
-            hooked[i] = bool(made)
-            if i + 2 == n_parts - 1:
-                last_bwd[0] = None  # a new backward will start from the post part
-            fwd(i + 2, made[0] if made else first_tensor(ts))
-            for t in made:
-                marks.mark(t, i + 1)
-        return hook
+    def _place(self, module) -> int:
+        """The position this call of ``module`` enters: its next one after the cursor, else
+        the cursor's again (called right after itself), else - out of order - refused, or in
+        an unmarked or gradient-free forward taken as a new forward pass from its first."""
+        ps = self.positions[id(module)]
+        if (not self.strict or not torch.is_grad_enabled()) and ps[0] == 0 \
+                and self.last_fwd == self.n_parts - 1:
+            self._restart()          # past the last block: an unmarked forward pass begins
+        nxt = next((p for p in ps if p > self.cursor), None)
+        if nxt is not None:
+            return nxt
+        if self.cursor in ps and not self.inside:
+            return self.cursor
+        if self.strict and torch.is_grad_enabled():
+            raise BlockOrderError(self._out_of_order(ps[0]))
+        self._restart()
+        return ps[0]
 
+    def _restart(self) -> None:
+        """A new forward pass (and the next backward: a model may not run its last block, whose
+        post hook would say so)."""
+        self.cursor, self.inside, self.last_fwd, self.last_bwd = -1, False, None, None
+        self.marks.new_forward()
+        self.inputs.clear()
+        self.returned = []
+        self.made_last = False
+
+    def _name(self, module) -> str:
+        return self.names[self.positions[id(module)][0]]
+
+    def _out_of_order(self, p: int) -> str:
+        second = (" (a second forward pass of the model inside one engine call? run each "
+                  "through the engine: engine(batch) marks where a forward begins)" if p == 0 else "")
+        return (f"ProTrain: block {self.names[p]} (position {p} of the {len(self.blocks)} blocks) "
+                f"was called after block {self.names[self.cursor]} (position {self.cursor}) in "
+                f"one forward pass{second}. Each position runs once per forward, in list order (a "
+                f"module listed several times - nn.ModuleList([blk] * 4) - once per listing; a "
+                f"block called again right after itself stays in its part); a block called after "
+                f"a later one cannot be scheduled exactly (its weights, gradients and saved "
+                f"activations are let go once its part is left). For layers shared in a loop "
+                f"list one entry per call: nn.ModuleList([l0, l1] * k)")
+
+
+@contextmanager
+def part_boundaries(blocks: Sequence[nn.Module], on_enter: OnEnter, names: Sequence[str] | None = None):
+    """Install the hooks for the duration of the context (one pair per distinct module, however
+    often it is listed); yields the ``PartBoundaries``. ``on_enter`` is called once per
+    boundary; ``names``: each position's name, for the errors."""
+    bounds = PartBoundaries(blocks, on_enter, names)
     handles = []
     try:
-        for i, b in enumerate(blocks):
-            handles.append(b.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
-            handles.append(b.register_forward_hook(post_hook(i), with_kwargs=True))
-        yield
+        for ps in bounds.positions.values():
+            b = bounds.blocks[ps[0]]
+            handles.append(b.register_forward_pre_hook(bounds.pre_hook, with_kwargs=True))
+            handles.append(b.register_forward_hook(bounds.post_hook, with_kwargs=True))
+        yield bounds
     finally:
-        active.clear()
+        bounds.active = False
         for h in handles:
             h.remove()

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..block_mode import BlockMode
+from .boundaries import block_positions
 
 log = logging.getLogger("protrain")
 
@@ -188,25 +189,29 @@ class CompiledBlocks:
         """Indices of the blocks whose forward is compiled."""
         self.eager: dict[int, str] = {}
         """Blocks running eager under a compile request, with the reason."""
-        self._saved: dict[int, Callable | None] = {}
+        self._saved: list[tuple[nn.Module, Callable | None]] = []
         if request is None:
             return
-        for i, (b, m) in enumerate(zip(self.blocks, modes)):
-            why = eager_reason(m, sequence_parallel)
+        # A module listed at several positions (shared weights) has one forward: compiled once,
+        # and only if no position of it must run eager.
+        for ps in block_positions(self.blocks).values():
+            b = self.blocks[ps[0]]
+            why = next((w for w in (eager_reason(modes[i], sequence_parallel) for i in ps) if w), None)
             if why is not None:
-                self.eager[i] = why
+                self.eager.update({i: why for i in ps})
                 continue
-            self._saved[i] = b.__dict__.get("forward")     # None: the class's forward
+            self._saved.append((b, b.__dict__.get("forward")))     # None: the class's forward
             b.forward = request.wrap(b.forward)
-            self.compiled.append(i)
+            self.compiled.extend(ps)
+        self.compiled.sort()
 
     def close(self) -> None:
-        for i, fwd in self._saved.items():
+        for b, fwd in reversed(self._saved):
             if fwd is None:
-                self.blocks[i].__dict__.pop("forward", None)
+                b.__dict__.pop("forward", None)
             else:
-                self.blocks[i].forward = fwd
-        self._saved = {}
+                b.forward = fwd
+        self._saved = []
 
     def summary(self) -> str | None:
         """One line saying what is compiled and what runs eager, and why (None: no request)."""
@@ -217,7 +222,7 @@ class CompiledBlocks:
                 f"of {n} blocks compiled, graphs ending at block boundaries (chunks move and block "
                 f"modes switch there); embeddings, head and loss run eager")
         by_reason: dict[str, list[int]] = {}
-        for i, why in self.eager.items():
+        for i, why in sorted(self.eager.items()):
             by_reason.setdefault(why, []).append(i)
         for why, blocks in by_reason.items():
             line += f"; block(s) {_ranges(blocks)} run eager: {why}"

@@ -267,6 +267,11 @@ class ChunkOptimizer:
         self._queued: set[int] = set()
         """Offloaded chunks whose CPU Adam update of this step was submitted (main thread's
         view: the worker may still be running it)."""
+        self._left: set[int] = set()
+        """Offloaded chunks whose gradients of this micro-batch have left the device. One made
+        resident again in the same backward (its part entered again) holds parameters, not
+        gradients: its gradients go to the host and its buffer is not offloaded a second time
+        (that copy would put parameters over the gradients)."""
         self._late: set[int] = set()
         """Offloaded chunks that received a gradient after their backward was declared done
         (a parameter used outside the part it was profiled in): updated in ``step`` only,
@@ -294,6 +299,7 @@ class ChunkOptimizer:
         """A forward begins: gradients held now are an earlier micro-batch's."""
         if self.step_state is StepState.BACKWARD:
             self.step_state = StepState.ACCUMULATED
+        self._left.clear()
 
     def holds_accumulated_gradients(self) -> bool:
         """Whether gradients of earlier micro-batches of this step are held to be added to
@@ -341,7 +347,7 @@ class ChunkOptimizer:
         with torch.no_grad():
             if c.persistent:
                 c.grad[s.offset:s.stop].add_(g.reshape(-1))
-            elif c.buffer is not None and c.state.value == "resident":
+            elif c.buffer is not None and c.state.value == "resident" and c.index not in self._left:
                 self.chunks.pool.tensors[c.buffer][s.offset:s.stop].copy_(g.reshape(-1))
             elif self.chunks.dp.world > 1:
                 raise RuntimeError(
@@ -390,6 +396,10 @@ class ChunkOptimizer:
         """All gradients of ``c`` for this micro-batch exist."""
         if c.persistent or c.state.value != "resident":
             return
+        if c.index in self._left:
+            self.chunks.evict(c)            # parameters only: this micro-batch's gradients are out
+            return
+        self._left.add(c.index)
         verdict = (boundary and not self.first_step_of_plan and c.index not in self._late
                    and (self.clip > 0 or self.loss_scaler is not None))
         self._fresh.add(c.index)                  # the copy below lands this step's gradients
@@ -468,6 +478,7 @@ class ChunkOptimizer:
                 self.worker.drain()
             self.speculation_on = not clipped
         self._queued.clear()
+        self._left.clear()
         self._checks.clear()
         self._fresh.clear()
         self.step_state = StepState.IDLE
@@ -648,16 +659,18 @@ class ChunkOptimizer:
         """The offloaded chunks that got no gradient copy in this step (no parameter of theirs
         was used, or their part's backward never ran): Adam steps them all the same, on zero
         gradients, as DeepSpeed does (see ``_update``). Their gradient regions are zeroed, so
-        every reader (norm, overflow test, update) sees zeros there; and their device copies
-        are dropped: a chunk still cached in a buffer would be reused by the next forward
-        without waiting for this update (``upload`` waits for it; reuse does not)."""
+        every reader (norm, overflow test, update) sees zeros there. Every offloaded chunk's
+        device copy is dropped (those that got gradients have none, unless uploaded again
+        after them): a chunk still in a buffer would be reused by the next forward without
+        waiting for this update (``upload`` waits for it; reuse does not)."""
         for c in self.chunks.offloaded():
+            self.chunks.evict(c)
             if c.index not in self._fresh:
-                self.chunks.evict(c)
                 self._host_grads(c).zero_()
 
     def _reset(self) -> None:
         self._queued.clear()
+        self._left.clear()
         self._speculations.clear()
         self._checks.clear()
         if self.step_state is StepState.IDLE:

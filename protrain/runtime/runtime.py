@@ -6,7 +6,9 @@ iteration:
 
 forward, entering part p:  release chunks whose last user was before p; make part p's chunks
     resident; prefetch the following chunks into free buffers; note which block is running
-    (swap bookkeeping).
+    (swap bookkeeping, the mode of a module listed at several positions). A block called
+    again right after itself enters its part again: a chunk it let go takes back a buffer
+    from the prefetched chunk needed last.
 backward, entering part p: part p+1 is done, so chunks first used there have all their
     gradients: offload them (and start CPU Adam if it may overlap); make part p's chunks
     resident (reused if still cached, re-uploaded otherwise); prefetch the next ones; start
@@ -37,7 +39,7 @@ from ..state_tier import nvme_chunk_ids
 from .meter import OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from .activations import ActivationRuntime
 from .adam import CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
-from .boundaries import PartOrder, part_boundaries
+from .boundaries import PartOrder, part_boundaries, position_names
 from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
 from .compile import CompiledBlocks, CompileRequest
@@ -135,11 +137,10 @@ class ProTrainRuntime:
         self._needs_saved_hooks = bool(self.chunks.offloaded()) or any(
             m in (BlockMode.SWAP, BlockMode.SSD) for m in plan.block_modes)
         self._hooks = ExitStack()
-        names = {m: n for n, m in model.named_modules()}
-        self._order = PartOrder(["the model before its first block"]
-                                + [f"block {names.get(b, i)}" for i, b in enumerate(self.blocks)]
+        names = position_names(model, self.blocks)
+        self._order = PartOrder(["the model before its first block"] + [f"block {n}" for n in names]
                                 + ["the model after its last block"])
-        self._hooks.enter_context(part_boundaries(self.blocks, self._on_enter))
+        self._bounds = self._hooks.enter_context(part_boundaries(self.blocks, self._on_enter, names))
         for _, p in params:
             self._hooks.callback(p.register_post_accumulate_grad_hook(self.optimizer.on_grad).remove)
         # The module's weights read through state_dict wait for the last step's host updates
@@ -253,6 +254,7 @@ class ProTrainRuntime:
                 self.chunks.release(c)
         self.activations.reset()
         self._next_up = 0
+        self._bounds.begin_forward()
         self._enter_forward(0)
 
     def finish_backward(self) -> None:
@@ -370,9 +372,23 @@ class ProTrainRuntime:
             if c.last_part < part:
                 self.chunks.release(c)
         for c in self._part_chunks[part]:
+            if c.state == ChunkState.HOST and not self.chunks.can_upload():
+                self._unprefetch(part)
             self.chunks.access(c)
         self._prefetch_forward(max((c.index for c in self._part_chunks[part] if not c.persistent),
                                    default=self._next_up - 1) + 1)
+
+    def _unprefetch(self, part: int) -> None:
+        """A part entered again (a block called again right after itself) needs a chunk it let
+        go, and the prefetch has taken every buffer: give back the buffer of the prefetched
+        chunk needed last (it stays cached there until taken, else is uploaded again)."""
+        mine = set(map(id, self._part_chunks[part]))
+        ahead = [c for c in self.chunks.offloaded() if id(c) not in mine
+                 and c.state in (ChunkState.RESIDENT, ChunkState.UPLOADING)]
+        if ahead:
+            c = max(ahead, key=lambda c: c.index)
+            self.chunks.access(c)           # its upload finished before the buffer is reused
+            self.chunks.release(c)
 
     def _prefetch_forward(self, start: int) -> None:
         self._next_up = max(self._next_up, start)
@@ -398,15 +414,17 @@ class ProTrainRuntime:
             self.chunks.access(c)
         low = min((c.index for c in self._part_chunks[part] if not c.persistent),
                   default=self._next_down + 1)
-        self._prefetch_backward(low - 1)
+        self._prefetch_backward(low - 1, part)
         self.activations.backward_prefetch(part)   # after the chunk uploads: one upload FIFO
 
-    def _prefetch_backward(self, start: int) -> None:
+    def _prefetch_backward(self, start: int, part: int) -> None:
         self._next_down = min(self._next_down, start)
         chunks = self.chunks.chunks
         while self._next_down >= 0 and self.chunks.can_upload():
             c = chunks[self._next_down]
-            if not c.persistent and c.state in (ChunkState.HOST, ChunkState.CACHED):
+            # Not a chunk whose backward is over (first used after ``part``): its gradients
+            # have left, and a copy uploaded now would hold its weights from before the update.
+            if not c.persistent and c.state in (ChunkState.HOST, ChunkState.CACHED) and c.first_part <= part:
                 self.chunks.upload(c)
             self._next_down -= 1
 

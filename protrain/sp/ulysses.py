@@ -111,21 +111,25 @@ def ulysses_blocks(blocks: Sequence[nn.Module], group, degree: int):
     is entered inside each block's forward: checkpoint wrappers installed afterwards call
     this forward again when they recompute. Yields the modes (their ``calls`` count tells
     whether the model called SDPA at all)."""
-    modes = []
-    saved = {}
+    modes: list = [None] * len(blocks)
+    saved = []
     try:
-        for i, b in enumerate(blocks):
+        # A module listed at several positions (shared weights) is wrapped once: its one mode
+        # serves each of them (a second wrapper would redistribute the heads twice).
+        for b in {id(b): b for b in blocks}.values():
             mode = UlyssesAttention(group, degree)
-            modes.append(mode)
-            saved[i] = b.__dict__.get("forward")
+            for i, other in enumerate(blocks):
+                if other is b:
+                    modes[i] = mode
+            saved.append((b, b.__dict__.get("forward")))
             b.forward = functools.partial(_with_mode, b.forward, mode)
         yield modes
     finally:
-        for i, fwd in saved.items():
+        for b, fwd in reversed(saved):
             if fwd is None:
-                del blocks[i].forward
+                b.__dict__.pop("forward", None)
             else:
-                blocks[i].forward = fwd
+                b.forward = fwd
 
 
 def _with_mode(forward, mode, *args, **kwargs):
