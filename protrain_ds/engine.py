@@ -40,7 +40,7 @@ from protrain.preflight import ModelFacts, check_max_length, check_profile_lengt
 from protrain.profile.blocks import find_blocks, top_level_blocks
 from protrain.profile.cache import ProfileCache
 from protrain.profile.model_profile import ModelProfile
-from protrain.runtime.boundaries import BlockOrderError
+from protrain.runtime.boundaries import BlockOrderError, position_names
 from protrain.runtime.collectives import DataParallel, host_side
 from protrain.runtime.host_limits import read_host_limits
 from protrain.runtime.node import NodeShare, node_share
@@ -546,8 +546,7 @@ class ProTrainEngine(DeepSpeedEngine):
 
     def _protrain_block_sets(self) -> list[list[str]]:
         """``_protrain_block_tries`` by qualified name (what a plan file may name)."""
-        names = {m: n for n, m in self.module.named_modules()}
-        return [[names[m] for m in blocks] for blocks in self._protrain_block_tries()]
+        return [position_names(self.module, blocks) for blocks in self._protrain_block_tries()]
 
     def _protrain_blocks(self, plan: Plan | None = None) -> list:
         """The model's blocks: those ``plan`` was made for (Plan.blocks, in the order they run),
@@ -555,15 +554,15 @@ class ProTrainEngine(DeepSpeedEngine):
         key = self.protrain_config.blocks
         if plan is None or plan.blocks is None:
             return find_blocks(self.module, key)[1]
-        modules = dict(self.module.named_modules())
+        # Every name of a module listed at several positions (shared weights) is a position's.
+        modules = dict(self.module.named_modules(remove_duplicate=False))
         missing = [n for n in plan.blocks if n not in modules]
         if missing:
             raise ConfigError(f"ProTrain: the plan (protrain.plan_file, or the checkpoint's) was made "
                               f"for blocks this model does not have ({', '.join(missing[:3])}); "
                               f"delete the plan file to plan again")
         if key is not None:
-            names = {m: n for n, m in modules.items()}
-            want = sorted(names[m] for m in find_blocks(self.module, key)[1])
+            want = sorted(position_names(self.module, find_blocks(self.module, key)[1]))
             if want != sorted(plan.blocks):
                 raise ConfigError(f"protrain.blocks = {key!r}: the plan (protrain.plan_file, or the "
                                   f"checkpoint's) was made for other blocks ({', '.join(plan.blocks[:3])}"

@@ -50,8 +50,10 @@ SIMPLE = dict(chunk_size="4KiB", n_persist=1)
     ("simple", dict(SIMPLE, n_swap=1), ["linears.0"], "S"),
     # an unused layer (no gradient: stepped on zeros, as DeepSpeed does), a block that never runs
     ("simple_empty_grad", dict(SIMPLE, n_checkpoint=1, n_swap=0), ["linears.0", "linear2"], "CN"),
-    # layer i // 2 runs again at step i: no block runs twice, so no blocks (one part)
-    ("simple_3_layers", SIMPLE, [], ""),
+    # layer i // 2 runs again at step i, right after itself (0 0 0 1 1 2): each block's part
+    # spans its calls, one swapped and one recomputed
+    ("simple_3_layers", dict(SIMPLE, n_swap=1, n_checkpoint=1), ["linears.0", "linears.1", "linears.2"],
+     "SCN"),
 ])
 def test_deepspeeds_simple_model_trains_like_deepspeed_zero0(kind, section, blocks, modes):
     got = train(kind, section)
@@ -118,10 +120,10 @@ def test_a_blocks_key_that_names_no_list_is_refused_naming_the_key(path, says):
         train("encoder", {"blocks": 7})
 
 
-def test_a_named_list_whose_block_runs_twice_is_refused_naming_the_key():
-    said = r"protrain.blocks = 'linears': ProTrain: block linears.0 ran 3 times in one forward"
-    with pytest.raises(ConfigError, match=said):
-        train("simple_3_layers", {"blocks": "linears"})
+def test_a_named_list_whose_blocks_run_again_right_after_themselves_is_planned():
+    got = train("simple_3_layers", {"blocks": "linears", **SIMPLE})
+    assert got["blocks"] == ["linears.0", "linears.1", "linears.2"]
+    assert_same(got, deepspeed_run("simple_3_layers"))
 
 
 def test_blocks_that_change_their_order_after_planning_are_refused(monkeypatch):
@@ -137,7 +139,7 @@ def test_blocks_that_change_their_order_after_planning_are_refused(monkeypatch):
             self.encoder.layer[0], self.encoder.layer[1] = self.encoder.layer[1], self.encoder.layer[0]
         return forward(self, x, y)
     monkeypatch.setattr(structure_models.Encoder, "forward", swapped_later)
-    said = r"block encoder.layer.0 ran in forward after the forward had reached block encoder.layer.2"
+    said = r"block encoder.layer.0 \(position 0 of the 4 blocks\) was called after block encoder.layer.1"
     with pytest.raises(BlockOrderError, match=said):
         train("encoder", {"blocks": "encoder.layer", "chunk_size": "8KiB", "n_persist": 1})
 

@@ -1,7 +1,8 @@
 """Blocks entered more than once per forward (issue 32): a module listed several times in the block
 list (weights shared across layers) and a block called again right after itself (ALBERT's layer
 groups, a loop over one layer) train bit for bit as plain DeepSpeed ZeRO-0 does, with offloaded
-chunks and swapped / checkpointed blocks; a block called after a later one is refused, naming it."""
+chunks and swapped / checkpointed blocks; a block called after a later one is planned with
+coarser blocks, or refused naming it where protrain.blocks names its list."""
 import copy
 import functools
 
@@ -161,13 +162,22 @@ def test_albert_layer_groups_train_like_deepspeed():
     assert_same_as_deepspeed(("albert", 2, 1), True, dict(PINS, chunk_size="8KiB", n_persist=1))
 
 
-@pytest.mark.parametrize("spec, first, then", [
-    (("gpt", "loop", 2), "transformer.h.0", "transformer.h.3"),
-    (("albert", 1, 2), "albert_layers.0", "albert_layers.1")],
+@pytest.mark.parametrize("spec, key, first, then", [
+    (("gpt", "loop", 2), "transformer.h", "transformer.h.0", "transformer.h.3"),
+    (("albert", 1, 2), "albert.encoder.albert_layer_groups.0.albert_layers", "albert_layers.0",
+     "albert_layers.1")],
     ids=["a GPT run twice through its blocks", "ALBERT, one group of two layers"])
-def test_a_block_called_after_a_later_one_is_refused_by_name(spec, first, then):
-    with pytest.raises(BlockOrderError, match=rf"block \S*{first} \(position 0.*after block \S*{then}"):
-        run(with_protrain(base_config(), **PINS), spec, steps=1)
+def test_a_block_called_after_a_later_one_plans_coarser_blocks_or_is_refused_by_name(spec, key, first, then):
+    """A block called after a later one cannot be a part of its own: with its list named in
+    protrain.blocks that is refused, naming both blocks; found by ProTrain, the model is
+    planned with coarser blocks (its top-level modules, else none) and trains like DeepSpeed."""
+    from protrain.config import ConfigError
+    said = rf"protrain.blocks = '{key}': ProTrain: block \S*{first} \(position 0\) was called again after block \S*{then}"
+    with pytest.raises(ConfigError, match=said):
+        run(with_protrain(base_config(), **PINS, blocks=key), spec, steps=1)
+    hf = spec[0] == "albert"
+    plan = assert_same_as_deepspeed(spec, True, dict(chunk_size="8KiB" if hf else "64KiB", n_persist=1))
+    assert plan.blocks is not None and not any(first in b for b in plan.blocks), plan.blocks
 
 
 def test_part_reentered_in_backward_does_not_offload_its_chunk_twice(profiles):

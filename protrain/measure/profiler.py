@@ -38,7 +38,7 @@ from torch import nn
 
 from ..profile.blocks import find_blocks
 from ..profile.model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
-from ..runtime.boundaries import BlockOrderError, PartOrder, part_boundaries, position_names
+from ..runtime.boundaries import BlockOrderError, part_boundaries, position_names
 from ..runtime.buffers import ModuleState
 from ..runtime.meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from ..runtime.streams import Streams
@@ -361,10 +361,17 @@ class _Tracer:
         if len({id(b) for b in self.blocks}) < len(self.blocks):
             return
         names = self._block_names()
-        again = [i for i in set(calls.calls) if calls.calls.count(i) > 1]
-        if again:
-            raise BlockOrderError(f"ProTrain: block {names[again[0]]} ran again after other blocks "
-                                  f"in one forward")
+        seen: set[int] = set()
+        for k, i in enumerate(calls.calls):
+            if i in seen:
+                prev = calls.calls[k - 1]
+                raise BlockOrderError(
+                    f"ProTrain: block {names[i]} (position {i}) was called again after block "
+                    f"{names[prev]} (position {prev}) in one forward pass: a block called after a "
+                    f"later one cannot be a part of its own (its weights, gradients and saved "
+                    f"activations are let go once its part is left; for layers shared in a loop, "
+                    f"list one entry per call: nn.ModuleList([l0, l1] * k))")
+            seen.add(i)
         order = calls.calls + [i for i in range(len(self.blocks)) if i not in calls.calls]
         if order == list(range(len(self.blocks))):
             return
@@ -392,11 +399,8 @@ class _Tracer:
         marks: list[tuple[str, int, object]] = []
 
         n_blocks = len(self.blocks)
-        order = PartOrder(["<pre>"] + [f"block {n}" for n in self._block_names()] + ["<post>"])
 
         def boundary(phase: str, part: int, x: torch.Tensor | None = None):
-            # In order, as the runtime will check (the warm-up put the blocks in call order).
-            order.forward(part) if phase == "fwd" else order.backward(part)
             # Entering a part releases the block just left and brings in the one entered. The
             # upload is queued on the compute stream between two marks, so it is timed as
             # neither the part left nor the part entered.

@@ -5,7 +5,9 @@ In order of preference: the list the user names (``path``: the DeepSpeed section
 ``blocks`` key), the repeated children of a transformer's layer list, and for a model without
 one (an MLP, a CNN, DeepSpeed's unit-test ``SimpleModel``, ALBERT's single shared layer
 group) its top-level modules that hold parameters. The blocks must run in the list's order,
-each once per forward: the runtime checks that as it goes (runtime.boundaries.PartOrder).
+each position once per forward (a module listed several times once per listing; a block called
+again right after itself stays in its part): the part boundaries check that as they go
+(runtime.boundaries.PartBoundaries).
 """
 from __future__ import annotations
 

@@ -63,32 +63,6 @@ BLOCK_ORDER_FIX = ("a block that runs twice in one forward (weights shared acros
                    "protrain.blocks out (ProTrain then plans coarser blocks, or none)")
 
 
-class PartOrder:
-    """Checks that one iteration enters the parts in order: upward in forward (a new forward
-    starts at part 0), then downward in backward. ``names``: each part's name for the error."""
-
-    def __init__(self, names: Sequence[str]):
-        self.names = list(names)
-        self.fwd = 0
-        self.bwd: int | None = None
-
-    def forward(self, part: int) -> None:
-        if part == 0:
-            self.fwd = 0
-        elif part < self.fwd:
-            raise BlockOrderError(f"ProTrain: {self.names[part]} ran in forward after the forward "
-                                  f"had reached {self.names[self.fwd]}, later in the block list")
-        self.fwd = part
-        self.bwd = None
-
-    def backward(self, part: int) -> None:
-        if self.bwd is not None and part > self.bwd:
-            raise BlockOrderError(f"ProTrain: the backward of {self.names[part]} ran after the "
-                                  f"backward had reached {self.names[self.bwd]}, earlier in the block "
-                                  f"list (or two forwards ran before one backward)")
-        self.bwd = part
-
-
 OnEnter = Callable[[str, int, "torch.Tensor | None"], None]
 """on_enter(phase, part, tensor): phase "fwd" or "bwd"; ``tensor`` is the activation crossing
 the boundary in forward (block input or output), None in backward."""

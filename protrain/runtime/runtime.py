@@ -39,7 +39,7 @@ from ..state_tier import nvme_chunk_ids
 from .meter import OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from .activations import ActivationRuntime
 from .adam import CPUAdamKernel, NativeCPUAdamKernel, TorchAdamKernel
-from .boundaries import PartOrder, part_boundaries, position_names
+from .boundaries import part_boundaries, position_names
 from .chunks import ChunkManager, ChunkState
 from .collectives import DataParallel
 from .compile import CompiledBlocks, CompileRequest
@@ -137,10 +137,8 @@ class ProTrainRuntime:
         self._needs_saved_hooks = bool(self.chunks.offloaded()) or any(
             m in (BlockMode.SWAP, BlockMode.SSD) for m in plan.block_modes)
         self._hooks = ExitStack()
-        names = position_names(model, self.blocks)
-        self._order = PartOrder(["the model before its first block"] + [f"block {n}" for n in names]
-                                + ["the model after its last block"])
-        self._bounds = self._hooks.enter_context(part_boundaries(self.blocks, self._on_enter, names))
+        self._bounds = self._hooks.enter_context(part_boundaries(self.blocks, self._on_enter,
+                                                                 position_names(model, self.blocks)))
         for _, p in params:
             self._hooks.callback(p.register_post_accumulate_grad_hook(self.optimizer.on_grad).remove)
         # The module's weights read through state_dict wait for the last step's host updates
@@ -365,7 +363,6 @@ class ProTrainRuntime:
         return part - 1 if 1 <= part <= len(self.blocks) else None
 
     def _enter_forward(self, part: int) -> None:
-        self._order.forward(part)     # chunks of the parts left behind are released below
         # The post part counts as "block N" for the swap throttle (one block in flight).
         self.activations.forward_part(part)
         for c in self.chunks.offloaded():
@@ -400,7 +397,6 @@ class ProTrainRuntime:
             self._next_up += 1
 
     def _enter_backward(self, part: int) -> None:
-        self._order.backward(part)    # chunks of later parts are declared done below
         if not self._in_backward:
             self._in_backward = True
             self._next_down = len(self.chunks.chunks) - 1
