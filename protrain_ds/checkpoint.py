@@ -462,12 +462,26 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
     if mismatch:
         raise CheckpointError(f"checkpoint {path} was saved from another model: parameters "
                               f"{mismatch[:3]} differ")
+    if engine.protrain_runtime is not None and engine.protrain_runtime.trainable_change() is not None:
+        raise CheckpointError(f"load_checkpoint({str(load_dir)!r}) after requires_grad changed and "
+                              f"before the forward that moves the states to the new trainable set: "
+                              f"load first, then change requires_grad")
     pieces = read_pieces(path, info["world"])
     # Every rank's pieces: each rank cuts out what it holds; the step's gradients are dropped.
     states = load_optimizer_states and not load_module_only
     state = RuntimeState(pieces=[p for ps in pieces.values() for p in ps], local=False,
                          optimizer_states=states,
                          adam_chain=_chain(meta.get("adam_chain")) if states else None)
+
+    flags = {n: p.requires_grad for n, p in engine.module.named_parameters()}
+
+    def check() -> None:
+        changed = sorted(n for n, p in engine.module.named_parameters() if p.requires_grad != flags.get(n))
+        if changed:       # the states were checked against the flags at the load
+            raise CheckpointError(
+                f"requires_grad of {changed[:3]} changed between load_checkpoint({str(load_dir)!r}) "
+                f"and the first forward, which takes the checkpoint's states: change it after the "
+                f"first training step (or set it back)")
 
     def take() -> None:
         rt = engine.protrain_runtime
@@ -480,7 +494,7 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
         # pins, plan_file, machine and batch, not the checkpoint's plan - and takes the states
         # then. The weights are the module's from now on (evaluation, generation, state_dict).
         _set_weights(engine.module, pieces, meta["params"])
-        engine.protrain_resume_from(take)
+        engine.protrain_resume_from(take, check)
     else:
         engine.protrain_runtime.optimizer.sync()
         take()

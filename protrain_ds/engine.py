@@ -485,6 +485,8 @@ class ProTrainEngine(DeepSpeedEngine):
             f"at the same step")
 
     def _protrain_setup(self, inputs, kwargs, shape: BatchShape | None) -> None:
+        if self._protrain_resume is not None:
+            self._protrain_resume[1]()        # a loaded checkpoint still fits, before planning
         cfg = self.protrain_config
         verbose = self.global_rank == 0 and cfg.verbosity >= 1
         protrain_compile.before_planning(self)
@@ -515,13 +517,14 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_build_runtime(plan, dp)
         self._protrain_covered = self._protrain_covered or target
         if self._protrain_resume is not None:
-            take, self._protrain_resume = self._protrain_resume, None
+            (take, _), self._protrain_resume = self._protrain_resume, None
             take()
 
-    def protrain_resume_from(self, take) -> None:
+    def protrain_resume_from(self, take, check) -> None:
         """``take()`` puts a checkpoint's states (loaded before the runtime exists) into the
-        runtime the next forward plans and builds for this job."""
-        self._protrain_resume = take
+        runtime the next forward plans and builds for this job; ``check()`` first refuses what
+        changed since the load."""
+        self._protrain_resume = (take, check)
 
     # ---- the planning session's steps, as DeepSpeed runs them (protrain.session) -------------
     def _protrain_steps(self) -> PlanningSteps:
@@ -653,7 +656,8 @@ class ProTrainEngine(DeepSpeedEngine):
             is_boundary=is_boundary, accounting=cfg.accounting, dp=dp or DataParallel(),
             ssd_root=cfg.ssd_path, ssd_verify=cfg.ssd_verify, ssd_min_bytes=cfg.ssd_min_bytes,
             trace_file=cfg.trace_file, compile=self.protrain_compile,
-            gather_timeout_s=cfg.gather_timeout, save_fix=SAVE_ON_EVERY_RANK)
+            gather_timeout_s=cfg.gather_timeout, save_fix=SAVE_ON_EVERY_RANK,
+            outside_forward=self._protrain_sp.outside_forward if self._protrain_sp is not None else None)
         self.protrain_runtime = ProTrainRuntime(self.module, blocks, plan, self.device, setup, options)
         protrain_compile.announce(self)
         self.optimizer.runtime = self.protrain_runtime

@@ -27,6 +27,7 @@ size, which averages over the data-parallel replicas exactly as DeepSpeed does.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import register_output_backward_hooks
 
 from protrain.sp.batch import PADDING_MASK, BatchExchange, ShardedLoss, shard
-from protrain.sp.ulysses import SequenceParallelError, new_groups, ulysses_blocks
+from protrain.sp.ulysses import SequenceParallelError, UlyssesSwitch, new_groups, ulysses_blocks
 
 
 def model_takes(module, name: str) -> bool:
@@ -82,7 +83,8 @@ class SequenceParallelForward:
         self.exchange = BatchExchange(self.group, host_group, degree,
                                       engine.device if nccl else torch.device("cpu"),
                                       to_device=lambda t: engine.protrain_runtime.streams.to_device(t))
-        self._blocks = ulysses_blocks(blocks, self.group, degree)
+        self.switch = UlyssesSwitch()
+        self._blocks = ulysses_blocks(blocks, self.group, degree, self.switch)
         self.modes = self._blocks.__enter__()
         module = engine.module
         self.shift_labels = is_hf_causal_lm(module)
@@ -95,6 +97,20 @@ class SequenceParallelForward:
         self._expected = None
         self._pending: list[tuple[torch.Tensor, object]] = []
         """Device values to check on the host once per step: (0-d tensor, check(value))."""
+
+    @contextmanager
+    def outside_forward(self):
+        """A forward of the model that does not come through the engine (generate, module(x)):
+        every rank holds its whole sequence, so plain attention (the Ulysses wrappers off).
+        Training through it cannot be split over the sequence: refused by name."""
+        if torch.is_grad_enabled() and self.engine.module.training:
+            raise SequenceParallelError(
+                f"a training forward of the model outside engine(...) (engine.module(x), "
+                f"model(x)) under sequence parallelism (P={self.degree}): the engine splits each "
+                f"sequence over the ranks, a direct call cannot. Call engine(batch) to train, or "
+                f"set protrain.sequence_parallel to 1")
+        with self.switch.off():
+            yield
 
     def close(self) -> None:
         if self._blocks is not None:

@@ -283,6 +283,9 @@ def _train(rank, world, spec, recorder, out_dir) -> dict:
         with torch.no_grad():
             result["eval"] = [engine(input_ids=ids[lo:lo + mb], labels=labels[lo:lo + mb]).loss.item()
                               for lo in range(rank * share, (rank + 1) * share, mb)]
+            # The model called directly (generate's way): each rank its whole sequences.
+            result["outside"] = [model(input_ids=ids[lo:lo + mb], labels=labels[lo:lo + mb]).loss.item()
+                                 for lo in range(rank * share, (rank + 1) * share, mb)]
         engine.train()
     plan = getattr(engine, "protrain_plan", None)
     if plan is not None:

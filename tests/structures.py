@@ -10,8 +10,10 @@ A structure is a JSON-able dict (so ranks spawned for a two-rank run rebuild it)
 - ``depth``: entries in the block list; ``blocks``: "distinct", "shared" (one block object
   listed ``depth`` times: weights shared across layers) or "alternating" (two objects, a b a b);
 - ``calls``: how often the forward calls each entry in a row (ALBERT-style repetition);
-- ``output``: what a block returns: "tensor", "tuple" (hidden, aux), "tuple_second" (aux,
-  hidden), "dict" ({"hidden": ..., "aux": ...}) or "model_output" (a Hugging Face ModelOutput);
+- ``output``: what a block returns: "tensor", "inplace" (its input, the residual added in
+  place), "tuple" (hidden, aux), "tuple_second" (aux, hidden), "dict" ({"hidden": ...,
+  "aux": ...}) or "model_output" (a Hugging Face ModelOutput);
+- ``layerdrop``: each block skipped with probability 0.4 in a training forward;
 - ``buffers``: BatchNorm in every block and a counter the model bumps in forward;
 - ``schedule``: None, "unfreeze" (the embedding and the first block frozen for the first two
   steps, then trainable) or "freeze" (the first block frozen from step 2);
@@ -38,6 +40,9 @@ class Block(nn.Module):
         self.norm = nn.BatchNorm1d(HIDDEN) if buffers else nn.LayerNorm(HIDDEN)
 
     def forward(self, x):
+        if self.output == "inplace":      # the residual added into the input it returns
+            n = self.norm(x.clone().reshape(-1, HIDDEN)).view_as(x)
+            return x.add_(self.fc2(F.gelu(self.fc1(n))))
         n = self.norm(x.reshape(-1, HIDDEN)).view_as(x)
         h = x + self.fc2(F.gelu(self.fc1(n)))
         aux = h.detach().pow(2).mean()
@@ -54,7 +59,7 @@ class Block(nn.Module):
 
 
 def hidden_of(out, output: str) -> torch.Tensor:
-    return {"tensor": lambda: out, "tuple": lambda: out[0], "tuple_second": lambda: out[1],
+    return {"tensor": lambda: out, "inplace": lambda: out, "tuple": lambda: out[0], "tuple_second": lambda: out[1],
             "dict": lambda: out["hidden"], "model_output": lambda: out.last_hidden_state}[output]()
 
 
@@ -75,6 +80,8 @@ class Net(nn.Module):
         if self.s["buffers"] and self.training:
             self.forwards += 1
         for block in self.layers:
+            if self.s.get("layerdrop") and self.training and float(torch.rand(())) < 0.4:
+                continue            # LayerDrop: a block skipped in this step
             for _ in range(self.s["calls"]):
                 h = hidden_of(block(h), self.s["output"])
         logits = self.head(h)

@@ -13,7 +13,7 @@ import dstrain  # noqa: F401 - one-rank distributed environment
 import structures
 
 BASE = dict(input="tokens", depth=3, blocks="distinct", calls=1, output="tensor", buffers=False,
-            schedule=None, eval_first=False)
+            schedule=None, eval_first=False, layerdrop=False)
 
 
 def shape(**over) -> dict:
@@ -27,6 +27,8 @@ CASES = {
     "alternating": shape(blocks="alternating", depth=4),
     "called twice": shape(calls=2),
     "tuple": shape(output="tuple"),
+    "in place": shape(output="inplace"),
+    "LayerDrop": shape(layerdrop=True, depth=4),
     "tuple, hidden second": shape(output="tuple_second"),
     "dict": shape(output="dict"),
     "ModelOutput": shape(output="model_output"),
@@ -80,3 +82,16 @@ def test_two_ranks_without_a_sequence_dimension(tmp_path):
     for r in ranks:
         for name in ("forced", "planner"):
             check(r[name], r["ds"], "features on two ranks")
+
+
+def test_a_checkpointed_block_that_changes_its_input_in_place_is_refused_by_name():
+    """The planner checkpoints no block of a model it saw change an input in place (the
+    differential case "in place"); a plan made without that knowledge (a plan file, a cached
+    profile) is refused at the forward, not trained from a recompute of the changed input."""
+    from protrain.block_mode import BlockMode
+    from protrain.runtime.activations import checkpointed_blocks
+    block = structures.Block("inplace", False)
+    x = torch.randn(2, structures.SEQ, structures.HIDDEN, requires_grad=True) * 1.0
+    with checkpointed_blocks([block], [BlockMode.CKPT]):
+        with pytest.raises(RuntimeError, match="Block changed an input in place in forward"):
+            block(x)

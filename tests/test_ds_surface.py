@@ -258,3 +258,47 @@ def test_a_checkpoint_saved_before_the_first_forward_resumes_like_deepspeed(tmp_
     state = model.state_dict()
     for name, w in ds_weights.items():
         assert torch.equal(state[name], w), name
+
+
+def test_requires_grad_changed_between_a_load_and_the_first_forward_is_refused(tmp_path):
+    """The states are checked against the trainable set at the load and taken at the first
+    forward: a change in between would drop or misplace moments (parked ones, FusedAdam's
+    counts), so that forward refuses it by name, before planning; set back, training goes on
+    like DeepSpeed."""
+    import deepspeed
+    from protrain.models import GPT, synthetic_batch
+    from protrain_ds.checkpoint import CheckpointError
+    cfg = base_config(gradient_clipping=1.0)
+    ds_losses, ds_weights, _ = train(cfg, steps=4)
+
+    def engine_for():
+        torch.manual_seed(0)
+        model = GPT(TINY)
+        return model, deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=with_protrain(cfg, **OFFLOADED))[0]
+
+    def steps(engine, start, n):
+        out = []
+        for i in range(start, start + n):
+            x, y = synthetic_batch(TINY, 2, seed=i)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+    model, engine = engine_for()
+    first = steps(engine, 0, 2)
+    engine.save_checkpoint(str(tmp_path))
+    model, engine = engine_for()
+    engine.load_checkpoint(str(tmp_path))
+    head = model.transformer.h[0].mlp.c_fc.weight
+    head.requires_grad_(False)
+    x, y = synthetic_batch(TINY, 2, seed=2)
+    with pytest.raises(CheckpointError, match=r"requires_grad of \['transformer.h.0.mlp.c_fc.weight'\] "
+                                              r"changed between load_checkpoint"):
+        engine(x, y)
+    head.requires_grad_(True)
+    assert first + steps(engine, 2, 2) == ds_losses
+    state = model.state_dict()
+    for name, w in ds_weights.items():
+        assert torch.equal(state[name], w), name

@@ -102,6 +102,10 @@ def test_two_ranks_train_like_one_rank_on_the_same_samples(two, ref, case):
     if case == "gqa":        # evaluation forwards (no_grad, eval mode) give each rank its loss
         got = [r["eval"] for r in runs]
         assert [x for g in got for x in g] == pytest.approx(ref[case][0]["eval"], rel=1e-5)
+        # and so does the model called directly, outside the engine (plain attention there:
+        # the Ulysses wrappers mixed the ranks' samples before)
+        got = [r["outside"] for r in runs]
+        assert [x for g in got for x in g] == pytest.approx(ref[case][0]["eval"], rel=1e-5)
 
 
 def test_the_hot_path_waits_for_the_device_once_per_step(two):

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..profile.blocks import find_blocks
 from ..profile.model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
-from ..runtime.boundaries import BlockOrderError, part_boundaries, position_names
+from ..runtime.boundaries import BlockOrderError, part_boundaries, position_names, tensors_in
 from ..runtime.buffers import ModuleState
 from ..runtime.meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from ..runtime.streams import Streams
@@ -255,6 +255,7 @@ class _Tracer:
             # statistics); ``restore`` puts every module's own mode back.
             model.train()
         self.streamer: _ParamStreamer | None = None
+        self.inplace_blocks: tuple[str, ...] = ()     # blocks changing an input in place
         self.registry: StorageRegistry | None = None
         self.meter = None
         self.bar = None
@@ -350,7 +351,7 @@ class _Tracer:
             name=name, source="measured", device=str(self.device),
             param_bytes=self.params[0].element_size(), params=tuple(records), parts=tuple(parts),
             micro_batch=micro_batch, seq_len=seq_len, hooked_slowdown=slowdown, ops=tuple(ops),
-            heads=attention.heads, kv_heads=attention.kv_heads)
+            heads=attention.heads, kv_heads=attention.kv_heads, inplace_blocks=self.inplace_blocks)
 
     def _in_call_order(self, calls: "_CallOrder") -> None:
         """Put the blocks in the order the warm-up ran them (the part boundaries, and the
@@ -358,9 +359,10 @@ class _Tracer:
         declared, not as called); blocks it never ran go last. A list naming a module at
         several positions (shared weights) is taken as listed: the part boundaries check the
         order. A block called again after another one cannot be one part: BlockOrderError."""
+        names = self._block_names()
+        self.inplace_blocks = tuple(names[i] for i in sorted(calls.mutated))
         if len({id(b) for b in self.blocks}) < len(self.blocks):
             return
-        names = self._block_names()
         seen: set[int] = set()
         for k, i in enumerate(calls.calls):
             if i in seen:
@@ -372,9 +374,15 @@ class _Tracer:
                     f"activations are let go once its part is left; for layers shared in a loop, "
                     f"list one entry per call: nn.ModuleList([l0, l1] * k))")
             seen.add(i)
-        order = calls.calls + [i for i in range(len(self.blocks)) if i not in calls.calls]
-        if order == list(range(len(self.blocks))):
-            return
+        if calls.calls == sorted(calls.calls):
+            return        # in list order, some perhaps skipped (LayerDrop): as listed
+        # Called out of the list's order (modules declared in another order than the forward
+        # calls them): that order, each block the warm-up skipped after the one listed before it.
+        order = list(calls.calls)
+        for i in range(len(self.blocks)):
+            if i not in order:
+                before = [k for k, j in enumerate(order) if j < i]
+                order.insert(before[-1] + 1 if before else 0, i)
         if self.streamer is not None:
             raise BlockOrderError(f"ProTrain: the blocks ran in another order than listed ("
                                   f"{', '.join(names[i] for i in calls.calls[:4])}, ...) while "
@@ -632,23 +640,32 @@ def _clear_grad(p: torch.Tensor) -> None:
 
 class _CallOrder:
     """The blocks one forward calls, in order (one entry per call; a block's calls that follow
-    one another count once: it stays in its part)."""
+    one another count once: it stays in its part), and those that change an input in place."""
 
     def __init__(self, blocks: Sequence[nn.Module]):
         self.blocks = blocks
         self.calls: list[int] = []
+        self.mutated: set[int] = set()
         self.handles: list = []
+        self._versions: dict[int, list] = {}
 
     def __enter__(self) -> "_CallOrder":
         for i, b in {id(b): (i, b) for i, b in reversed(list(enumerate(self.blocks)))}.values():
-            self.handles.append(b.register_forward_pre_hook(lambda m, a, i=i: self._ran(i)))
+            self.handles.append(b.register_forward_pre_hook(
+                lambda m, a, k, i=i: self._ran(i, a, k), with_kwargs=True))
+            self.handles.append(b.register_forward_hook(lambda m, a, out, i=i: self._done(i)))
         return self
 
-    def _ran(self, i: int) -> None:
+    def _ran(self, i: int, args, kwargs) -> None:
         if torch._C._current_graph_task_id() != -1:      # a recompute in backward
             return
+        self._versions[i] = [(t, t._version) for t in tensors_in((args, kwargs))]
         if not self.calls or self.calls[-1] != i:
             self.calls.append(i)
+
+    def _done(self, i: int) -> None:
+        if any(t._version != v for t, v in self._versions.pop(i, ())):
+            self.mutated.add(i)
 
     def __exit__(self, *exc) -> None:
         for h in self.handles:

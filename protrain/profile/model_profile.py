@@ -149,6 +149,10 @@ class ModelProfile(JsonValue):
     sequence_parallel: int = 1
     """The sequence-parallel degree the figures are per rank for (1: as measured on one rank;
     more: derived by protrain.sp.scaling)."""
+    inplace_blocks: tuple[str, ...] = ()
+    """Blocks that changed an input in place in forward (``x.add_(...)`` on what they were
+    given): a recompute would run from the changed input, so none of the model's blocks is
+    checkpointed (CKPT or SELECTIVE)."""
 
     # ---- derived views -------------------------------------------------------------------
     @property

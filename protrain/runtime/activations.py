@@ -434,7 +434,19 @@ class ActivationRuntime:
 
 def _checkpointed(forward, *args, _context_fn=None, **kwargs):
     extra = {"context_fn": _context_fn} if _context_fn is not None else {}
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+    given = [(t, t._version) for t in args if isinstance(t, torch.Tensor)] + \
+        [(t, t._version) for t in kwargs.values() if isinstance(t, torch.Tensor)]
+    out = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+    if torch.is_grad_enabled() and any(t._version != v for t, v in given):
+        # The recompute in backward would run from the changed input: refused, not trained
+        # wrong (the planner checkpoints no block of a model it saw do this).
+        raise RuntimeError(
+            f"ProTrain: {getattr(forward, '__self__', forward).__class__.__name__} changed an "
+            f"input in place in forward (x.add_(...) on what it was given) while it is "
+            f"checkpointed: its recompute would run from the changed input. Pin "
+            f"protrain.n_checkpoint and n_selective to 0 (a plan from plan_file or the profile "
+            f"cache made before the model did this: delete them to plan again)")
+    return out
 
 
 def _by_position(forward, calls: dict, position, *args, **kwargs):

@@ -113,13 +113,16 @@ class _BackwardMarks:
         self.parts: dict[int, tuple[weakref.ref, list[int]]] = {}
 
     def mark(self, t: torch.Tensor, part: int) -> None:
-        entry = self.parts.get(id(t))
+        # By version too: a tensor changed in place since its mark (a block returning its input
+        # after x.add_(...)) has another gradient node, which needs a hook of its own.
+        key = (id(t), t._version)
+        entry = self.parts.get(key)
         if entry is not None and entry[0]() is t:
             if part not in entry[1]:
                 entry[1].append(part)
             return
         parts = [part]
-        self.parts[id(t)] = (weakref.ref(t), parts)
+        self.parts[key] = (weakref.ref(t), parts)
 
         def hook(grad, parts=parts):
             for p in sorted(parts, reverse=True):
@@ -188,8 +191,8 @@ class PartBoundaries:
         """False once the hooks are removed: gradient hooks left on tensors that outlive them
         (an input reused by later iterations) report nothing."""
         self.marks = _BackwardMarks(self._bwd)
-        self.inputs: dict[int, list[torch.Tensor]] = {}
-        """Position -> the tensors of its call in progress."""
+        self.inputs: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        """Position -> the tensors of its call in progress, with their versions then."""
         self.returned: list[weakref.ref] = []
         """The tensors requiring grad the last block returned (its successor's hidden state)."""
         self.made_last = False
@@ -232,7 +235,7 @@ class PartBoundaries:
         again = i == self.cursor
         self.cursor, self.inside = i, True
         ts = tensors_in((args, kwargs))
-        self.inputs[i] = ts
+        self.inputs[i] = [(t, t._version) for t in ts]
         # The hidden state: what the previous block returned (a tensor made earlier and handed
         # to every block, rotary tables, would report this boundary in the pre part's
         # backward), else the first input that requires grad.
@@ -265,12 +268,14 @@ class PartBoundaries:
         self.inside = False
         ts = tensors_in(out)
         grads = grad_tensors(ts)
+        inputs = self.inputs.get(i, ())
         if not grads and torch.is_grad_enabled() and (
-                any(t.requires_grad for t in self.inputs.get(i, ())) or
+                any(t.requires_grad for t, _ in inputs) or
                 any(p.requires_grad for p in module.parameters())):
             raise _refuse(i, module, out)
-        # What the block made; an input it passes through is marked by its producer.
-        made = [t for t in grads if not any(t is x for x in self.inputs.get(i, ()))]
+        # What the block made (an input it changed in place included); an input it passes
+        # through is marked by its producer.
+        made = [t for t in grads if not any(t is x and t._version == v for x, v in inputs)]
         self.inputs.pop(i, None)
         self.returned = [weakref.ref(t) for t in grads]
         self.made_last = bool(made)

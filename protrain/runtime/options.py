@@ -7,7 +7,7 @@ Adapters build both; the runtime only reads them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 from .adam import AdamHyper
 from .collectives import DataParallel
@@ -87,3 +87,7 @@ class RuntimeOptions:
     (None: the process group's timeout)."""
     save_fix: str = ""
     """The way out to print when a state_dict of sharded weights is called on some ranks only."""
+    outside_forward: Callable[[], ContextManager] | None = None
+    """A context the adapter wraps around a forward of the model that does not come through
+    its engine call (``model.generate``, ``module(x)``; runtime/outside.py), e.g. to run plain
+    attention where its forward splits sequences over ranks. None: nothing."""

@@ -43,12 +43,14 @@ def path_to_blocks(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Mod
 
 
 class OutsideForwards:
-    """Enters ``forward_context`` for a forward of a module on the path to the blocks that
-    starts outside one (``inside()`` tells whether a context is open)."""
+    """Enters ``forward_context`` (inside ``around()``, the adapter's, when given) for a forward
+    of a module on the path to the blocks that starts outside one (``inside()`` tells whether
+    a context is open)."""
 
     def __init__(self, path: Sequence[nn.Module], forward_context: Callable[[], ContextManager],
-                 inside: Callable[[], bool]):
+                 inside: Callable[[], bool], around: Callable[[], ContextManager] | None = None):
         self._forward_context = forward_context
+        self._around = around
         self._inside = inside
         self._open: tuple[ExitStack, nn.Module] | None = None
         self._handles = []
@@ -59,7 +61,13 @@ class OutsideForwards:
     def _begin(self, module, args) -> None:
         if self._open is None and not self._inside():
             stack = ExitStack()
-            stack.enter_context(self._forward_context())
+            try:
+                if self._around is not None:
+                    stack.enter_context(self._around())
+                stack.enter_context(self._forward_context())
+            except BaseException:
+                stack.close()
+                raise
             self._open = (stack, module)
 
     def _end(self, module, args, out) -> None:

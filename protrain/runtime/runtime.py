@@ -150,7 +150,7 @@ class ProTrainRuntime:
         # A forward of the model that does not come through the engine (generate, module(x)).
         self._forward_depth = 0
         outside = OutsideForwards(path_to_blocks(model, self.blocks), self.forward_context,
-                                  lambda: self._forward_depth > 0)
+                                  lambda: self._forward_depth > 0, options.outside_forward)
         self._hooks.callback(outside.remove)
         self._part_chunks = [[self.chunks.chunks[c] for c in cs] for cs in layout.part_chunks]
         self._in_backward = False
@@ -236,7 +236,8 @@ class ProTrainRuntime:
             self.chunks.dp.rendezvous(
                 "a forward pass without gradients (evaluation, generate)",
                 timeout_s=self.options.gather_timeout_s,
-                fix="Run evaluation and generate on every rank (and print on one), as with ZeRO-3.")
+                fix="Run evaluation and generate on every rank, and print on one, as with ZeRO-3 "
+                    "(generate(..., synced_gpus=True): ranks that finish early keep stepping).")
         if torch.is_grad_enabled():       # an evaluation forward trains nothing: any layout runs it
             self.trainable.check("this training forward")
         if self._in_backward:

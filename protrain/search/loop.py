@@ -169,6 +169,9 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     chosen_i = min(tied, key=lambda i: plan_key(st.times[i], st.peak(i), st.knobs(i).as_tuple()))
     alternatives = _runner_ups(st, chosen_i)
     notes = _notes(st, chosen_i)
+    if profile.inplace_blocks:
+        notes += (f"no block recomputed: block {profile.inplace_blocks[0]} changes an input in "
+                  f"place in forward, which a recompute would see changed",)
     return replace(evaluate(profile, hw, st.knobs(chosen_i), config, alternatives=tuple(alternatives),
                             search_seconds=time.perf_counter() - t0, evaluated=st.evaluated,
                             total=st.total), notes=notes)

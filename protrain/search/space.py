@@ -87,6 +87,13 @@ def activation_counts(profile: ModelProfile, config: PlannerConfig, hw: Hardware
         ssds = np.array([pins.n_ssd])
     else:
         ssds = np.arange(min(n, max_ssd_blocks(profile, hw, states_busy)) + 1)
+    recompute = "" if not profile.inplace_blocks else (
+        f"block {profile.inplace_blocks[0]} changes an input in place in forward (x.add_(...) on "
+        f"what it was given), so a recompute would run from the changed input")
+    for key in ("n_checkpoint", "n_selective"):
+        if recompute and getattr(pins, key):
+            raise InfeasibleError(f"pinned {key}={getattr(pins, key)}: {recompute}; pin {key} to 0 "
+                                  f"or leave it on auto (no block is recomputed then)")
     if pins.n_selective is not None:
         if pins.n_selective and not profile.has_selective:
             raise InfeasibleError(
@@ -96,8 +103,9 @@ def activation_counts(profile: ModelProfile, config: PlannerConfig, hw: Hardware
                 f"n_selective to 0 or leave it on auto")
         sels = np.array([pins.n_selective])
     else:
-        sels = np.arange(n + 1) if profile.has_selective else np.array([0])
-    ckpts = np.array([pins.n_checkpoint]) if pins.n_checkpoint is not None else np.arange(n + 1)
+        sels = np.arange(n + 1) if profile.has_selective and not recompute else np.array([0])
+    ckpts = np.array([pins.n_checkpoint]) if pins.n_checkpoint is not None else \
+        np.arange(n + 1) if not recompute else np.array([0])
     nd, nc, nl = (x.ravel() for x in np.meshgrid(ssds, ckpts, sels, indexing="ij"))
     ok = nd + nc + nl <= n
     nd, nc, nl = nd[ok], nc[ok], nl[ok]

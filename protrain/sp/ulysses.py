@@ -105,12 +105,31 @@ class UlyssesAttention(TorchFunctionMode):
         return heads_to_seq(out, self.group, p)
 
 
+class UlyssesSwitch:
+    """Whether the Ulysses wrappers are on. On for the runtime's life - the recompute of a
+    checkpointed block in backward must run as its forward ran - except around a forward that
+    does not come through the sequence-parallel engine (``model.generate``, ``engine.module(x)``:
+    each rank holds the whole sequence there, and plain attention is right)."""
+
+    def __init__(self):
+        self.on = True
+
+    @contextmanager
+    def off(self):
+        before, self.on = self.on, False
+        try:
+            yield
+        finally:
+            self.on = before
+
+
 @contextmanager
-def ulysses_blocks(blocks: Sequence[nn.Module], group, degree: int):
-    """Make the blocks' attention Ulysses attention for the duration of the context. The mode
-    is entered inside each block's forward: checkpoint wrappers installed afterwards call
-    this forward again when they recompute. Yields the modes (their ``calls`` count tells
-    whether the model called SDPA at all)."""
+def ulysses_blocks(blocks: Sequence[nn.Module], group, degree: int, switch: UlyssesSwitch | None = None):
+    """Make the blocks' attention Ulysses attention for the duration of the context (while
+    ``switch`` is on). The mode is entered inside each block's forward: checkpoint wrappers
+    installed afterwards call this forward again when they recompute. Yields the modes (their
+    ``calls`` count tells whether the model called SDPA at all)."""
+    switch = switch or UlyssesSwitch()
     modes: list = [None] * len(blocks)
     saved = []
     try:
@@ -122,7 +141,7 @@ def ulysses_blocks(blocks: Sequence[nn.Module], group, degree: int):
                 if other is b:
                     modes[i] = mode
             saved.append((b, b.__dict__.get("forward")))
-            b.forward = functools.partial(_with_mode, b.forward, mode)
+            b.forward = functools.partial(_with_mode, b.forward, mode, switch)
         yield modes
     finally:
         for b, fwd in reversed(saved):
@@ -132,7 +151,9 @@ def ulysses_blocks(blocks: Sequence[nn.Module], group, degree: int):
                 b.forward = fwd
 
 
-def _with_mode(forward, mode, *args, **kwargs):
+def _with_mode(forward, mode, switch, *args, **kwargs):
+    if not switch.on:
+        return forward(*args, **kwargs)
     with mode:
         return forward(*args, **kwargs)
 
