@@ -38,7 +38,7 @@ from torch import nn
 
 from ..profile.blocks import find_blocks
 from ..profile.model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
-from ..runtime.boundaries import BlockOrderError, part_boundaries, position_names, tensors_in
+from ..runtime.boundaries import BlockOrderError, part_boundaries, position_names, tensors_in, version
 from ..runtime.buffers import ModuleState
 from ..runtime.meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
 from ..runtime.streams import Streams
@@ -659,12 +659,12 @@ class _CallOrder:
     def _ran(self, i: int, args, kwargs) -> None:
         if torch._C._current_graph_task_id() != -1:      # a recompute in backward
             return
-        self._versions[i] = [(t, t._version) for t in tensors_in((args, kwargs))]
+        self._versions[i] = [(t, version(t)) for t in tensors_in((args, kwargs))]
         if not self.calls or self.calls[-1] != i:
             self.calls.append(i)
 
     def _done(self, i: int) -> None:
-        if any(t._version != v for t, v in self._versions.pop(i, ())):
+        if any(version(t) != v for t, v in self._versions.pop(i, ())):
             self.mutated.add(i)
 
     def __exit__(self, *exc) -> None:

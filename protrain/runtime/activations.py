@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..block_mode import BlockMode
-from .boundaries import block_positions
+from .boundaries import block_positions, version
 from .meter import storage_ptr
 from .buffers import buffers_context_fn
 from .selective import combine_context_fns, selective_context_fn
@@ -434,10 +434,10 @@ class ActivationRuntime:
 
 def _checkpointed(forward, *args, _context_fn=None, **kwargs):
     extra = {"context_fn": _context_fn} if _context_fn is not None else {}
-    given = [(t, t._version) for t in args if isinstance(t, torch.Tensor)] + \
-        [(t, t._version) for t in kwargs.values() if isinstance(t, torch.Tensor)]
+    given = [(t, version(t)) for t in args if isinstance(t, torch.Tensor)] + \
+        [(t, version(t)) for t in kwargs.values() if isinstance(t, torch.Tensor)]
     out = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
-    if torch.is_grad_enabled() and any(t._version != v for t, v in given):
+    if torch.is_grad_enabled() and any(version(t) != v for t, v in given):
         # The recompute in backward would run from the changed input: refused, not trained
         # wrong (the planner checkpoints no block of a model it saw do this).
         raise RuntimeError(

@@ -93,6 +93,12 @@ def grad_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t for t in tensors if t.is_floating_point() and t.requires_grad]
 
 
+def version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter; -1 for an inference tensor (made under
+    ``torch.inference_mode``), which keeps none and cannot be changed outside that mode."""
+    return -1 if t.is_inference() else t._version
+
+
 def first_tensor(args, kwargs=None) -> torch.Tensor | None:
     """The hidden state a block receives or returns: its first floating-point tensor that
     requires grad, else its first floating-point tensor (in any structure, ``tensors_in``)."""
@@ -115,7 +121,7 @@ class _BackwardMarks:
     def mark(self, t: torch.Tensor, part: int) -> None:
         # By version too: a tensor changed in place since its mark (a block returning its input
         # after x.add_(...)) has another gradient node, which needs a hook of its own.
-        key = (id(t), t._version)
+        key = (id(t), version(t))
         entry = self.parts.get(key)
         if entry is not None and entry[0]() is t:
             if part not in entry[1]:
@@ -235,7 +241,7 @@ class PartBoundaries:
         again = i == self.cursor
         self.cursor, self.inside = i, True
         ts = tensors_in((args, kwargs))
-        self.inputs[i] = [(t, t._version) for t in ts]
+        self.inputs[i] = [(t, version(t)) for t in ts]
         # The hidden state: what the previous block returned (a tensor made earlier and handed
         # to every block, rotary tables, would report this boundary in the pre part's
         # backward), else the first input that requires grad.
@@ -275,7 +281,7 @@ class PartBoundaries:
             raise _refuse(i, module, out)
         # What the block made (an input it changed in place included); an input it passes
         # through is marked by its producer.
-        made = [t for t in grads if not any(t is x and t._version == v for x, v in inputs)]
+        made = [t for t in grads if not any(t is x and version(t) == v for x, v in inputs)]
         self.inputs.pop(i, None)
         self.returned = [weakref.ref(t) for t in grads]
         self.made_last = bool(made)
