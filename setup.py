@@ -57,6 +57,8 @@ setup(
         # peft: the PEFT LoRA case of the Hugging Face matrix (tests/test_hf_matrix.py)
         "test": ["pytest>=7", "transformers>=4.40", "accelerate>=0.30", "matplotlib==3.11.2",
                  "peft==0.21.2"],
+        # the deselected runs (`pytest -m matrix`): TRL's DPOTrainer (tests/test_trl.py)
+        "matrix": ["trl==1.16.0"],
         # `protrain explain PLAN.json --plot out.png`: the timeline drawn
         "plot": ["matplotlib==3.11.2"],
         "gds": ["kvikio-cu13==26.10.0"],

@@ -242,8 +242,7 @@ def launch(world: int, spec: dict, out_dir: str) -> list[dict]:
 
 def launch_runs(world: int, runs: dict[str, dict], out_dir: str) -> dict[str, list[dict]]:
     """Several runs in turn in one launch: {name: each rank's result}; weights in out_dir/name."""
-    import torch.multiprocessing as mp
-    mp.start_processes(run_rank, args=(world, free_port(), {"runs": runs}, out_dir), nprocs=world,
-                       start_method="spawn", join=True)
+    from ranks import start_ranks
+    start_ranks(run_rank, (world, free_port(), {"runs": runs}, out_dir), world)
     return {name: [json.load(open(os.path.join(out_dir, name, f"rank{r}.json"))) for r in range(world)]
             for name in runs}

@@ -78,19 +78,9 @@ def two_ranks(worker: str, tmp_path, *args: str) -> list[dict]:
     """Run ``tests/<worker> RANK 2 PORT OUT_DIR *args`` as two processes (gloo on a free port)
     and return what each rank wrote to OUT_DIR/rank<r>.json."""
     import json
-    import subprocess
-    import sys
 
     from dpworker import free_port
+    from ranks import run_script_ranks
     path = os.path.join(os.path.dirname(__file__), worker)
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, path, str(r), "2", port, str(tmp_path), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:          # one rank failing must not leave the other waiting forever
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    run_script_ranks(path, ["2", str(free_port()), str(tmp_path), *args], 2)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

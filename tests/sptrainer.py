@@ -87,9 +87,8 @@ def train(rank: int, world: int, spec: dict, out_dir: str, recorder=None) -> dic
 
 
 def launch(world: int, spec: dict, out_dir: str) -> list[dict]:
-    import torch.multiprocessing as mp
+    from ranks import start_ranks
     from dpworker import free_port
     os.makedirs(out_dir, exist_ok=True)
-    mp.start_processes(run_rank, args=(world, free_port(), spec, out_dir), nprocs=world,
-                       start_method="spawn", join=True)
+    start_ranks(run_rank, (world, free_port(), spec, out_dir), world)
     return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]

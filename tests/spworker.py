@@ -307,11 +307,10 @@ def _train(rank, world, spec, recorder, out_dir) -> dict:
 
 def launch(world: int, runs: list[dict], out_dir: str) -> dict[str, list[dict]]:
     """Run ``runs`` on ``world`` ranks; returns {run name: [result of each rank]}."""
-    import torch.multiprocessing as mp
+    from ranks import start_ranks
     from dpworker import free_port
     os.makedirs(out_dir, exist_ok=True)
-    mp.start_processes(run_rank, args=(world, free_port(), runs, out_dir), nprocs=world,
-                       start_method="spawn", join=True)
+    start_ranks(run_rank, (world, free_port(), runs, out_dir), world)
     per_rank = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
     return {spec["name"]: [r[spec["name"]] for r in per_rank] for spec in runs}
 

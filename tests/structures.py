@@ -205,9 +205,8 @@ def launch(world: int, runs: dict, out_dir: str) -> list[dict]:
     """Each rank's results of ``runs`` (see run_rank)."""
     import os
 
-    import torch.multiprocessing as mp
+    from ranks import start_ranks
     from dpworker import free_port
     os.makedirs(out_dir, exist_ok=True)
-    mp.start_processes(run_rank, args=(world, free_port(), runs, out_dir), nprocs=world,
-                       start_method="spawn", join=True)
+    start_ranks(run_rank, (world, free_port(), runs, out_dir), world)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]

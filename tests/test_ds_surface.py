@@ -215,10 +215,9 @@ def test_a_forward_on_one_rank_alone_is_refused_by_name_not_a_hang(tmp_path):
     for ever in the gather of the other rank's shards (it hung); it fails after gather_timeout
     naming the ranks that did not come and the fix, and training goes on."""
     import json
-    import torch.multiprocessing as mp
+    from ranks import start_ranks
     from dpworker import free_port
-    mp.start_processes(_rank_alone, args=(2, free_port(), str(tmp_path)), nprocs=2,
-                       start_method="spawn", join=True)
+    start_ranks(_rank_alone, (2, free_port(), str(tmp_path)), 2)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert "rank(s) [1] did not call it within 3 s" in ranks[0]["error"], ranks[0]
     assert "on every rank" in ranks[0]["error"] and ranks[0]["waited"] < 30

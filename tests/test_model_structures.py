@@ -170,7 +170,7 @@ def test_batch_dims_find_a_sequence_only_where_the_inputs_have_one():
 def two_ranks(tmp_path_factory):
     """One launch of two gloo ranks: an MLP and a CNN under plain DeepSpeed ZeRO-0 and with
     offloaded chunks (every rank takes its half of each global batch)."""
-    import torch.multiprocessing as mp
+    from ranks import start_ranks
     from dpworker import free_port
     from structure_models import run_rank
     runs = {"mlp, deepspeed": ("mlp", None),
@@ -178,8 +178,7 @@ def two_ranks(tmp_path_factory):
             "cnn, deepspeed": ("cnn", None),
             "cnn": ("cnn", dict(chunk_size="12KiB", n_persist=1, n_checkpoint=1, n_swap=1))}
     out = tmp_path_factory.mktemp("structures")
-    mp.start_processes(run_rank, args=(2, free_port(), runs, str(out)), nprocs=2,
-                       start_method="spawn", join=True)
+    start_ranks(run_rank, (2, free_port(), runs, str(out)), 2)
     return {name: torch.load(out / f"{name}.pt") for name in runs}
 
 
