@@ -8,6 +8,19 @@ from dstrain import TINY, base_config, train, with_protrain
 OFFLOADED = dict(chunk_size="64KiB", n_persist=1)
 
 
+def run_steps(engine, start: int, n: int) -> list[float]:
+    """Steps ``start`` .. ``start + n - 1`` of the TINY model's batches; their losses."""
+    from protrain.models import synthetic_batch
+    losses = []
+    for i in range(start, start + n):
+        x, y = synthetic_batch(TINY, 2, seed=i)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("optimizer", [
     {"type": "AdamW", "params": {"lr": 1e-3}},
     {"type": "Adam", "params": {"lr": 1e-3}},
@@ -77,13 +90,7 @@ def test_a_job_resumed_from_a_checkpoint_runs_its_own_pins(tmp_path):
             # The weights are there before the first forward (evaluation, state_dict).
             assert torch.equal(model.state_dict()["transformer.h.0.mlp.c_fc.weight"],
                                saved_weights["transformer.h.0.mlp.c_fc.weight"])
-        losses = []
-        for i in range(start, start + steps):
-            x, y = synthetic_batch(TINY, 2, seed=i)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = run_steps(engine, start, steps)
         if save:
             engine.save_checkpoint(save)
         state = model.state_dict()
@@ -123,14 +130,7 @@ def test_an_engine_without_an_optimizer_runs_forward_as_deepspeed_does(capsys):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=with_protrain(cfg, **OFFLOADED))
     assert isinstance(engine, ProTrainEngine)
-    losses = []
-    for i in range(3):
-        x, y = synthetic_batch(TINY, 2, seed=i)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    assert losses == ds_losses
+    assert run_steps(engine, 0, 3) == ds_losses
     state = model.state_dict()
     for name, w in ds_weights.items():
         assert torch.equal(state[name], w), name
@@ -246,14 +246,7 @@ def test_a_checkpoint_saved_before_the_first_forward_resumes_like_deepspeed(tmp_
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=with_protrain(cfg, **OFFLOADED))
     engine.load_checkpoint(str(tmp_path))
-    losses = []
-    for i in range(3):
-        x, y = synthetic_batch(TINY, 2, seed=i)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    assert losses == ds_losses
+    assert run_steps(engine, 0, 3) == ds_losses
     state = model.state_dict()
     for name, w in ds_weights.items():
         assert torch.equal(state[name], w), name
@@ -276,15 +269,7 @@ def test_requires_grad_changed_between_a_load_and_the_first_forward_is_refused(t
         return model, deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=with_protrain(cfg, **OFFLOADED))[0]
 
-    def steps(engine, start, n):
-        out = []
-        for i in range(start, start + n):
-            x, y = synthetic_batch(TINY, 2, seed=i)
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            out.append(loss.item())
-        return out
+    steps = run_steps
     model, engine = engine_for()
     first = steps(engine, 0, 2)
     engine.save_checkpoint(str(tmp_path))
