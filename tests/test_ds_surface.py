@@ -74,7 +74,7 @@ def test_a_job_resumed_from_a_checkpoint_runs_its_own_pins(tmp_path):
     """load_checkpoint into a fresh engine: the job plans at its first forward with its own
     pins (not the checkpoint's plan, which was run silently before) and goes on exactly."""
     import deepspeed
-    from protrain.models import GPT, synthetic_batch
+    from protrain.models import GPT
     cfg = base_config(gradient_clipping=1.0)
     ds_losses, ds_weights, _ = train(cfg, steps=6)
 
@@ -231,7 +231,7 @@ def test_a_checkpoint_saved_before_the_first_forward_resumes_like_deepspeed(tmp_
     losses and weights; DeepSpeed's tag checks apply before anything is written."""
     import deepspeed
     from protrain.config import ConfigError
-    from protrain.models import GPT, synthetic_batch
+    from protrain.models import GPT
     cfg = base_config(gradient_clipping=1.0)
     ds_losses, ds_weights, _ = train(cfg, steps=3)
     torch.manual_seed(0)
