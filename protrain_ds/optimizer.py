@@ -170,6 +170,12 @@ class ProTrainOptimizer(ZeROOptimizer):
         self.overflow = opt.overflow
         self._global_grad_norm = opt.global_grad_norm
 
+    @property
+    def parameter_offload(self) -> "NoZero3Hooks":
+        """ZeRO-3's hook holder, for callers that read the JSON's stage 3 (TRL's
+        ``unwrap_model_for_generation``): ProTrain has no ZeRO-3 hooks to take off."""
+        return NoZero3Hooks()
+
     def zero_grad(self, set_to_none: bool = True):
         if self.runtime is not None:
             self.runtime.optimizer.zero_grad()
@@ -190,3 +196,28 @@ class ProTrainOptimizer(ZeROOptimizer):
         raise NotImplementedError(
             "optimizer.load_state_dict() of a ProTrain engine: resume with "
             "engine.load_checkpoint(DIR) from a checkpoint written by engine.save_checkpoint(DIR)")
+
+
+class NoZero3Hooks:
+    """What a caller that reads ZeRO stage 3 in the JSON finds at
+    ``engine.optimizer.parameter_offload``. TRL's ``unwrap_model_for_generation`` (GRPO, RLOO,
+    its generation callbacks) takes ZeRO-3's module hooks off around ``generate`` and puts them
+    back (``remove_hooks`` / ``add_hooks``); ProTrain installs no ZeRO-3 hooks, and the forward
+    hooks it has (runtime/outside.py: a forward outside ``engine(...)`` gathers what it needs)
+    must stay for that very ``generate``. So there is nothing to take off: no module whose
+    parameters carry ZeRO-3 bookkeeping, no hooks, and putting back does nothing."""
+
+    def __init__(self):
+        self.module = _NoZero3Module()
+        self.forward_hooks: list = []
+        self.backward_hooks: list = []
+
+    def _register_deepspeed_module(self, module) -> None:
+        """ZeRO-3 registers its hooks again here; nothing was removed."""
+
+
+class _NoZero3Module(torch.nn.Module):
+    """An empty module with ZeRO-3's one extra method (external parameters: none)."""
+
+    def ds_external_parameters(self) -> list:
+        return []

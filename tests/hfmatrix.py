@@ -162,6 +162,9 @@ def train(case: dict, out_dir: str) -> dict:
     if padded:    # in order, so the lengths above are the micro-batches' (a rank takes every world-th)
         trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
     idle = _idle_experts(model) if case["arch"] == "mixtral" else None
+    generated = []
+    if case.get("generate"):
+        trainer.add_callback(_SamplesDuringTraining(trainer, generated))
     trainer.train(resume_from_checkpoint=case.get("resume"))
     engine = trainer.model_wrapped
     plan = getattr(engine, "protrain_plan", None)
@@ -174,7 +177,7 @@ def train(case: dict, out_dir: str) -> dict:
         "offloaded": len(engine.protrain_runtime.chunks.offloaded()) if plan else None,
         "trainable": len(plan.params) if plan else None,
         "idle_experts": idle() if idle else None,
-        "lengths": seen,
+        "lengths": seen, "generated": generated,
         "gradient_checkpointing": bool(getattr(_base(model), "is_gradient_checkpointing", False)),
     }
     if case.get("save_steps"):         # what the Trainer saved at the last checkpoint
@@ -190,7 +193,34 @@ def train(case: dict, out_dir: str) -> dict:
             if os.path.exists(os.path.join(final, "model.safetensors")) else None
     engine.destroy()                   # gathers parameters sharded over ranks back
     result["weights"] = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    # One training per process, as users run them: with a ZeRO-3 JSON the Trainer leaves
+    # transformers' ZeRO-3 switch on, and the next run's model would be built under zero.Init.
+    from transformers.integrations import deepspeed as hf_deepspeed
+    hf_deepspeed.unset_hf_deepspeed_config()
     return result
+
+
+class _SamplesDuringTraining:
+    """TRL's way to sample during training (GRPO, RLOO, its generation callbacks): after the
+    second step, ``unwrap_model_for_generation`` (with a ZeRO-3 JSON it gathers the parameters
+    and removes ZeRO-3's hooks) around a greedy ``generate``; training then goes on."""
+
+    def __init__(self, trainer, out: list):
+        self.trainer, self.out = trainer, out
+
+    def __getattr__(self, name):          # every other TrainerCallback event: nothing
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != 2:
+            return
+        from trl.models.utils import unwrap_model_for_generation
+        engine = self.trainer.model_wrapped
+        with unwrap_model_for_generation(engine, self.trainer.accelerator) as unwrapped:
+            self.out.append(unwrapped.generate(torch.arange(1, 6).unsqueeze(0), max_new_tokens=6,
+                                               do_sample=False, pad_token_id=0).tolist())
 
 
 def _base(model):

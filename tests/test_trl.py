@@ -98,3 +98,18 @@ def test_dpo_in_bf16_trains_like_deepspeed_within_bf16_error(tmp_path):
         assert abs(a[0] - b[0]) <= 0.01 * abs(b[0]), (pt["logged"], ds["logged"])
     for n, w in ds["weights"].items():
         assert (pt["weights"][n].float() - w.float()).abs().max() <= 0.03, n
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("zero3", [False, True], ids=["zero0-json", "zero3-json"])
+def test_samples_through_unwrap_model_for_generation_like_deepspeed(tmp_path, zero3):
+    """TRL's ``unwrap_model_for_generation`` between training steps (GRPO, RLOO and TRL's
+    generation callbacks sample so): with a ZeRO-3 JSON it gathers the parameters and takes
+    ZeRO-3's hooks off the engine's optimizer, then puts them back. The samples and the training
+    after them are plain DeepSpeed's (fp32)."""
+    case = dict(arch="llama", zero3=zero3, generate=True, steps=4)
+    pt = hfmatrix.train(dict(case, protrain=True, name="protrain"), str(tmp_path))
+    ds = hfmatrix.train(dict(case, protrain=False, name="deepspeed"), str(tmp_path))
+    assert pt["engine"] == "ProTrainEngine" and pt["offloaded"] > 0
+    assert pt["losses"] == ds["losses"], (pt["losses"], ds["losses"])
+    assert len(pt["generated"]) == 1 and pt["generated"] == ds["generated"]
