@@ -19,6 +19,15 @@ else
     python3 -m pip install -q -e ".[test]" || exit 1
     python3 -m pip install -q -e ".[gds]" || echo "kvikio not installed: the SSD tier uses its POSIX backend"
 fi
+# DeepSpeed 0.19.8's JIT builder parses TORCH_CUDA_ARCH_LIST as numbers: an architecture with
+# the 'a' suffix (9.0a, which this GPU image sets) fails every CUDA op build (FusedAdam: plain
+# DeepSpeed's optimizer) with "invalid literal for int() with base 10: '0a'" (first GPU run).
+echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-unset}"
+case "${TORCH_CUDA_ARCH_LIST:-}" in
+  *[0-9]a*) fixed=$(echo "$TORCH_CUDA_ARCH_LIST" | sed 's/\([0-9]\)a/\1/g')
+            echo "TORCH_CUDA_ARCH_LIST='$TORCH_CUDA_ARCH_LIST' -> '$fixed' (DeepSpeed cannot parse the 'a' suffix)"
+            export TORCH_CUDA_ARCH_LIST=$fixed ;;
+esac
 python3 - <<'PY' || exit 1
 import deepspeed, torch
 assert getattr(deepspeed.initialize, "_protrain_wrapper", False), "start-up hook not active"

@@ -275,10 +275,12 @@ def section_syncs(out: Path) -> dict:
            "syncs_per_step": counter.total / steady, "syncs_by_phase": dict(counter.phases),
            "sync_sites": counter.sites.most_common(25), "stats": engine.protrain_stats()}
     engine.destroy()
+    res["losses"] = pt
+    print("PARTIAL " + json.dumps(res, default=str), flush=True)     # kept if the reference fails
     ref_engine = build_engine(ds_config(None), tiny_llama())
     ref = [x.item() for x in micro_steps(ref_engine, warm + steady)]
     rel = [abs(a - b) / abs(b) for a, b in zip(pt, ref)]
-    res.update(losses=pt, deepspeed_zero0_losses=ref, max_rel_loss_diff=max(rel),
+    res.update(deepspeed_zero0_losses=ref, max_rel_loss_diff=max(rel),
                losses_match_within_bf16=max(rel) <= 1e-2)
     return res
 
@@ -297,8 +299,11 @@ def section_tiers(out: Path) -> dict:
            "activation_stats": rt.activations.stats, "stats": engine.protrain_stats()}
     try:
         import kvikio
+        import kvikio.cufile_driver as driver
+        import kvikio.defaults as defaults
         res["kvikio"] = {"version": kvikio.__version__,
-                         "compat_mode": str(kvikio.defaults.compat_mode())}
+                         "compat_mode_preferred": defaults.is_compat_mode_preferred(),
+                         "gds_available": driver.get("is_gds_available")}
     except Exception as e:  # noqa: BLE001 - recorded, not fatal
         res["kvikio"] = f"{type(e).__name__}: {e}"
     engine.destroy()
@@ -627,9 +632,12 @@ def drive(names: list[str], out: Path, deadline: float, dry_run: bool) -> dict:
             line = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
             entry = {"seconds": round(time.time() - started, 1), "exit": proc.returncode,
                      "ok": rc == 0 and bool(line)}
+            partial = [ln for ln in text.splitlines() if ln.startswith("PARTIAL ")]
             if entry["ok"]:
                 entry["result"] = json.loads(line[-1][7:])
             else:
+                if partial:
+                    entry["partial"] = json.loads(partial[-1][8:])
                 entry["error"] = ("timed out after %d s; " % limit if rc is None else "") + text[-4000:]
             results["sections"][name] = entry
             print(f"== {name}: {'ok' if entry['ok'] else 'FAILED'} in {entry['seconds']} s", flush=True)

@@ -368,3 +368,57 @@ def test_host_updates_run_into_the_next_forward_whose_uploads_wait_for_them(monk
             done.add(idx)
         elif kind == "upload" and steps_seen:
             assert idx in done, (idx, log)
+
+
+def test_the_next_forward_starts_while_updates_of_chunks_it_needs_later_still_run(monkeypatch):
+    """Issue 35, item 3: after step() the offloaded chunks' updates (clipping on, no
+    speculation: all of them) are still running when the next forward starts. That forward's
+    first part needs only persistent chunks: its compute must start at once, its prefetch
+    stopping at the first chunk not yet updated (it used to wait for each one there, before
+    any kernel of the forward was launched). The worker is held until the first part's
+    forward runs; training stays exactly DeepSpeed's."""
+    import deepspeed
+    from dstrain import GPT
+    from protrain.models import synthetic_batch
+    model_cfg, pins = SHAPES["a mix"]
+    clip = '{"gradient_clipping": 1.0}'
+    ref_losses, ref_weights = deepspeed_run(model_cfg, clip, 4)
+    finish = ChunkOptimizer._finish_chunk
+    gate = threading.Event()
+    open_at_first_part, timed_out = [], []
+
+    def gated(self, c, *a):
+        if not gate.wait(timeout=3):          # the forward never started: let training go on
+            timed_out.append(c.index)
+            gate.set()
+        finish(self, c, *a)
+    monkeypatch.setattr(ChunkOptimizer, "_finish_chunk", gated)
+    with deferred_streams(monkeypatch):
+        torch.manual_seed(0)
+        model = GPT(model_cfg)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=with_protrain(base_config(**json.loads(clip)), **pins,
+                                                               speculate_chunks=0))
+
+        def first_part_runs(module, args):
+            if engine.protrain_runtime is not None and engine.protrain_runtime.optimizer._ready:
+                open_at_first_part.append(gate.is_set())
+            gate.set()                               # the updates may finish now
+        model.transformer.wte.register_forward_pre_hook(first_part_runs)
+        losses = []
+        for i in range(4):
+            gate.clear() if i else gate.set()
+            x, y = synthetic_batch(model_cfg, 2, seed=i)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        gate.set()
+        rt = engine.protrain_runtime
+        assert all(rt.chunks.chunks[i].persistent for i in range(2)) and rt.chunks.offloaded()
+        state = model.state_dict()
+        weights = {n: state[n].float().clone() for n, _ in model.named_parameters()}
+        engine.destroy()
+    assert not timed_out and open_at_first_part[1:] == [False] * 3, (timed_out, open_at_first_part)
+    assert losses == ref_losses
+    assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())

@@ -1,5 +1,6 @@
 """Selective checkpointing on CUDA: the fused attention kernels (flash / memory-efficient /
-cuDNN) are the ones the policy keeps, gradients equal keep-all, and the bytes kept are what
+cuDNN) are the ones the policy keeps, gradients equal keep-all (up to the attention
+backward's own non-determinism), and the bytes kept are what
 the profiler measured with the device allocator. Skipped without a GPU (bench/gpu_session.sh
 tests runs it)."""
 import numpy as np
@@ -50,9 +51,14 @@ def test_selective_mode_on_cuda_keeps_the_attention_kernel_outputs():
     prof = profile_model(model, lambda m: m(x, y), progress=False, micro_batch=2, seq_len=2048)
     assert prof.has_selective and all(b.attn_fwd_time > 0 and b.attn_bwd_time > 0 for b in prof.blocks)
     keep_peak, keep = _peak_and_grads(model, x, y, [BlockMode.NONE] * 4)
+    _, again = _peak_and_grads(model, x, y, [BlockMode.NONE] * 4)
     sel_peak, sel = _peak_and_grads(model, x, y, [BlockMode.SELECTIVE] * 4)
+    # The fused attention backward accumulates dQ with atomics (not bit-reproducible: the first
+    # GPU run saw keep-all differ from itself), so selective must differ from keep-all no more
+    # than keep-all differs from itself; where keep-all repeats exactly, exactly.
     for name, g in keep.items():
-        assert torch.equal(sel[name], g), name
+        noise = (again[name].float() - g.float()).norm().item()
+        assert (sel[name].float() - g.float()).norm().item() <= 4 * noise, (name, noise)
     predicted, _ = activation_walk(prof, np.array([[BlockMode.SELECTIVE.code] * 4]))
     assert sel_peak < keep_peak
     assert predicted[0] == pytest.approx(sel_peak, rel=0.05)

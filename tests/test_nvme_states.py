@@ -75,6 +75,38 @@ def test_states_on_nvme_train_exactly_like_deepspeed_under_clipping(tmp_path, mo
     assert os.listdir(ssd) == []
 
 
+class _CuFileLikeStore:
+    """What ``choose_store`` gives where kvikio does GPUDirect Storage: a store whose I/O takes
+    device memory; kvikio's ``CuFile`` refuses a CPU ``torch.Tensor`` (it takes CUDA arrays or
+    the buffer protocol)."""
+    name = "kvikio"
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("CuFile.pwrite: a CPU torch.Tensor is neither a CUDA array nor a buffer")
+    write = read = _refuse
+
+    def close(self):
+        pass
+
+
+def test_states_on_nvme_use_the_host_store_where_kvikio_does_gpudirect_storage(tmp_path, monkeypatch):
+    """Issue 35, item 1: where GDS is active the activation tier's store is kvikio's; the states
+    on NVMe are host memory (the staging ring, a chunk's master) and must not go through it.
+    They train as without it, through the POSIX store, and the start-up report says why."""
+    from protrain.runtime import nvme_states
+    # The state tier's own name for the activation tier's choice (the bandwidth probe, which
+    # measures the activation tier's store, keeps the real one).
+    monkeypatch.setattr(nvme_states, "choose_store", lambda *a, **k: _CuFileLikeStore(), raising=False)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    cfg = with_protrain(base_config(), **PINS, n_nvme=2, ssd_path=str(ssd))
+    losses, _, engine = train(cfg, UNTIED, 3)
+    nvme = engine.protrain_runtime.chunks.nvme
+    assert nvme.store.name == "posix" and "host" in nvme.backend
+    assert nvme.written_bytes > 0 and all(x == x for x in losses)
+    engine.destroy()
+
+
 def test_the_planner_puts_states_on_the_drive_when_the_host_budget_is_short(tmp_path, monkeypatch):
     """An unchanged script, n_nvme left to the planner, a host budget below what every
     offloaded chunk's states (and their speculation backups) need in host memory: the plan

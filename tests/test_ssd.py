@@ -349,21 +349,25 @@ def test_posix_backend_stages_device_tensors_through_its_pinned_bounce_buffer(tm
 def _fake_kvikio(monkeypatch, *, compat: bool, gds: bool, new_api: bool = True):
     """A kvikio module in the given state, importable: kvikio 26.x's API (defaults.
     is_compat_mode_preferred, cufile_driver.get) or an older one (defaults.compat_mode
-    returning a CompatMode, cufile_driver.DriverProperties)."""
+    returning a CompatMode, cufile_driver.DriverProperties). As in kvikio 26.10, ``defaults``
+    and ``cufile_driver`` are submodules the package's ``__init__`` does not import: they are
+    importable, not attributes of ``kvikio`` until imported (the first GPU run found
+    ``kvikio.defaults`` read as an attribute)."""
     import sys
     import types
     kvikio = types.ModuleType("kvikio")
     driver = types.ModuleType("kvikio.cufile_driver")
+    defaults = types.ModuleType("kvikio.defaults")
     if new_api:
-        kvikio.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: compat)
+        defaults.is_compat_mode_preferred = lambda: compat
         driver.get = lambda key: {"is_gds_available": gds}[key]
     else:
         mode = types.SimpleNamespace(name="ON" if compat else "OFF")
-        kvikio.defaults = types.SimpleNamespace(compat_mode=lambda: mode)
+        defaults.compat_mode = lambda: mode
         driver.DriverProperties = lambda: types.SimpleNamespace(is_gds_available=gds)
-    kvikio.cufile_driver = driver
     monkeypatch.setitem(sys.modules, "kvikio", kvikio)
     monkeypatch.setitem(sys.modules, "kvikio.cufile_driver", driver)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
     return kvikio
 
 

@@ -399,12 +399,11 @@ class ActivationRuntime:
         stash = self.stashes.get(b)
         if stash is None:
             return
-        after = self.streams.compute_event()
         for entry in stash.stored.values():
             if entry.device_back is None and entry.unpacks == 0:
-                self._fetch(stash, entry, after)
+                self._fetch(stash, entry)
 
-    def _fetch(self, stash, entry: _Stored, after=None) -> None:
+    def _fetch(self, stash, entry: _Stored) -> None:
         alive = entry.storage()
         if alive is not None:
             # Forwarding: the tensor is still in device memory (still in flight, or kept by
@@ -416,7 +415,11 @@ class ActivationRuntime:
                 self.stats["writes_skipped"] += 1
             return
         entry.device_back = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
-        stash.begin_read(entry, entry.device_back, after or self.streams.compute_event())
+        # The compute queue marked after the allocation: the buffer comes from the compute
+        # stream's pool, and the read into it waits for every kernel queued before it got the
+        # memory (a mark taken before the allocation is as good while no kernel is queued in
+        # between, but the CUDA sanitizer cannot know that: it flagged it on the first GPU run).
+        stash.begin_read(entry, entry.device_back, self.streams.compute_event())
         key = "ssd_read_bytes" if isinstance(stash, SSDStash) else "prefetched_bytes"
         self.stats[key] += entry.nbytes
 

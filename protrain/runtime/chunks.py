@@ -168,6 +168,9 @@ class ChunkManager:
         self.dp = dp or DataParallel(None)
         # Set by the optimizer: wait for a chunk's pending CPU Adam update / for all of them.
         self.host_ready: Callable[[Chunk], None] = lambda c: None
+        """Block until the chunk's host copy is final (its CPU Adam update done)."""
+        self.host_ready_now: Callable[[Chunk], bool] = lambda c: True
+        """Whether it is final now, without waiting (prefetch asks this)."""
         self.host_sync: Callable[[], None] = lambda: None
         self.tracer = None               # runtime/timeline_recorder.py's, when a trace is on
         self.dtype = named_params[0][1].dtype

@@ -61,7 +61,7 @@ import torch
 from ..state_tier import (NVME_STATE_SLOTS, STAGING_SLOTS, staged_bytes_per_element,
                           state_bytes_per_element)
 from ..units import fmt_bytes
-from .storage import ALIGN, BlockFile, RunDirectory, StorageConfigError, choose_store
+from .storage import ALIGN, BlockFile, PosixStore, RunDirectory, StorageConfigError
 from .streams import Streams
 
 
@@ -195,8 +195,7 @@ class NvmeStates:
         try:
             self.file = BlockFile(self.rundir.path / "states.opt", at)
             if self.store is None:
-                self.store = choose_store(self.device, self.rundir.path, verify=self.verify,
-                                          streams=self.streams)
+                self.store = host_state_store(self.verify, self.streams)
             for _ in range(self.n_slots):
                 raw = self.streams.pinned(region + ALIGN, torch.uint8)
                 skip = (-raw.data_ptr()) % ALIGN
@@ -501,3 +500,14 @@ class NvmeStates:
         return (f"{which}: {fmt_bytes(self.state_bytes())} of optimizer states, {self.n_slots} "
                 f"staging buffers of {fmt_bytes(self.fields * self.field_stride)}"
                 + (" (states and the master before a speculative update)" if self.master_backup else ""))
+
+
+def host_state_store(verify: bool, streams) -> PosixStore:
+    """The store of the states on NVMe: POSIX (O_DIRECT from the pinned staging ring), also
+    where kvikio does GPUDirect Storage. The states move between the drive and host memory
+    only (CPU Adam updates them there); GDS moves device memory, and kvikio's ``CuFile``
+    takes device arrays or the buffer protocol, not a CPU ``torch.Tensor`` - the activation
+    tier's choice (``choose_store``), handed these host buffers, failed at the first write."""
+    store = PosixStore(verify=verify, streams=streams)
+    store.reason = "host staging buffers: GPUDirect Storage moves device memory, these states live on the host"
+    return store

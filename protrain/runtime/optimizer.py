@@ -241,6 +241,7 @@ class ChunkOptimizer:
         if self.nvme is not None:
             self.worker.on_error(self.nvme.fail)
         self.chunks.host_ready = self.wait_host_ready
+        self.chunks.host_ready_now = self.host_ready_now
         self.chunks.host_sync = self.sync
         self.tracer = None               # runtime/timeline_recorder.py's, when a trace is on
         self.carry_over = True
@@ -631,6 +632,11 @@ class ChunkOptimizer:
     def backup_bytes(self) -> int:
         """Host bytes of the speculation backups (chunks in host memory that speculate)."""
         return sum(t.numel() * t.element_size() for b in self._backup.values() for t in b)
+
+    def host_ready_now(self, c: Chunk) -> bool:
+        """Whether ``c``'s host states are final now (no wait)."""
+        e = self._ready.get(c.index)
+        return e is None or e.is_set()
 
     def wait_host_ready(self, c: Chunk) -> None:
         """Block until ``c``'s host states are final (its upload's source)."""

@@ -389,11 +389,18 @@ class ProTrainRuntime:
             self.chunks.release(c)
 
     def _prefetch_forward(self, start: int) -> None:
+        """Upload the next chunks into the free buffers, in order, up to the first one whose
+        CPU Adam update (carried over from the last step) is still running: waiting for it
+        here would hold back the kernels of the part being entered, which the persistent
+        chunks' compute should hide it behind. The next part's entry tries again; only a
+        chunk a part needs now is waited for (``access``)."""
         self._next_up = max(self._next_up, start)
         chunks = self.chunks.chunks
         while self._next_up < len(chunks) and self.chunks.can_upload():
             c = chunks[self._next_up]
             if not c.persistent:
+                if c.state == ChunkState.HOST and not self.chunks.host_ready_now(c):
+                    break
                 self.chunks.upload(c)
             self._next_up += 1
 

@@ -464,8 +464,10 @@ class KvikioStore:
 
 def _kvikio_compat(kvikio) -> bool:
     """Whether kvikio prefers its compatibility mode (POSIX I/O through its own bounce
-    buffers, no cuFile): ``KVIKIO_COMPAT_MODE=ON``, or AUTO without a usable libcufile."""
-    defaults = kvikio.defaults
+    buffers, no cuFile): ``KVIKIO_COMPAT_MODE=ON``, or AUTO without a usable libcufile.
+    ``kvikio.defaults`` is a submodule that kvikio 26.x's ``__init__`` does not import: read
+    as an attribute it was missing on the first GPU run, and GDS was never detected."""
+    import kvikio.defaults as defaults
     fn = getattr(defaults, "is_compat_mode_preferred", None)          # kvikio >= 24.12
     if fn is not None:
         return bool(fn())
