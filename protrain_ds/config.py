@@ -266,7 +266,27 @@ def strip_replaced_knobs(ds_config: dict) -> tuple[dict, list[str]]:
     for key in REPLACED_SECTIONS:
         if key in cfg:
             overridden.append(f"{key}={json.dumps(cfg.pop(key))}")
+    _unsynchronized_throughput_timer(cfg, overridden)
     return cfg, overridden
+
+
+def _unsynchronized_throughput_timer(cfg: dict, overridden: list[str]) -> None:
+    """DeepSpeed's throughput timer synchronizes the device at the start of every forward and
+    the end of every step (``timers.throughput.synchronized``, default true): the host then
+    waits for the whole queue twice per micro-step, and the copies and CPU Adam work the plan
+    overlaps with compute cannot run ahead. ProTrain keeps the timer, unsynchronized (its
+    samples/s come from host time, as DeepSpeed's docs say is accurate enough in most cases);
+    a JSON that asked for synchronized timing is told so."""
+    timers = cfg.setdefault("timers", {})
+    if not isinstance(timers, dict):
+        raise ConfigError(f"timers must be an object, got {timers!r}")
+    throughput = timers.setdefault("throughput", {})
+    if not isinstance(throughput, dict):
+        raise ConfigError(f"timers.throughput must be an object, got {throughput!r}")
+    if throughput.get("synchronized") is True:
+        overridden.append("timers.throughput.synchronized=true (a device sync twice per micro-step "
+                          "would serialise the overlapped copies and CPU Adam; timed on the host)")
+    throughput["synchronized"] = False
 
 
 def refuse_conflicts(ds_config: dict) -> None:

@@ -192,3 +192,27 @@ def test_the_probe_cache_is_keyed_on_threads_and_ranks_per_node(tmp_path, monkey
     entries = sorted(p.name for p in tmp_path.glob("hardware-*.json"))
     assert len(entries) == 3 and all(any(k in e for k in keys) for e in entries)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_cpu_adam_worker_keeps_its_share_of_the_cores_after_its_first_torch_op():
+    """Issue 35, item 2: the worker thread is given the rank's share of the cores at its start
+    (``_bind_worker``), before its first torch op; torch's lazy per-thread initialisation used
+    to reset the count at the first parallel region (a large copy), so every pass but the
+    native kernel ran on torch's global count. A probe on the worker reads the count after a
+    parallel copy, with a share other than torch's."""
+    from types import SimpleNamespace
+    from protrain.runtime.optimizer import HostWorker, _bind_worker
+    from protrain.runtime.streams import Streams
+    share = torch.get_num_threads() + 1
+    seen = []
+
+    def probe():
+        a = torch.ones(1 << 23)
+        torch.empty(1 << 23, dtype=torch.bfloat16).copy_(a)       # a parallel region
+        seen.append(host_threads.thread_count())
+    worker = HostWorker(threaded=True, bind=lambda: _bind_worker(Streams(torch.device("cpu")),
+                                                                 SimpleNamespace(threads=share)))
+    worker.submit(probe)
+    worker.drain()
+    worker.close()
+    assert seen == [share]

@@ -245,3 +245,26 @@ def test_every_event_is_blocking_and_no_helper_thread_waits_on_a_stream(monkeypa
     assert len(fake.events) >= 5 and all(e.blocking for e in fake.events)
     assert [w for w in fake.waits if w[2] == "helper"] == [("event", True, "helper")] * 2
     assert all(kind == "event" for kind, _, _ in fake.waits)
+
+
+def test_deepspeeds_throughput_timer_does_not_synchronize_the_device(monkeypatch):
+    """Issue 35, item 4: DeepSpeed's throughput timer synchronizes the device at each forward
+    and step (``timers.throughput.synchronized`` defaults to true): the host would wait for the
+    whole queue twice per micro-step, and nothing the plan overlaps could run ahead. Under
+    ProTrain it times on the host; a JSON asking for synchronized timing is told it is
+    overridden. Plain DeepSpeed synchronizes (the counter sees it)."""
+    from deepspeed.accelerator import get_accelerator
+    accel = get_accelerator()
+    syncs = []
+    real = accel.synchronize
+    monkeypatch.setattr(accel, "synchronize", lambda *a, **k: (syncs.append(1), real(*a, **k))[1])
+    extra = {"timers": {"throughput": {"enabled": True, "synchronized": True}}}
+    _, _, engine = train(base_config(**extra), MODEL, 4)
+    plain = len(syncs)
+    engine.destroy()
+    syncs.clear()
+    _, _, engine = train(with_protrain(base_config(**extra), **PINS), MODEL, 4)
+    overridden = engine.protrain_overridden
+    engine.destroy()
+    assert plain >= 4 and syncs == []
+    assert any(o.startswith("timers.throughput.synchronized=true") for o in overridden), overridden

@@ -48,9 +48,16 @@ def thread_count() -> int:
 
 
 def set_thread_count(n: int) -> None:
-    """OpenMP threads of the parallel regions this thread starts from now on."""
+    """OpenMP threads of the parallel regions this thread starts from now on.
+
+    torch initialises each thread's count lazily, at the thread's first parallel region, to
+    its global setting: set before that (a new worker thread's first act), the count was
+    overwritten by the first large copy (issue 35: the CPU Adam worker's passes ran on the
+    wrong count). ``torch.get_num_threads()`` runs that initialisation first."""
     rt = _runtime()
     if rt is not None and n >= 1:
+        import torch
+        torch.get_num_threads()
         rt[1](int(n))
 
 
