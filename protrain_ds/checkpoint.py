@@ -517,9 +517,31 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
         rng = torch.load(path / _states_file(dp.rank), map_location="cpu", weights_only=False,
                          mmap=True)["rng"]
         torch.random.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        set_cuda_rng_states(rng.get("cuda"))
     return str(path), meta["client_state"]
+
+
+_rng_devices_told = False
+
+
+def set_cuda_rng_states(states) -> None:
+    """Restore the CUDA RNG states saved by ``torch.cuda.get_rng_state_all()`` (one per device
+    visible then) on the devices visible now: the first min(saved, visible). A job resumed with
+    fewer GPUs visible (CUDA_VISIBLE_DEVICES narrowed, one GPU per rank) made
+    ``set_rng_state_all`` fail on the first device that is not there. Nothing without CUDA."""
+    global _rng_devices_told
+    if not states or not torch.cuda.is_available():
+        return
+    visible = torch.cuda.device_count()
+    if visible != len(states) and not _rng_devices_told:
+        _rng_devices_told = True
+        # Said once: the resumed run's random numbers (dropout) on a device may then differ
+        # from those of an uninterrupted one.
+        log.warning("protrain: the CUDA RNG states were saved for %d device(s) and %d are "
+                    "visible; restoring those of the first %d", len(states), visible,
+                    min(visible, len(states)))
+    for i, state in enumerate(states[:visible]):
+        torch.cuda.set_rng_state(state, i)
 
 
 def _set_weights(module, pieces: dict[str, list[Piece]], shapes: dict[str, list[int]]) -> None:

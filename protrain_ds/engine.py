@@ -24,7 +24,9 @@ Private DeepSpeed methods overridden here (checked by tests/test_ds_contract.py)
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -108,6 +110,7 @@ class ProTrainEngine(DeepSpeedEngine):
         # (in chunks) and moves the buffers as DeepSpeed would: a model built on the host keeps
         # no BatchNorm statistics or masks there.
         _buffers_to(self.module, self.device)
+        _report_engine_device(self.module, self)
         # Every forward agrees on the batch shape over the ranks, in host memory (see host_side).
         self._protrain_host = host_side(DataParallel())
         # Gradients live in chunks, not in .grad: DeepSpeed's own all-reduce has nothing to do.
@@ -879,9 +882,46 @@ def _rng_state():
 
 
 def _set_rng_state(state) -> None:
+    from .checkpoint import set_cuda_rng_states      # the visible devices' states only
     torch.random.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+    set_cuda_rng_states(state[1])
+
+
+_DEVICE_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+"""The engine (weakly) whose device each module with a ``device`` property reports."""
+
+
+def _report_engine_device(module: torch.nn.Module, engine) -> None:
+    """Make ``device`` of ``module`` and its submodules that have that property (a Hugging Face
+    PreTrainedModel: the device of its first parameter) answer ``engine.device`` while the
+    engine's runtime holds the parameters. ``generate()`` and user code put inputs on
+    ``model.device``, and a parameter of an offloaded chunk points into host memory between
+    uses: its device is the host's while the forward computes on the engine's. Before the
+    first plan and once the runtime is closed (retired, destroyed, dropped) the parameters are
+    plain tensors again and the class's own answer is given.
+
+    The property of the module's class is wrapped once (it consults ``_DEVICE_OF``, so other
+    instances of the class are untouched): swapping each instance to a subclass would change
+    the class name ``save_pretrained`` writes as the config's architecture, and pickling."""
+    for m in module.modules():
+        cls = type(m)
+        prop = inspect.getattr_static(cls, "device", None)
+        if not isinstance(prop, property) or prop.fget is None:
+            continue
+        if not getattr(prop.fget, "_protrain_device", False):
+            cls.device = property(_engine_device_or(prop.fget), prop.fset, prop.fdel, prop.__doc__)
+        _DEVICE_OF[m] = weakref.ref(engine)
+
+
+def _engine_device_or(own):
+    def device(self):
+        ref = _DEVICE_OF.get(self)
+        engine = ref() if ref is not None else None
+        if engine is not None and engine.protrain_runtime is not None:
+            return engine.device
+        return own(self)
+    device._protrain_device = True
+    return device
 
 
 def _buffers_to(module: torch.nn.Module, device: torch.device) -> None:

@@ -332,3 +332,43 @@ def test_a_failed_save_removes_what_it_wrote_and_says_why(tmp_path, monkeypatch)
     engine.save_checkpoint(tmp_path, tag="fine")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "error.txt") == ["fine", "good", "latest"]
     engine.destroy()
+
+
+def test_a_checkpoint_of_more_gpus_than_are_visible_restores_the_visible_ones(tmp_path, monkeypatch):
+    """A checkpoint saved where 2 GPUs were visible, loaded where 1 is: the load restored the
+    CUDA RNG with set_rng_state_all, which sets one device per saved state and failed on the
+    missing device 1. The visible devices' states are restored (device 0 here). CPU only, so
+    torch.cuda is faked: two states at the save, one device at the load, recording setters
+    that refuse a device that is not there, as CUDA does."""
+    from dstrain import UNTIED, base_config, train, with_protrain
+    _, _, engine = train(with_protrain(base_config(), **PLAN), UNTIED, 1)
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in (7, 9)]
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "device_count", lambda: 2)
+        m.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in states])
+        engine.save_checkpoint(tmp_path, tag="two")
+    rng = torch.load(tmp_path / "two" / "protrain_states_rank00000.pt", weights_only=False)["rng"]
+    assert len(rng["cuda"]) == 2
+    set_on = []
+
+    def set_rng_state(state, device="cuda"):
+        index = device if isinstance(device, int) else torch.device(device).index or 0
+        if index >= torch.cuda.device_count():
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
+        set_on.append((index, state.clone()))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all",
+                        lambda ss: [set_rng_state(s, i) for i, s in enumerate(ss)])
+    engine.load_checkpoint(tmp_path, tag="two")
+    assert [i for i, _ in set_on] == [0] and torch.equal(set_on[0][1], states[0])
+    # The engine's redo of a micro-batch after an out-of-memory error restores alike.
+    from protrain_ds.engine import _set_rng_state
+    set_on.clear()
+    _set_rng_state((torch.random.get_rng_state(), states))
+    assert [i for i, _ in set_on] == [0] and torch.equal(set_on[0][1], states[0])
+    monkeypatch.undo()
+    engine.destroy()

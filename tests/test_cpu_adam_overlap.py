@@ -92,11 +92,11 @@ def test_a_worker_error_under_gradient_accumulation_surfaces_instead_of_hanging(
     calls = [0]
     accumulate = ChunkOptimizer._accumulate
 
-    def failing(self, c, slot):
+    def failing(self, c, *rest):
         calls[0] += 1
         if calls[0] == 1:
             raise OSError("injected: host memory error")
-        accumulate(self, c, slot)
+        accumulate(self, c, *rest)
     monkeypatch.setattr(ChunkOptimizer, "_accumulate", failing)
     outcome = []
 
@@ -220,7 +220,8 @@ def test_a_changed_learning_rate_after_backward_rolls_the_speculation_back(monke
             for g in engine.optimizer.param_groups:
                 g["lr"] = 1e-3 * (i + 1)                 # after backward, before step
             engine.step()
-        return engine, {n: p.detach().clone() for n, p in model.named_parameters()}
+        state = model.state_dict()               # a sync point: the last updates may still run
+        return engine, {n: state[n].detach().clone() for n, _ in model.named_parameters()}
     ref_engine, ref = run(base_config(gradient_clipping=1.0))
     ref_engine.destroy()
     engine, got = run(with_protrain(base_config(gradient_clipping=1.0), **pins, **SPECULATE))
@@ -269,7 +270,10 @@ def test_an_fp16_overflow_after_speculative_updates_is_skipped_exactly(monkeypat
             if i in (2, 3):
                 snapshots.append({n: t.clone() for n, t in model.state_dict().items()})
         stats = engine.protrain_stats()
-        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        # Through state_dict, a sync point: the last step's updates may still be running on
+        # the worker (read from the parameters directly, the weights raced with them: issue 39)
+        state = model.state_dict()
+        weights = {n: state[n].detach().clone() for n, _ in model.named_parameters()}
         engine.destroy()
         return losses, overflow, scales, snapshots, stats, weights
 
@@ -420,5 +424,51 @@ def test_the_next_forward_starts_while_updates_of_chunks_it_needs_later_still_ru
         weights = {n: state[n].float().clone() for n, _ in model.named_parameters()}
         engine.destroy()
     assert not timed_out and open_at_first_part[1:] == [False] * 3, (timed_out, open_at_first_part)
+    assert losses == ref_losses
+    assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
+
+
+def test_backward_of_the_boundary_micro_step_does_not_wait_for_cpu_adam(monkeypatch):
+    """Issue 35, item 8: with gradient accumulation each offloaded chunk's gradients land in
+    one of two staging buffers and are added on the host; on the boundary micro-step its CPU
+    Adam update follows. With one in-order worker the accumulation that frees a buffer queued
+    behind the updates before it, so backward waited for CPU Adam from the 4th chunk on. The
+    accumulations run on their own lane: here every update is held until backward returns,
+    and backward must return. Training stays exactly DeepSpeed's."""
+    model_cfg, pins = SHAPES["a mix"]
+    extra = {"gradient_clipping": 0.0, "gradient_accumulation_steps": 2}
+    ref_losses, ref_weights = deepspeed_run(model_cfg, json.dumps(extra), 4)
+    update = ChunkOptimizer._host_update
+    gate = threading.Event()
+    timed_out, held = [], []
+
+    def held_update(self, c, *rest):
+        if c.index in self._queued:          # submitted during backward (not by step())
+            held.append(c.index)
+            if not gate.wait(timeout=3):
+                timed_out.append(c.index)
+                gate.set()
+        update(self, c, *rest)
+    monkeypatch.setattr(ChunkOptimizer, "_host_update", held_update)
+    backward = engine_mod.ProTrainEngine.backward
+
+    def backward_then_open(self, *a, **k):
+        out = backward(self, *a, **k)
+        gate.set()                       # updates run once backward has returned
+        return out
+    monkeypatch.setattr(engine_mod.ProTrainEngine, "backward", backward_then_open)
+    original_step = engine_mod.ProTrainEngine.step
+
+    def step_then_close(self, *a, **k):
+        out = original_step(self, *a, **k)
+        gate.clear()
+        return out
+    monkeypatch.setattr(engine_mod.ProTrainEngine, "step", step_then_close)
+    with deferred_streams(monkeypatch):
+        losses, weights, engine = train(with_protrain(base_config(**extra), **pins), model_cfg, 4)
+        n_off = len(engine.protrain_runtime.chunks.offloaded())
+        engine.destroy()
+    assert n_off >= 4 and held, (n_off, held)
+    assert not timed_out, timed_out
     assert losses == ref_losses
     assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())

@@ -286,3 +286,41 @@ def test_requires_grad_changed_between_a_load_and_the_first_forward_is_refused(t
     state = model.state_dict()
     for name, w in ds_weights.items():
         assert torch.equal(state[name], w), name
+
+
+def test_model_device_is_the_engines_while_the_first_parameter_is_offloaded(monkeypatch):
+    """HF generate() (and much user code) puts its inputs on ``model.device``, which for a
+    PreTrainedModel is the device of its first parameter. With that parameter in an offloaded
+    chunk its data sits in host memory between uses, so on a GPU inputs went to the CPU. While
+    the runtime holds the parameters, ``model.device`` (the inner model's too) is the engine's.
+    On CPU the engine's device is the host as well, so this shows where the answer comes from:
+    with the engine's device set to a stand-in ("meta") the model reports it, its first
+    parameter still on the host and untouched; before the first forward and after destroy()
+    (parameters where they are, no runtime) it is the parameter's device again, as in HF."""
+    import deepspeed
+    import hfmatrix
+    meta = torch.device("meta")
+    model = hfmatrix.tiny_model("llama")
+    cfg = with_protrain(base_config(), **dict(hfmatrix.offloading(model), n_persist=0))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    first = next(model.parameters())
+    with monkeypatch.context() as m:
+        m.setattr(engine, "device", meta)
+        assert model.device == torch.device("cpu")      # not planned yet: the parameter's
+    ids = torch.randint(3, hfmatrix.VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    chunks = engine.protrain_runtime.chunks
+    c = next(c for c in chunks.chunks if any(s.param is first for s in c.slots))
+    assert not c.persistent
+    # between uses the parameter's data points into the chunk's host copy
+    assert first.untyped_storage().data_ptr() == chunks.host_params(c).untyped_storage().data_ptr()
+    with monkeypatch.context() as m:
+        m.setattr(engine, "device", meta)
+        assert model.device == meta and model.model.device == meta
+        assert first.device == torch.device("cpu")
+    assert model.device == engine.device
+    engine.destroy()
+    with monkeypatch.context() as m:
+        m.setattr(engine, "device", meta)
+        assert model.device == first.device == torch.device("cpu")

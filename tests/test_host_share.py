@@ -216,3 +216,29 @@ def test_the_cpu_adam_worker_keeps_its_share_of_the_cores_after_its_first_torch_
     worker.drain()
     worker.close()
     assert seen == [share]
+
+
+def test_the_first_steps_host_check_runs_on_the_ranks_share_of_the_cores(monkeypatch):
+    """Issue 35, item 9: the first step of a plan checks every offloaded gradient on the host,
+    in step() on the training thread, whose OpenMP count torchrun sets to 1 with several ranks
+    per node. It runs on the rank's share (here: the kernel's threads, all the cores)."""
+    from dstrain import UNTIED, base_config, train, with_protrain
+    from protrain.runtime.optimizer import ChunkOptimizer
+    seen = []
+    norm = ChunkOptimizer._global_norm
+
+    def watched(self, inv_scale):
+        seen.append((host_threads.thread_count(), self.host_kernel.threads))
+        return norm(self, inv_scale)
+    monkeypatch.setattr(ChunkOptimizer, "_global_norm", watched)
+    before = host_threads.thread_count()
+    host_threads.set_thread_count(1)                      # as torchrun leaves the training thread
+    try:
+        _, _, engine = train(with_protrain(base_config(gradient_clipping=1.0), chunk_size="110KiB",
+                                           n_persist=1, n_buffer=4), UNTIED, 2)
+        engine.destroy()
+        after = host_threads.thread_count()
+    finally:
+        host_threads.set_thread_count(before)
+    assert seen and all(n == share and share > 1 for n, share in seen), seen
+    assert after == 1                                     # the training thread's count is put back

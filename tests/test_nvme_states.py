@@ -356,6 +356,36 @@ def test_a_checkpoint_streams_the_states_on_the_drive_through_host_memory(tmp_pa
     assert again == after
 
 
+def test_a_checkpoint_of_host_resident_states_copies_none_of_them(tmp_path, monkeypatch):
+    """Issue 35, item 6: saving a checkpoint (or re-planning) used to copy every host-resident
+    optimizer state into pageable memory (``.cpu().clone()``: 12 bytes per parameter outside
+    the host budget, an OOM kill at 70B). The states of offloaded chunks in host memory are
+    written from where they are; the loaded run goes on exactly like the saving one."""
+    from protrain.models import GPTConfig, synthetic_batch
+    big = GPTConfig(n_layer=3, n_embd=512, n_head=8, vocab_size=256, block_size=64,
+                    tie_embeddings=False)
+    pins = dict(chunk_size="8MiB", n_persist=0, n_buffer=4, n_swap=0, n_checkpoint=0)
+    cfg = with_protrain(base_config(), **pins, device_memory="4GiB")
+    with deferred_streams(monkeypatch):
+        _, _, engine = train(cfg, big, 1)
+        states = engine.protrain_stats()["host_state_bytes"]
+        assert states > 64 * 2**20
+        with _AnonPeak() as saving:
+            engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        x, y = synthetic_batch(big, 2, seed=7)
+        engine.backward(engine(x, y))
+        engine.step()
+        after = engine(x, y).item()
+        engine.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        engine.backward(engine(x, y))
+        engine.step()
+        again = engine(x, y).item()
+        engine.destroy()
+    # Copied, the save grew by the three fp32 states (about 103 MB here).
+    assert saving.grown < states / 16, (saving.grown, states)
+    assert again == after
+
+
 # (micro-batch, tokens) of each rank's batch per step: rank 1's 40 tokens at step 2 re-plan
 # both ranks for longer batches, moving every state into the new runtime's chunks and file.
 _SHAPES = [[[2, 16], [2, 16]], [[2, 16], [2, 16]], [[2, 16], [2, 40]], [[2, 40], [2, 24]],

@@ -85,15 +85,25 @@ class HostWorker:
     """Threaded workers not closed yet (their threads reference them anyway)."""
     _exit_hook = False
 
-    def __init__(self, threaded: bool, bind: Callable[[], None] | None = None):
+    def __init__(self, threaded: bool, bind: Callable[[], None] | None = None,
+                 side_bind: Callable[[], None] | None = None):
+        """``bind``: the thread's setup (device, OpenMP threads); ``side_bind``: the side
+        lane's (default ``bind``)."""
         self.threaded = threaded
         self._error: BaseException | None = None
         self._on_error: list[Callable[[], None]] = []
         if threaded:
             self._q: queue.Queue = queue.Queue()
-            self._t = threading.Thread(target=self._run, args=(bind,), name="protrain-host",
+            self._t = threading.Thread(target=self._run, args=(bind, self._q), name="protrain-host",
                                        daemon=True)
             self._t.start()
+            # The side lane (``submit(side=True)``): short tasks that must not queue behind a
+            # chunk's CPU Adam update - the accumulation that frees a staging buffer backward
+            # is waiting for. Its own thread, in order among its tasks.
+            self._side_q: queue.Queue = queue.Queue()
+            self._side_t = threading.Thread(target=self._run, args=(side_bind or bind, self._side_q),
+                                            name="protrain-host-acc", daemon=True)
+            self._side_t.start()
             HostWorker._live.add(self)
             if not HostWorker._exit_hook:
                 _register_exit_hook(HostWorker._close_all)
@@ -112,32 +122,43 @@ class HostWorker:
         for fn in self._on_error:
             fn()
 
-    def _run(self, bind) -> None:
+    def _run(self, bind, q: queue.Queue) -> None:
         if bind is not None:
             try:
                 bind()                # this thread's device calls go to the runtime's device
             except BaseException as e:  # noqa: BLE001 - re-raised on the main thread in drain()
                 self._fail(e)
         while True:
-            fn = self._q.get()
+            fn = q.get()
             try:
                 if fn is not None and self._error is None:
                     fn()
             except BaseException as e:  # noqa: BLE001 - re-raised on the main thread in drain()
                 self._fail(e)
             finally:
-                self._q.task_done()
+                q.task_done()
             if fn is None:
                 return
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def submit(self, fn: Callable[[], None], side: bool = False) -> None:
+        """Queue ``fn`` on the worker (in order), or with ``side`` on the side lane (in order
+        among side tasks, beside the worker's: a side task that needs one of the worker's
+        results waits for it itself, and the other way round)."""
         if self.threaded:
-            self._q.put(fn)
+            (self._side_q if side else self._q).put(fn)
         else:
             fn()
 
+    def wait_for(self, event: threading.Event) -> None:
+        """On a worker thread: wait for ``event``, set by a task of the other lane (or raise
+        when a task failed: the one that would set it may have been skipped)."""
+        while not event.wait(0.05):
+            if self._error is not None:
+                raise RuntimeError("protrain: host-side work failed on the other lane")
+
     def drain(self) -> None:
         if self.threaded:
+            self._side_q.join()
             self._q.join()
         if self._error is not None:
             err, self._error = self._error, None
@@ -147,9 +168,11 @@ class HostWorker:
         """Stop the thread after the work queued so far (waiting up to ``timeout`` seconds);
         work submitted after it has stopped runs inline."""
         if self.threaded:
+            self._side_q.put(None)
             self._q.put(None)
+            self._side_t.join(timeout)
             self._t.join(timeout)
-            if not self._t.is_alive():
+            if not self._t.is_alive() and not self._side_t.is_alive():
                 self.threaded = False
                 HostWorker._live.discard(self)
 
@@ -209,7 +232,8 @@ class ChunkOptimizer:
         self.params_in_order = params_in_order
         host_thread = setup.host_thread
         self.worker = HostWorker(threaded=streams.asynchronous if host_thread is None else host_thread,
-                                 bind=lambda: _bind_worker(streams, host_kernel))
+                                 bind=lambda: _bind_worker(streams, host_kernel),
+                                 side_bind=lambda: _bind_worker(streams, host_kernel, share=0.25))
         self._pause = pause_accounting or (lambda: _nullcontext())
         self.overlap = True
         # Updates during backward are exact only when no global quantity scales them; else
@@ -408,25 +432,40 @@ class ChunkOptimizer:
             # The chunk's part of the step's verdict (norms, overflow) taken on the device,
             # where the gradients are, as DeepSpeed does for offloaded gradients.
             self.chunks.offload_grads(c, self._host_grads(c), check=self._device_check if verdict else None)
-        else:
+        accumulated = None
+        if self.gas > 1:
+            # The accumulation frees the staging buffer backward may be waiting for: on the
+            # side lane, never behind a chunk's CPU Adam update on the worker (with two buffers
+            # and one in-order thread, backward waited for CPU Adam from the 4th chunk of the
+            # boundary micro-step on). The worker's tasks for this chunk below wait for it.
             slot = self._take_staging()
             self.chunks.offload_grads(c, self._staging[slot][:c.shard_size])
-            self.worker.submit(lambda c=c, slot=slot: self._accumulate(c, slot))
+            accumulated = threading.Event()
+            self.worker.submit(lambda c=c, slot=slot, done=accumulated: self._accumulate(c, slot, done),
+                               side=True)
         if not boundary or self.first_step_of_plan or c.index in self._queued or c.index in self._late:
             return
         if not self.speculative:
             self._queued.add(c.index)
             use = self._want(c)
-            self.worker.submit(lambda c=c, use=use: self._host_update(c, None, None, "adam", use))
+            self._submit_after(accumulated, lambda c=c, use=use: self._host_update(c, None, None, "adam", use))
         elif c.index in self.speculative_chunks and self.speculation_on:
             self._queued.add(c.index)
             inv_scale = self._inv_scale()
             use = self._want(c)
-            self.worker.submit(lambda c=c, use=use: self._speculate(c, inv_scale, use))
+            self._submit_after(accumulated, lambda c=c, use=use: self._speculate(c, inv_scale, use))
         elif self.gas > 1:
             # Accumulated gradients: their part of the verdict is taken on the host, by the
             # worker after this micro-step's accumulation, while backward goes on.
-            self.worker.submit(lambda c=c: self._check(c))
+            self._submit_after(accumulated, lambda c=c: self._check(c))
+
+    def _submit_after(self, accumulated: threading.Event | None, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` on the worker, to run once ``accumulated`` (the side lane's
+        accumulation of the gradients it reads; None: none) is set."""
+        if accumulated is None:
+            self.worker.submit(fn)
+        else:
+            self.worker.submit(lambda: (self.worker.wait_for(accumulated), fn()))
 
     def _take_staging(self) -> int:
         with self._staging_lock:
@@ -442,12 +481,22 @@ class ChunkOptimizer:
         with self._staging_lock:
             self._staging_lock.notify_all()
 
-    def _accumulate(self, c: Chunk, slot: int) -> None:
-        self.streams.host_wait(c.grads_on_host)
-        c.grad_acc.add_(self._staging[slot][:c.shard_size])
-        with self._staging_lock:
-            self._staging_free.append(slot)
-            self._staging_lock.notify()
+    def _accumulate(self, c: Chunk, slot: int, done: threading.Event) -> None:
+        """Side lane: add a micro-batch's gradients of ``c`` (landed in a staging buffer) to
+        its accumulator, after the worker is done with the last step's (its update reads and
+        then zeroes them: ``_ready``, which the chunk's upload for this forward waited for
+        already, unless no forward used it)."""
+        try:
+            ready = self._ready.get(c.index)
+            if ready is not None:
+                self.worker.wait_for(ready)
+            self.streams.host_wait(c.grads_on_host)
+            c.grad_acc.add_(self._staging[slot][:c.shard_size])
+            with self._staging_lock:
+                self._staging_free.append(slot)
+                self._staging_lock.notify()
+        finally:
+            done.set()
 
     # ---- step ------------------------------------------------------------------------------
     def _inv_scale(self) -> float:
@@ -466,7 +515,11 @@ class ChunkOptimizer:
             return
         self._zero_absent_grads()
         inv_scale = self._inv_scale()
-        with self._pause():
+        # The verdict's host work (the first step of a plan checks every offloaded chunk's
+        # gradients here, on the host) runs on the rank's share of the cores, as the worker's
+        # does: the training thread's own count is 1 under torchrun (tens of seconds at 70B).
+        from .host_threads import omp_threads
+        with self._pause(), omp_threads(getattr(self.host_kernel, "threads", 0) or None):
             overflow, norm = self._judge(inv_scale)
             if overflow:
                 self._skip_step()
@@ -1079,15 +1132,17 @@ class OverlapStats:
     (and its wait) that backward did not hide."""
 
 
-def _bind_worker(streams: Streams, host_kernel) -> None:
+def _bind_worker(streams: Streams, host_kernel, share: float = 1.0) -> None:
     """The host worker thread's setup: the runtime's device, and the rank's share of the
     node's cores for the OpenMP regions it starts - the kernel's and the passes around it
-    (copies into the upload region, zeroing), which the cost model prices at that share."""
+    (copies into the upload region, zeroing), which the cost model prices at that share.
+    ``share``: the fraction of them (the side lane's accumulations, a memory-bound add beside
+    CPU Adam, take a quarter)."""
     streams.bind_thread()
     threads = getattr(host_kernel, "threads", 0)
     if threads:
         from .host_threads import set_thread_count
-        set_thread_count(threads)
+        set_thread_count(max(1, int(threads * share)))
 
 
 def dist_max():

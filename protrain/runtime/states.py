@@ -90,8 +90,25 @@ def export_pieces(m: ChunkManager, *, grads: bool = False) -> list[Piece]:
 
 
 def _host_states(c: Chunk, a: int, b: int) -> list[torch.Tensor]:
-    """Copies of elements [a, b) of ``c``'s local master, exp_avg and exp_avg_sq (host or device)."""
-    return [t[a:b].detach().float().cpu().clone() for t in (c.master, c.exp_avg, c.exp_avg_sq)]
+    """Elements [a, b) of ``c``'s local master, exp_avg and exp_avg_sq: an offloaded chunk's
+    as ``host_fp32`` (no copy), a persistent chunk's copied (device memory, which a re-plan
+    after an out-of-memory error must free before the new runtime allocates)."""
+    if c.persistent:
+        return [t[a:b].detach().float().cpu().clone() for t in (c.master, c.exp_avg, c.exp_avg_sq)]
+    return [host_fp32(t[a:b]) for t in (c.master, c.exp_avg, c.exp_avg_sq)]
+
+
+def host_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32 on the host. An fp32 host tensor (an offloaded chunk's states) is not
+    copied: a copy into pageable memory took 12 bytes per parameter beyond the host budget at
+    every checkpoint save and re-plan (issue 35, item 6; an OOM kill at 70B). It is a zero-copy
+    tensor with a storage of its own over the range (through numpy: ``torch.save`` writes a
+    view's whole storage), valid until the runtime changes its states again (the next step),
+    like the states on the drive. Device or 16-bit tensors are copied."""
+    t = t.detach()
+    if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
+        return torch.from_numpy(t.numpy())
+    return t.float().cpu().clone()
 
 
 def _drive_states(on_drive, c: Chunk, a: int, b: int) -> list[torch.Tensor]:
@@ -116,8 +133,12 @@ def _chunk_pieces(m: ChunkManager, c: Chunk, states: Callable[[int, int], list[t
             continue
         sl = slice(a - lo, b - lo)
         out.append(Piece(s.name, a - s.offset, b - s.offset, *states(a - lo, b - lo), s.step,
-                         acc[sl].detach().float().cpu().clone() if acc is not None else None))
+                         _grads(c, acc[sl]) if acc is not None else None))
     return out
+
+
+def _grads(c: Chunk, acc: torch.Tensor) -> torch.Tensor:
+    return acc.detach().float().cpu().clone() if c.persistent else host_fp32(acc)
 
 
 def held_ranges(m: ChunkManager) -> list[tuple[str, int, int]]:
