@@ -32,7 +32,8 @@ The timing sections (worker, profile, headline) run alone; the others beside eac
     python bench/gpu_smoke.py --only syncs,tiers  # some sections
 
 Writes <out>/smoke.json (one entry per section: ok, seconds, result or the error's tail),
-<out>/sections.tar.gz (each section's full output) and <out>/trace.json.gz (the profile).
+<out>/sections.tar.gz (each section's full output), <out>/trace.json.gz (the profile) and
+<out>/headline_trace.json.gz (ProTrain's timed steps in the headline).
 """
 from __future__ import annotations
 
@@ -567,7 +568,7 @@ def section_headline(out: Path) -> dict:
                          ("zero3_offload", {"zero_optimization": {
                              "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                              "offload_optimizer": {"device": "cpu", "pin_memory": True}}})):
-        spec = dict(shape, system=system, config=conf, cap_gib=cap_gib)
+        spec = dict(shape, system=system, config=conf, cap_gib=cap_gib, out=str(out))
         r = subprocess.run([sys.executable, __file__, "--headline-worker", json.dumps(spec)],
                            capture_output=True, text=True, env=dict(os.environ, MASTER_PORT=str(free_port())))
         print(r.stdout[-6000:], r.stderr[-6000:])
@@ -580,13 +581,57 @@ def section_headline(out: Path) -> dict:
     return res
 
 
+class _TraceTimedSteps:
+    """ds_compare.worker's meter: a torch.profiler trace of the timed steps of a ProTrain run
+    (kernel time, copies under kernels, CPU Adam's exposed time per step), and the plan's
+    predicted breakdown, to see where the measured step parts from the predicted one."""
+
+    def __init__(self, spec: dict, out_dir: Path):
+        self.spec, self.out_dir, self.prof, self.exposed = spec, out_dir, None, []
+
+    def start(self):
+        pass
+
+    def step(self, engine, step):
+        from torch.profiler import ProfilerActivity, profile
+        if getattr(engine, "protrain_plan", None) is None:
+            return
+        if step >= self.spec["warmup"]:
+            self.exposed.append(engine.protrain_stats()["cpu_adam_exposed_s"])
+        if step == self.spec["warmup"] - 1:
+            import torch
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+
+    def finish(self, engine, out):
+        plan = getattr(engine, "protrain_plan", None)
+        if plan is None or self.prof is None:
+            return
+        _sync(engine.device)
+        self.prof.__exit__(None, None, None)
+        path = self.out_dir / "headline_trace.json"
+        self.prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+        with gzip.open(self.out_dir / "headline_trace.json.gz", "wt") as f:
+            json.dump(trace, f)
+        path.unlink()
+        a = _trace_analysis(trace.get("traceEvents", []), self.spec["steps"])
+        p = plan.prediction
+        out.update(cpu_adam_exposed_s=self.exposed, trace=dict(a, gaps=None),
+                   kernel_busy_per_step_s=a["kernel_busy_us"] / 1e6 / self.spec["steps"],
+                   predicted_breakdown_s=dict(fwd=p.fwd_time, bwd=p.bwd_time, gpu_adam=p.gpu_optim_time,
+                                              cpu_adam=p.cpu_optim_time, cpu_adam_exposed=p.cpu_optim_exposed))
+
+
 def headline_worker(spec: dict) -> dict:
     import torch
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_gib"] * 2**30 / total))
     from ds_compare import worker
-    out = worker(spec)
+    meter = _TraceTimedSteps(spec, Path(spec["out"])) if spec["system"] == "protrain" else None
+    out = worker(spec, meter)
     out["params_bytes_zero0_would_hold"] = out["params"] * 16      # bf16 weights+grads, fp32 master+Adam
     return out
 

@@ -5,6 +5,7 @@ pinning refused before the allocation instead of the OOM killer."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -203,3 +204,87 @@ def test_a_deepspeed_plan_beyond_the_hosts_limits_is_refused_naming_the_numbers(
     assert "cannot hold the plan" not in str(err.value)
     assert f"host budget {fmt_bytes(int(share * 0.9))}: this rank's {fmt_bytes(share)} less the 10% " \
            f"host_reserve" in str(err.value), str(err.value)
+
+
+class _FailingRegistration(Streams):
+    """Registers host memory as on CUDA (recorded, on any device), and fails the registration
+    ``fails(t, n)`` picks (``n``: registrations so far) as cudaHostRegister does."""
+
+    def __init__(self, device, fails):
+        super().__init__(device)
+        self.fails, self.calls, self.held, self.most = fails, 0, {}, 0
+
+    def _register(self, t):
+        self.calls += 1
+        if self.fails(t, self.calls):
+            raise RuntimeError("CUDA error: out of memory")        # torch.cuda.CudaError is one
+        self.held[t.data_ptr()] = t.numel() * t.element_size()
+        self.most = max(self.most, len(self.held))
+        return True
+
+    def _unregister(self, t):
+        del self.held[t.data_ptr()]
+
+
+@pytest.mark.parametrize("fails, what", [
+    (lambda t, n: n == 1, r"chunk \d+'s parameters"),                 # the first chunk's
+    (lambda t, n: n == 6, r"chunk \d+'s fp32 gradients"),             # a later chunk's
+    (lambda t, n: t.dtype == torch.uint8, r"block \d+'s swapped activations"),  # after every chunk
+], ids=["first-chunk", "later-chunk", "swap-arena"])
+def test_a_pinning_failure_part_way_gives_the_model_back_as_it_was(fails, what, monkeypatch):
+    """Issue 35, item 10: pinning fails part way through building the runtime. The error names
+    what could not be pinned and what to do; the parameters are tensors of their own again
+    (none a view of a chunk), on their device, with their values: the model runs without the
+    engine; nothing stays registered."""
+    import deepspeed
+    from dstrain import UNTIED, base_config, with_protrain
+
+    import protrain.runtime.runtime as rt_mod
+    from protrain.models import GPT, synthetic_batch
+    made = []
+
+    def factory(device):
+        made.append(_FailingRegistration(device, fails))
+        return made[-1]
+    monkeypatch.setattr(rt_mod, "Streams", factory)
+    torch.manual_seed(0)
+    model = GPT(UNTIED)
+    x, y = synthetic_batch(UNTIED, 2)
+    with torch.no_grad():
+        want = model(x, y)
+    before = {n: (p.device, p.detach().clone()) for n, p in model.named_parameters()}
+    cfg = with_protrain(base_config(), chunk_size="110KiB", n_persist=2, n_buffer=4, n_swap=1,
+                        n_checkpoint=1)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    try:
+        with pytest.raises(PinnedMemoryError) as err:
+            engine(*synthetic_batch(UNTIED, 2, device=engine.device))
+    finally:
+        engine.destroy()
+    msg = str(err.value)
+    assert re.search(r"could not pin .* of host memory for " + what, msg), msg
+    assert "CUDA error: out of memory" in msg and "protrain.host_memory" in msg
+    assert len(made) == 1 and made[0].most == made[0].calls - 1      # all pinned before it
+    assert made[0].held == {} and made[0].pinned_bytes() == 0       # ... and given back
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    assert len(set(storages)) == len(storages)                      # no parameter in a chunk
+    for n, p in model.named_parameters():
+        assert p.device == before[n][0] and torch.equal(p.detach(), before[n][1]), n
+    loss = model(x, y)
+    assert torch.equal(loss.detach(), want)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.gpu
+def test_a_failed_cuda_host_register_leaves_no_error_for_the_next_kernel():
+    """A failed cudaHostRegister is also left as the thread's last CUDA error, which the next
+    kernel launch's check would report as its own (issue 35, item 10): cleared."""
+    streams = Streams(torch.device("cuda"))
+    t = streams.pinned(2**20, torch.uint8, "a region")
+    with pytest.raises(RuntimeError):
+        streams._register(t)              # the same pages again: cudaHostRegister refuses
+    x = torch.ones(8, device="cuda") * 2  # its launch check must not see that failure
+    assert x.sum().item() == 16
+    streams.release_pinned()
+    assert streams.pinned_bytes() == 0

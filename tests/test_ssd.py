@@ -1,5 +1,6 @@
 """SSD activation tier: storage round trips, SSD blocks in training, forwarding, dedup,
 cleanup (normal exit, exception, SIGTERM), refusals and I/O errors naming file and offset."""
+import concurrent.futures as cf
 import os
 import signal
 import subprocess
@@ -225,6 +226,64 @@ def test_closing_with_writes_and_reads_in_flight_waits_for_them_before_the_files
             assert on_close[name][e.offset:e.offset + src.numel()] == bytes(src.numpy())
     assert writes[0][1].in_done.exception() is None and torch.equal(back, writes[0][2])
     assert sum(f.cancelled() for f in done) == 2
+
+
+class _GatedStore(PosixStore):
+    """A store whose reads and writes block until ``gate`` is set (slow NVMe)."""
+
+    def __init__(self):
+        super().__init__(threads=2)
+        self.gate = threading.Event()
+        self.running = threading.Semaphore(0)
+
+    def _write(self, *args):
+        self.running.release()
+        self.gate.wait()
+        return super()._write(*args)
+
+    def _read(self, *args):
+        self.running.release()
+        self.gate.wait()
+        return super()._read(*args)
+
+
+def test_reset_waits_for_reads_and_writes_in_flight_before_dropping_their_buffers(tmp_path):
+    """A reset after an error mid-backward: a prefetch read into a device buffer whose saved
+    tensor was never unpacked, and a write from a device storage of a forward that did not
+    finish, are still running. The reset returns only once both are over: their buffers are
+    let go, and the block's file offsets reused by the next iteration, after the I/O."""
+    import weakref
+    from protrain.runtime.activations import ActivationRuntime, _Stored
+    from protrain.runtime.streams import Streams
+    store = _GatedStore()
+    acts = ActivationRuntime([torch.nn.Linear(4, 4)], [BlockMode.SSD], Streams(torch.device("cpu")),
+                             torch.device("cpu"), [2**16], lambda t: None, ssd_root=tmp_path,
+                             ssd_min_bytes=0, ssd_store=store)
+    stash = acts.stashes[0]
+    read = _Stored(storage=lambda: None, nbytes=8192)            # its device storage is gone
+    read.out_done = cf.Future()
+    read.out_done.set_result(None)                                # written in an earlier step
+    stash.stored[0] = read
+    acts.prefetch(0)                                              # the read into device_back
+    src = torch.full((8192,), 3, dtype=torch.uint8)
+    write = _Stored(storage=weakref.ref(src.untyped_storage()), nbytes=8192, device_src=src)
+    stash.begin_write(write, src)
+    stash.stored[1] = write
+    del src
+    for _ in range(2):
+        assert store.running.acquire(timeout=10)                  # both are running
+    reset = threading.Thread(target=acts.reset)
+    reset.start()
+    reset.join(0.5)
+    try:
+        assert reset.is_alive(), "reset returned with a read and a write still in flight"
+    finally:
+        store.gate.set()                                          # a failure must not hang close
+    reset.join(10)
+    assert not reset.is_alive()
+    assert read.in_done.done() and write.out_done.done()
+    assert stash.stored == {} and stash.file.used == 0
+    acts.close()
 
 
 def test_verify_mode_catches_data_changed_on_the_drive(tmp_path):

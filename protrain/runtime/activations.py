@@ -22,6 +22,7 @@
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import functools
 import logging
 import weakref
@@ -203,6 +204,14 @@ class SSDStash:
         return e.out_done is not None and e.out_done.cancel()
 
     def reset(self) -> None:
+        # As HostStash.reset: after an error (mid-forward, mid-backward) reads into prefetched
+        # device buffers never handed back, and writes from device storages, may still run.
+        # Their buffers must outlive them (today the backends' pool calls hold them until they
+        # return: not a contract), and the file's offsets start over at 0: a late write would
+        # land on the next iteration's data. Waited for without raising: nothing needs their
+        # results any more. After a finished backward they are all done (each read was waited
+        # for in unpack, and waited for its write).
+        cf.wait([f for e in self.stored.values() for f in (e.out_done, e.in_done) if f is not None])
         self.stored.clear()
         self.file.reset()
 
@@ -225,6 +234,12 @@ class ActivationRuntime:
         self.stashes: dict[int, HostStash | SSDStash] = {}
         self.rundir = self.store = None
         caps = {i: int(swap_bytes[i] * 1.25) + 2**16 for i in range(len(self.modes))}
+        # The pinned arenas first: one the host cannot give fails before the SSD run directory
+        # (its preallocated files) and its store's threads exist, which nothing would close.
+        for i, m in enumerate(self.modes):
+            if m == BlockMode.SWAP:
+                self.stashes[i] = HostStash(streams.pinned(caps[i], torch.uint8, f"block {i}'s swapped "
+                                                           f"activations"), streams)
         ssd_blocks = [i for i, m in enumerate(self.modes) if m == BlockMode.SSD]
         if ssd_blocks:
             if ssd_root is None:
@@ -235,10 +250,6 @@ class ActivationRuntime:
             for i in ssd_blocks:
                 self.stashes[i] = SSDStash(BlockFile(self.rundir.path / f"block{i:04d}.act", caps[i]),
                                            self.store, streams, min_bytes=ssd_min_bytes)
-        for i, m in enumerate(self.modes):
-            if m == BlockMode.SWAP:
-                self.stashes[i] = HostStash(streams.pinned(caps[i], torch.uint8, f"block {i}'s swapped "
-                                                           f"activations"), streams)
         self._checkpoint_context_fn = checkpoint_context_fn
         self._ckpt = None
         self.wrap_blocks()

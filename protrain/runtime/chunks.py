@@ -223,14 +223,16 @@ class ChunkManager:
                             sl.param.data.detach().reshape(-1)[a - sl.offset:b - sl.offset])
                 on_nvme = self.nvme is not None and c in self.nvme
                 if self.half:
-                    c.shadow = self.streams.pinned(c.shard_size, self.dtype)
+                    c.shadow = self.streams.pinned(c.shard_size, self.dtype, f"chunk {c.index}'s parameters")
                     c.shadow.copy_(flat)
                     c.master = None if on_nvme else flat.float()
                 else:
-                    c.master = self.streams.pinned(c.shard_size, torch.float32)
+                    c.master = self.streams.pinned(c.shard_size, torch.float32,
+                                                   f"chunk {c.index}'s parameters (their fp32 master)")
                     c.master.copy_(flat)
                 if grad_accumulation or not self.half:
-                    c.grad_acc = self.streams.pinned(c.shard_size, torch.float32)
+                    c.grad_acc = self.streams.pinned(c.shard_size, torch.float32,
+                                                    f"chunk {c.index}'s fp32 gradients")
                     c.grad_acc.zero_()
                 if on_nvme:
                     self.nvme.store_initial(c, flat if self.half else None)

@@ -285,7 +285,8 @@ class ChunkOptimizer:
         self._staging_free: list[int] = []
         if self.gas > 1 and self.chunks.offloaded():
             cap = max(c.shard_size for c in self.chunks.offloaded())
-            self._staging = [streams.pinned(cap, self.chunks.dtype) for _ in range(2)]
+            self._staging = self._pinned_or_stop(lambda: [streams.pinned(cap, self.chunks.dtype)
+                                                          for _ in range(2)])
             self._staging_free = [0, 1]
             self._staging_lock = threading.Condition()
             self.worker.on_error(self._wake_staging)
@@ -307,7 +308,7 @@ class ChunkOptimizer:
         """This step's verdict inputs of offloaded chunks, taken on the device as their
         gradients left (``_device_check``) or on the host as they landed (``_host_check``); a
         chunk without one is checked in step()."""
-        self._verdict_room = self._verdict_regions(offloaded)
+        self._verdict_room = self._pinned_or_stop(lambda: self._verdict_regions(offloaded))
         """Per offloaded chunk, pinned host memory its device check is copied into."""
         self._param_index = {p: i for i, p in enumerate(params_in_order)}
         self._offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
@@ -855,6 +856,16 @@ class ChunkOptimizer:
         with self._pause():
             self._host_check(c, self._host_grads(c))
         self._trace("cpu_adam", "check", f"chunk {c.index}", t)
+
+    def _pinned_or_stop(self, allocate):
+        """``allocate()`` (pinned host memory); if the host cannot give it, the worker's threads,
+        started already, are stopped before the error goes up (the runtime's build undoes the
+        rest: runtime.py ``_unbuild``)."""
+        try:
+            return allocate()
+        except BaseException:
+            self.worker.close()
+            raise
 
     def _verdict_regions(self, offloaded: list[Chunk]) -> dict[int, torch.Tensor]:
         """Pinned host room for each offloaded chunk's device check (a flag, and with clipping

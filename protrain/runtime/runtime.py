@@ -54,6 +54,29 @@ from .streams import Streams
 from .trainable import TrainableChange, TrainableWatch
 
 
+def _planned_params(model: nn.Module, param_names: list[str], setup: OptimizerSetup):
+    """(name, parameter) of each parameter the plan names, in its order, and each trainable
+    parameter's optimizer param group; a plan made for another model, or before a freeze, or
+    a parameter the optimizer was not given, is refused naming it."""
+    named = dict(model.named_parameters())
+    missing = [n for n in param_names if n not in named]
+    if missing:
+        raise ValueError(f"the plan names parameters the model does not have: {missing[:3]}; "
+                         f"it was made for another model (delete the plan file to re-plan)")
+    group_of = {p: gi for gi, g in enumerate(setup.param_groups) for p in g["params"]}
+    params = [(n, named[n]) for n in param_names]
+    frozen = [n for n, p in params if not p.requires_grad]
+    if frozen:
+        raise ValueError(f"the plan trains parameters {frozen[:3]}, which are frozen "
+                         f"(requires_grad=False) in this model; it was made before they were "
+                         f"frozen (delete the plan file to re-plan)")
+    absent = [n for n, p in params if p not in group_of]
+    if absent:
+        raise ValueError(f"parameters {absent[:3]} are trainable but in no optimizer param group; "
+                         f"give every trainable parameter to the optimizer or freeze it")
+    return params, group_of
+
+
 class ProTrainRuntime:
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], plan: Plan, device: torch.device,
                  setup: OptimizerSetup, options: RuntimeOptions = RuntimeOptions()):
@@ -72,25 +95,10 @@ class ProTrainRuntime:
         accounting = options.accounting
         self.n_parts = len(self.blocks) + 2
         self.streams = Streams(device)
-        named = dict(model.named_parameters())
-        missing = [n for n in param_names if n not in named]
-        if missing:
-            raise ValueError(f"the plan names parameters the model does not have: {missing[:3]}; "
-                             f"it was made for another model (delete the plan file to re-plan)")
-        group_of = {p: gi for gi, g in enumerate(setup.param_groups) for p in g["params"]}
+        params, group_of = _planned_params(model, param_names, setup)
         self.trainable = TrainableWatch(model)
         """The requires_grad flags the chunks are built for (checked at every training forward
         and backward: trainable.py)."""
-        params = [(n, named[n]) for n in param_names]
-        frozen = [n for n, p in params if not p.requires_grad]
-        if frozen:
-            raise ValueError(f"the plan trains parameters {frozen[:3]}, which are frozen "
-                             f"(requires_grad=False) in this model; it was made before they were "
-                             f"frozen (delete the plan file to re-plan)")
-        absent = [n for n, p in params if p not in group_of]
-        if absent:
-            raise ValueError(f"parameters {absent[:3]} are trainable but in no optimizer param group; "
-                             f"give every trainable parameter to the optimizer or freeze it")
         # All the host memory the plan holds, refused before any of it is taken (not part-way
         # through, nor by the OOM killer once the pages are touched).
         check_pinning(plan.prediction.host_bytes, "the plan's host memory (offloaded chunks' "
@@ -99,6 +107,9 @@ class ProTrainRuntime:
         nvme = NvmeStates(nvme_ids, options.ssd_root, self.streams, device,
                           speculative=setup.clip > 0 or setup.loss_scaler is not None,
                           verify=options.ssd_verify) if nvme_ids else None
+        # Where each parameter was: a pinned allocation the host cannot give part way puts the
+        # parameters back there (``_unbuild``), out of the half-built chunks.
+        before = [(p, p.device) for _, p in params]
         try:
             self.chunks = ChunkManager(
                 named_params=params, param_chunk=list(layout.param_chunk),
@@ -108,15 +119,18 @@ class ProTrainRuntime:
                 streams=self.streams, grad_accumulation=setup.grad_accumulation_steps > 1,
                 dp=options.dp, nvme=nvme)
         except BaseException:
-            if nvme is not None:
-                nvme.close()
+            self._unbuild(before, nvme)
             raise
         host_kernel, device_kernel = adam_kernels(device, setup, bool(self.chunks.offloaded()))
         self.accounting = DeviceAccounting(device) if accounting else None
         in_order = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = ChunkOptimizer(
-            self.chunks, self.streams, setup, host_kernel=host_kernel, device_kernel=device_kernel,
-            params_in_order=in_order, pause_accounting=self.accounting.paused if self.accounting else None)
+        try:
+            self.optimizer = ChunkOptimizer(
+                self.chunks, self.streams, setup, host_kernel=host_kernel, device_kernel=device_kernel,
+                params_in_order=in_order, pause_accounting=self.accounting.paused if self.accounting else None)
+        except BaseException:
+            self._unbuild(before, nvme)
+            raise
         self._buffer_index = {t.data_ptr(): b for b, t in enumerate(self.chunks.pool.tensors)}
         self._persistent_ptrs = {c.data.data_ptr() for c in self.chunks.chunks if c.persistent}
         self._slot_offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
@@ -131,9 +145,10 @@ class ProTrainRuntime:
                 ssd_min_bytes=options.ssd_min_bytes)
         except BaseException:
             self.compiled.close()
-            if nvme is not None:
-                nvme.close()
+            self.optimizer.worker.close()
+            self._unbuild(before, nvme)
             raise
+        del before
         self._needs_saved_hooks = bool(self.chunks.offloaded()) or any(
             m in (BlockMode.SWAP, BlockMode.SSD) for m in plan.block_modes)
         self._hooks = ExitStack()
@@ -173,6 +188,19 @@ class ProTrainRuntime:
         self._steps_at_import = 0
 
     # ---- lifecycle ------------------------------------------------------------------------
+    def _unbuild(self, before: list[tuple[nn.Parameter, torch.device]], nvme: NvmeStates | None) -> None:
+        """Undo a build that failed part way (pinned memory the host could not give): else the
+        parameters would stay views of half-built chunks, and what was pinned so far would
+        stay registered for the life of the process. Each parameter gets a tensor of its own
+        back, with its values, on its device (copied out of its chunk: the build frees each
+        parameter's memory once its chunk holds it, so a model that fits is not held twice);
+        the NVMe store is closed (its I/O done before its buffers go)."""
+        for p, device in before:
+            p.data = p.data.to(device, copy=True)
+        if nvme is not None:
+            nvme.close()
+        self.streams.release_pinned()
+
     def close(self, to_host: bool = False, gather: bool = True) -> None:
         """Undo everything: hooks, wrapped block forwards; parameters become standalone
         tensors again with their current values (on the host with ``to_host``)."""

@@ -12,6 +12,8 @@ tests/deferred_streams.py - as a whole.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 from contextlib import nullcontext
 
@@ -191,10 +193,41 @@ class Streams:
     def _register(self, t: torch.Tensor) -> bool:
         if not self.cuda:
             return False
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
-            t.data_ptr(), t.numel() * t.element_size(), 0))
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if err != cudart.cudaError.success:
+            # The failure is also left as this thread's last CUDA error, which the check after
+            # the next kernel launch (cudaGetLastError) would report as that kernel's own.
+            _clear_last_cuda_error()
+        torch.cuda.check_error(err)
         return True
 
     def _unregister(self, t: torch.Tensor) -> None:
         if self.cuda:
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the calling thread's last CUDA runtime error (cudaGetLastError). torch's
+    ``cudart()`` does not bind it (2.11): called in the libcudart torch loaded, whose state it
+    is, found among the process's mappings."""
+    fn = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if fn is None and _loaded_cudart() is not None:
+        fn = _loaded_cudart().cudaGetLastError
+    if fn is not None:
+        fn()
+
+
+@functools.cache
+def _loaded_cudart():
+    """ctypes handle of the libcudart.so this process has loaded (None: none, e.g. linked
+    statically into torch)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                if "/libcudart.so" in path:
+                    return ctypes.CDLL(path)
+    except OSError:
+        pass
+    return None
