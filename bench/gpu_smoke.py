@@ -189,11 +189,17 @@ def section_build(out: Path) -> dict:
 
 def section_tests(out: Path) -> dict:
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_gpu_*.py"))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                        "-o", "addopts=", *files], cwd=ROOT, capture_output=True, text=True)
-    print(r.stdout[-20000:], r.stderr[-5000:])
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED"))]
-    return {"exit": r.returncode, "outcomes": lines, "summary": r.stdout.strip().splitlines()[-1:]}
+    # pytest writes into this section's log as it goes (a section stopped at its time limit
+    # keeps what ran: the second GPU run's captured output was lost so), and a JUnit file.
+    xml = out / "gpu_tests.xml"
+    rc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider",
+                         "-o", "addopts=", f"--junitxml={xml}", *files], cwd=ROOT).returncode
+    import xml.etree.ElementTree as ET
+    outcomes = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+        outcomes[f"{case.get('classname')}::{case.get('name')}"] = kind
+    return {"exit": rc, "outcomes": outcomes}
 
 
 def section_sanitizer(out: Path) -> dict:
