@@ -399,8 +399,9 @@ class ProTrainEngine(DeepSpeedEngine):
           stood (cumulative; with clipping or fp16 they are speculative and committed);
         - ``cpu_adam_rollbacks``: speculative chunk updates undone and redone after backward
           because the step clipped, overflowed or its hyperparameters changed (cumulative);
-        - ``cpu_adam_exposed_s``: the last optimizer step's wall time after backward: the
-          optimizer work backward did not hide;
+        - ``cpu_adam_exposed_s``: the CPU Adam work the last optimizer step's compute did not
+          hide: its forward's and backward's waits for updates the step before carried over,
+          plus its ``step()``'s wall time;
         - ``host_state_bytes``: offloaded chunks' optimizer states resident in host memory now
           (with their speculation backups and the staging buffers of the states on NVMe);
         - ``nvme_state_bytes``: optimizer states on the drive (``n_nvme`` chunks' current copy;

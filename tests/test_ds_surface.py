@@ -324,3 +324,32 @@ def test_model_device_is_the_engines_while_the_first_parameter_is_offloaded(monk
     with monkeypatch.context() as m:
         m.setattr(engine, "device", meta)
         assert model.device == first.device == torch.device("cpu")
+
+
+def test_the_optimizers_state_dict_calls_are_refused_naming_the_checkpoint_calls():
+    """docs/deepspeed.md's table: ``engine.optimizer.state_dict()`` / ``load_state_dict()`` of
+    plain DeepSpeed hand out or take its optimizer states; ProTrain's live in chunks sharded
+    over the ranks, host memory or NVMe: refused, naming what saves and resumes them."""
+    _, _, engine = train(with_protrain(base_config(), chunk_size="64KiB", n_persist=1), TINY, 1)
+    with pytest.raises(NotImplementedError, match=r"engine\.save_checkpoint"):
+        engine.optimizer.state_dict()
+    with pytest.raises(NotImplementedError, match=r"engine\.load_checkpoint"):
+        engine.optimizer.load_state_dict({})
+    engine.destroy()
+
+
+def test_a_step_before_any_forward_through_the_engine_is_refused_by_name():
+    """docs/deepspeed.md's table: ProTrain plans at the first forward through the engine, so an
+    ``engine.step()`` before any (a loop training through ``engine.module(x)``) is refused with
+    what to do, not run on parameters that have no chunks yet."""
+    import deepspeed
+    from protrain.models import GPT, synthetic_batch
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=with_protrain(base_config()))
+    x, y = synthetic_batch(TINY, 2)
+    engine.module(x, y).backward()
+    with pytest.raises(RuntimeError, match=r"before any forward.*engine\(batch\)"):
+        engine.step()
+    engine.destroy()
