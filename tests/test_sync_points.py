@@ -268,6 +268,8 @@ def test_replan_with_updates_pending_carries_the_updated_states(monkeypatch, cap
     """An out-of-memory error in the forward right after step(), while the updates of chunks
     that forward had not reached yet are still held: the re-plan moves the updated states
     into the new plan's chunks, and training goes on exactly as DeepSpeed's."""
+    from dataclasses import replace
+
     import protrain_ds.engine as engine_mod
     from protrain.runtime.states import export_pieces
     from test_oom import InjectOOM
@@ -279,7 +281,11 @@ def test_replan_with_updates_pending_carries_the_updated_states(monkeypatch, cap
         opt = self.protrain_runtime.optimizer
         pending_at_replan.append(sum(not e.is_set() for e in opt._ready.values()))
         plans = move(self, *args, **kwargs)
-        carried.append({p.name: p for p in export_pieces(self.protrain_runtime.chunks)})
+        # Cloned: an offloaded chunk's pieces are its host states themselves (no copy), valid
+        # until the runtime's next step changes them.
+        carried.append({p.name: replace(p, master=p.master.clone(), exp_avg=p.exp_avg.clone(),
+                                        exp_avg_sq=p.exp_avg_sq.clone())
+                        for p in export_pieces(self.protrain_runtime.chunks)})
         return plans
     monkeypatch.setattr(engine_mod.ProTrainEngine, "_protrain_move", replanning)
     with deferred_streams(monkeypatch) as made:
