@@ -353,3 +353,63 @@ def test_a_step_before_any_forward_through_the_engine_is_refused_by_name():
     with pytest.raises(RuntimeError, match=r"before any forward.*engine\(batch\)"):
         engine.step()
     engine.destroy()
+
+
+@pytest.mark.parametrize("by", ["no_sync", "two backwards"])
+def test_accumulating_by_hand_without_accumulation_steps_is_refused_by_name(by):
+    """DeepSpeed's ``engine.no_sync()`` (or two ``engine.backward`` calls before a step) with
+    ``"gradient_accumulation_steps": 1``: every backward is a boundary, whose offloaded gradients
+    ProTrain sends off the device as the step's (no accumulator) and may start updating; a
+    second one before ``step()`` trained silently wrong (weights 6e-3 apart from DeepSpeed's
+    after 3 steps). Refused, naming the setting that does it right."""
+    import contextlib
+
+    import deepspeed
+    from protrain.models import GPT, synthetic_batch
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=with_protrain(
+        base_config(gradient_clipping=0.0), chunk_size="64KiB", n_persist=1))
+    run_steps(engine, 0, 2)                   # ordinary steps first: updates run during backward
+    with pytest.raises(RuntimeError, match=r"second backward before engine\.step\(\).*gradient_accumulation_steps"):
+        with engine.no_sync() if by == "no_sync" else contextlib.nullcontext():
+            for m in range(2):
+                x, y = synthetic_batch(TINY, 2, seed=10 + m)
+                engine.backward(engine(x, y))
+    engine.destroy()
+
+
+def test_accumulation_under_no_sync_as_accelerate_drives_it_trains_like_deepspeed():
+    """accelerate's ``accumulate()`` with DeepSpeed (a plain accelerate loop on several
+    processes): the micro-batches before the boundary run under ``engine.no_sync()``, the
+    boundary is set explicitly (``set_gradient_accumulation_boundary``) and ``step()`` follows
+    the boundary's backward only - with ``"gradient_accumulation_steps": 3``, bit for bit plain
+    DeepSpeed's."""
+    import contextlib
+
+    import deepspeed
+    from protrain.models import GPT, synthetic_batch
+
+    def run(cfg):
+        torch.manual_seed(0)
+        model = GPT(TINY)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        losses = []
+        for i in range(9):
+            boundary = i % 3 == 2
+            with contextlib.nullcontext() if boundary else engine.no_sync():
+                engine.set_gradient_accumulation_boundary(boundary)
+                x, y = synthetic_batch(TINY, 2, seed=i)
+                loss = engine(x, y)
+                engine.backward(loss)
+                losses.append(loss.item())
+            if boundary:
+                engine.step()
+        state = model.state_dict()
+        engine.destroy()
+        return losses, {n: state[n].clone() for n, _ in model.named_parameters()}
+    cfg = base_config(gradient_clipping=0.0, gradient_accumulation_steps=3)
+    ref = run(cfg)
+    got = run(with_protrain(cfg, chunk_size="64KiB", n_persist=1))
+    assert got[0] == ref[0]
+    assert all(torch.equal(got[1][n], w) for n, w in ref[1].items())

@@ -275,6 +275,10 @@ class ChunkOptimizer:
         successor likely does too, and a rollback costs the backup and a second update)."""
         self.stats = OverlapStats()
         self._waited_s = 0.0
+        self.boundary_backward_done = False
+        """A backward at an accumulation boundary finished and ``step`` has not run since: its
+        offloaded gradients went to the host as the step's (not added to an accumulator) and
+        their updates may have begun, so another backward before ``step`` is refused."""
         self.first_step_of_plan = True
         """No step of this plan has been applied yet: chunk updates wait for ``step`` (none
         runs during backward), so an out-of-memory error in its backward can be redone exactly
@@ -344,6 +348,7 @@ class ChunkOptimizer:
     def discard_gradients(self) -> None:
         """A backward dropped (out of memory) or states loaded in its place (a checkpoint):
         every gradient of this step is cleared, whether or not one was seen to arrive."""
+        self.boundary_backward_done = False
         self.worker.drain()
         self.step_state = StepState.BACKWARD
         self._reset()
@@ -370,6 +375,15 @@ class ChunkOptimizer:
         g = p.grad
         if g is None:
             return
+        if self.boundary_backward_done:
+            raise RuntimeError(
+                "a second backward before engine.step() at a gradient accumulation boundary (with "
+                "\"gradient_accumulation_steps\": 1 every backward is one; engine.no_sync() or "
+                "calling engine.backward twice accumulates by hand): ProTrain moves a boundary's "
+                "gradients off the device as the step's and may start their update at once, so it "
+                "cannot add more to them. Set \"gradient_accumulation_steps\" in the JSON to the "
+                "micro-batches per step and call engine.backward(loss); engine.step() for each, as "
+                "DeepSpeed's docs do")
         c, s = self.chunks.slot_of[p]
         with torch.no_grad():
             if c.persistent:
@@ -507,6 +521,7 @@ class ChunkOptimizer:
     def step(self) -> None:
         """The accumulation boundary's update. Sets ``overflow`` and ``global_grad_norm``."""
         t0 = time.perf_counter()
+        self.boundary_backward_done = False
         self._wait_for_gradients()
         self.overflow = False
         self.global_grad_norm = None

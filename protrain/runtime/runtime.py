@@ -46,7 +46,7 @@ from .compile import CompiledBlocks, CompileRequest
 from .full_state import FullStateDict
 from .host_limits import check_pinning
 from .nvme_states import NvmeStates
-from .optimizer import ChunkOptimizer
+from .optimizer import ChunkOptimizer, StepState
 from .options import OptimizerSetup, RuntimeOptions
 from .outside import OutsideForwards, path_to_blocks
 from .states import RuntimeState, assemble, export_pieces, import_pieces, redistribute
@@ -299,6 +299,8 @@ class ProTrainRuntime:
                 self.optimizer.chunk_backward_done(c, boundary)
         if self._in_backward:
             self.activations.reset()
+        if boundary and self.optimizer.step_state is not StepState.IDLE:
+            self.optimizer.boundary_backward_done = True
         self._in_backward = False
 
     def step(self) -> None:
