@@ -97,6 +97,10 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
     if runtime is not None:
         runtime.optimizer.worker.drain()
     dp = runtime.chunks.dp if runtime is not None else DataParallel()
+    if not isinstance(save_dir, (str, os.PathLike)) or not os.fspath(save_dir):
+        # DeepSpeed's check and exception: "" would write the checkpoint into the current directory.
+        raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): save_dir must be a non-empty "
+                         f"string or path (the checkpoint's directory)")
     save_dir = Path(save_dir)
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     if not tag or "/" in tag or tag.startswith("."):

@@ -413,3 +413,15 @@ def test_accumulation_under_no_sync_as_accelerate_drives_it_trains_like_deepspee
     got = run(with_protrain(cfg, chunk_size="64KiB", n_persist=1))
     assert got[0] == ref[0]
     assert all(torch.equal(got[1][n], w) for n, w in ref[1].items())
+
+
+@pytest.mark.parametrize("save_dir", ["", None])
+def test_save_checkpoint_without_a_directory_is_refused_as_deepspeed_does(save_dir, tmp_path, monkeypatch):
+    """DeepSpeed raises ValueError for an empty or missing save_dir; ProTrain wrote "" into the
+    current directory (found running DeepSpeed's tests/unit/checkpoint with the section)."""
+    monkeypatch.chdir(tmp_path)
+    _, _, engine = train(with_protrain(base_config(), chunk_size="64KiB", n_persist=1), TINY, 1)
+    with pytest.raises(ValueError, match="save_dir must be a non-empty"):
+        engine.save_checkpoint(save_dir)
+    engine.destroy()
+    assert list(tmp_path.iterdir()) == []
