@@ -45,7 +45,9 @@ import os
 import shutil
 import zlib
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -90,10 +92,8 @@ def _crc32(path: Path) -> int:
 # ---- saving --------------------------------------------------------------------------------
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> bool:
     runtime = engine.protrain_runtime
-    if runtime is None and engine._protrain_resume is not None:
-        raise CheckpointError("save_checkpoint after load_checkpoint and before any forward: the "
-                              "loaded states wait for the first forward's plan. Save after a "
-                              "training step, or copy the loaded checkpoint's directory")
+    # Loaded and not planned yet: the loaded states are the ones to save.
+    resume = engine._protrain_resume if runtime is None else None
     if runtime is not None:
         runtime.optimizer.worker.drain()
     dp = runtime.chunks.dp if runtime is not None else DataParallel()
@@ -103,6 +103,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
                          f"string or path (the checkpoint's directory)")
     save_dir = Path(save_dir)
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = _agreed_tag(engine, dp, tag)
     if not tag or "/" in tag or tag.startswith("."):
         raise ConfigError(f"checkpoint tag {tag!r}: use a plain name (no '/', not starting with '.')")
     partial = save_dir / f".{tag}.partial"
@@ -122,16 +123,23 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
     def write_files():
         # With the states of parameters frozen since they trained (trainable.py), which an
         # unfreeze after the resume goes on from.
-        pieces = [vars(p) for p in (export_pieces(runtime.chunks) if runtime is not None else
-                                    _initial_pieces(engine, dp.rank))
-                  + engine._protrain_states.saved_pieces()]
+        if runtime is not None:
+            pieces = export_pieces(runtime.chunks) + engine._protrain_states.saved_pieces()
+        elif resume is not None and resume.pieces is not None:
+            pieces = resume.pieces if dp.rank == 0 else []   # every rank's, parked ones too
+        else:
+            pieces = _initial_pieces(engine, dp.rank)
+        pieces = [vars(p) for p in pieces]
         rng = {"cpu": torch.random.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         _save_durable({"pieces": pieces, "rng": rng, "rank": dp.rank, "world": dp.world},
                       partial / _states_file(dp.rank))
         if dp.rank == 0:
-            _save_durable(_meta(engine, tag, dp.world, client_state), partial / META)
+            meta = _meta(engine, tag, dp.world, client_state)
+            if resume is not None and resume.pieces is not None:
+                meta.update(resume.meta)      # what the states loaded carry
+            _save_durable(meta, partial / META)
     _settle(dp, tag, save_dir, attempt("writing its files", write_files))
 
     # 2b. With a ZeRO stage in the JSON, DeepSpeed's ZeRO-3 files too (zero_files.py), cut
@@ -155,6 +163,34 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
             error += f" ({_PUBLISHED}: the checkpoint is complete in {save_dir / tag})"
     _settle(dp, tag, save_dir, error)
     return True
+
+
+class CheckpointTagError(CheckpointError, AssertionError):
+    """The ranks saved under different tags with ``checkpoint.tag_validation`` "FAIL" (an
+    AssertionError, as DeepSpeed raises there)."""
+
+
+def _agreed_tag(engine, dp: DataParallel, tag: str) -> str:
+    """The one tag every rank saves under. DeepSpeed compares the ranks' tags
+    (``checkpoint.tag_validation``): "FAIL" raises, "WARN" (its default) warns and "IGNORE"
+    says nothing, and each rank writes its own files under its own tag. A ProTrain checkpoint
+    is one directory holding every rank's files, so on a mismatch they all go under rank 0's
+    tag (said under "WARN")."""
+    if dp.world == 1:
+        return tag
+    tags = dp.all_gather_object(tag)
+    if len(set(tags)) == 1:
+        return tag
+    by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    msg = (f"[rank={dp.rank}] The checkpoint tag name '{tag}' is not consistent across all ranks "
+           f"({by_rank}). Including rank unique information in checkpoint tag could cause issues "
+           f"when restoring with different world sizes")
+    if engine.checkpoint_tag_validation_fail():
+        raise CheckpointTagError(f"{msg}: pass the same tag on every rank (or none: "
+                                 f"global_step<N>), or set checkpoint.tag_validation to WARN")
+    if engine.checkpoint_tag_validation_enabled():
+        log.warning("%s; ProTrain saves every rank's files under rank 0's tag %r", msg, tags[0])
+    return tags[0]
 
 
 def _meta(engine, tag: str, world: int, client_state) -> dict:
@@ -498,7 +534,10 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
         # pins, plan_file, machine and batch, not the checkpoint's plan - and takes the states
         # then. The weights are the module's from now on (evaluation, generation, state_dict).
         _set_weights(engine.module, pieces, meta["params"])
-        engine.protrain_resume_from(take, check)
+        engine.protrain_resume_from(Resume(
+            take=take, check=check,
+            pieces=[p for ps in pieces.values() for p in ps] if states else None,
+            meta={k: meta.get(k) for k in ("parked", "step_counts", "adam_chain")}))
     else:
         engine.protrain_runtime.optimizer.sync()
         take()
@@ -589,6 +628,20 @@ def _param_shapes(engine) -> dict[str, list[int]]:
     if rt is not None:
         return {s.name: list(s.shape) for c in rt.chunks.chunks for s in c.slots}
     return {n: list(p.shape) for n, p in engine.module.named_parameters() if p.requires_grad}
+
+
+@dataclass
+class Resume:
+    """A checkpoint loaded before the first forward planned the runtime."""
+    take: Callable[[], None]
+    """Put the states into the runtime the first forward builds."""
+    check: Callable[[], None]
+    """Refuse what changed since the load (before planning)."""
+    pieces: list[Piece] | None
+    """Every rank's pieces of the checkpoint (None: its optimizer states were not loaded): what
+    a save before the first forward writes (rank 0, as before any step)."""
+    meta: dict
+    """The checkpoint's parked parameters, FusedAdam counts and Adam chain, for that save."""
 
 
 def _initial_pieces(engine, rank: int) -> list[Piece]:

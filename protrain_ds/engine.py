@@ -57,7 +57,7 @@ from protrain.session.profiling import profile_batch
 from protrain.session.session import first_target, longer_target, search_for_batches
 
 from . import compile as protrain_compile
-from . import handover
+from . import fragment_api, handover, zero_init
 from .config import ProTrainDSConfig
 from .optimizer import ProTrainOptimizer
 from .sequence_parallel import SequenceParallelForward, model_takes, unsupported_reason
@@ -137,6 +137,8 @@ class ProTrainEngine(DeepSpeedEngine):
                               grad_accumulation=self.gradient_accumulation_steps() > 1)
             except InfeasibleError as e:
                 raise ConfigError(f"protrain: impossible memory budget: {e}") from None
+        # deepspeed.utils.safe_get_full_grad and its kin: refused by name, not a silent None.
+        fragment_api.attach(self.module)
         handover.register(self)
         if self.global_rank == 0 and protrain_config.verbosity >= 1:
             lines = ["ProTrain: enabled; the model is profiled and the plan chosen at the first "
@@ -435,6 +437,7 @@ class ProTrainEngine(DeepSpeedEngine):
             self.protrain_runtime = None
             self.optimizer.runtime = None
         self._protrain_close_sp()
+        fragment_api.detach(self.module)
         self.protrain_retired_by = by
 
     def destroy(self):
@@ -444,6 +447,7 @@ class ProTrainEngine(DeepSpeedEngine):
             self.protrain_runtime.close()
             self.protrain_runtime = None
         self._protrain_close_sp()
+        fragment_api.detach(self.module)
         super().destroy()
 
     def __del__(self):
@@ -490,7 +494,7 @@ class ProTrainEngine(DeepSpeedEngine):
 
     def _protrain_setup(self, inputs, kwargs, shape: BatchShape | None) -> None:
         if self._protrain_resume is not None:
-            self._protrain_resume[1]()        # a loaded checkpoint still fits, before planning
+            self._protrain_resume.check()     # a loaded checkpoint still fits, before planning
         cfg = self.protrain_config
         verbose = self.global_rank == 0 and cfg.verbosity >= 1
         protrain_compile.before_planning(self)
@@ -500,12 +504,7 @@ class ProTrainEngine(DeepSpeedEngine):
             if verbose:
                 print("ProTrain: turned off the model's own gradient checkpointing: the plan "
                       "decides per block", flush=True)
-        for p in self.module.parameters():
-            if hasattr(p, "ds_id"):
-                raise ConfigError(
-                    "the model's parameters are already partitioned by ZeRO-3 (zero.Init): "
-                    "ProTrain places parameters itself. Set zero_optimization.stage to 0, 1 or 2 "
-                    "(Hugging Face partitions at load time when it sees stage 3)")
+        zero_init.check_plain(self.module)
         dp = DataParallel()
         # The ranks on this host: the launcher's variables, else one all-gather of host names.
         self._protrain_node = node_share(dp)
@@ -521,14 +520,13 @@ class ProTrainEngine(DeepSpeedEngine):
         self._protrain_build_runtime(plan, dp)
         self._protrain_covered = self._protrain_covered or target
         if self._protrain_resume is not None:
-            (take, _), self._protrain_resume = self._protrain_resume, None
-            take()
+            resume, self._protrain_resume = self._protrain_resume, None
+            resume.take()
 
-    def protrain_resume_from(self, take, check) -> None:
-        """``take()`` puts a checkpoint's states (loaded before the runtime exists) into the
-        runtime the next forward plans and builds for this job; ``check()`` first refuses what
-        changed since the load."""
-        self._protrain_resume = (take, check)
+    def protrain_resume_from(self, resume) -> None:
+        """``resume`` (checkpoint.Resume): a checkpoint's states, loaded before the runtime
+        exists, for the runtime the next forward plans and builds for this job."""
+        self._protrain_resume = resume
 
     # ---- the planning session's steps, as DeepSpeed runs them (protrain.session) -------------
     def _protrain_steps(self) -> PlanningSteps:
@@ -813,6 +811,9 @@ def _rank0_failure(failure: PlanFailure) -> BaseException:
     return ConfigError(failure.message)
 
 
+_SAID_NO_LOSS = False
+
+
 def _loss_of(out) -> torch.Tensor:
     """The scalar to backpropagate from a model's output: the output itself, its ``loss``
     (Hugging Face), or the first scalar of a tuple; else a stand-in (the mean) so a model that
@@ -830,8 +831,11 @@ def _loss_of(out) -> torch.Tensor:
                 return o
         out = out[0]
     if isinstance(out, torch.Tensor):
-        log.warning("protrain: the model returns no loss; profiling backward from the mean of its "
-                    "output (the loss computed outside the model is not measured)")
+        global _SAID_NO_LOSS
+        if not _SAID_NO_LOSS:       # once: the profiler runs the model several times
+            _SAID_NO_LOSS = True
+            log.warning("protrain: the model returns no loss; profiling backward from the mean "
+                        "of its output (the loss computed outside the model is not measured)")
         return out.float().mean()
     raise TypeError(f"cannot find a loss in the model output ({type(out).__name__}); return the loss "
                     f"or a Hugging Face ModelOutput with .loss from forward")

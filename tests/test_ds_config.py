@@ -157,12 +157,17 @@ def test_setups_that_cannot_work_are_refused_with_the_reason(extra, words):
         assert w in str(e.value), str(e.value)
 
 
-def test_zero3_partitioned_parameters_and_pipeline_models_are_refused():
+def test_parameters_partitioned_behind_the_engine_and_pipeline_models_are_refused():
+    """A model built under zero.Init before initialize is made whole (test_ds_surface.py); one
+    partitioned after it, behind the engine, is refused at the first forward."""
+    from protrain.models import synthetic_batch
     model = GPT(TINY)
+    engine, *_ = init(with_protrain(base_config()), model)
     for p in model.parameters():
         p.ds_id = 0                        # what zero.Init leaves on parameters
-    with pytest.raises(ConfigError, match="zero.Init"):
-        init(with_protrain(base_config()), model)
+    with pytest.raises(ConfigError, match="after deepspeed.initialize"):
+        engine(*synthetic_batch(TINY, 2, seed=0))
+    engine.destroy()
     from deepspeed.pipe import LayerSpec, PipelineModule
     deepspeed.init_distributed()
     pipe = PipelineModule(layers=[LayerSpec(torch.nn.Linear, 4, 4)], num_stages=1)

@@ -425,3 +425,219 @@ def test_save_checkpoint_without_a_directory_is_refused_as_deepspeed_does(save_d
         engine.save_checkpoint(save_dir)
     engine.destroy()
     assert list(tmp_path.iterdir()) == []
+
+
+def _zero_init_rank(rank, world, port, out_dir):
+    """One rank: plain DeepSpeed ZeRO-0 on a model built as usual; then the same model built
+    under zero.Init (what transformers does with a ZeRO-3 JSON) with the ZeRO-3 JSON and the
+    section, without an optimizer (an evaluation) and with one (training)."""
+    import json
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    import deepspeed
+    from protrain.models import GPT, synthetic_batch
+    from protrain_ds import zero_init
+    from protrain_ds.engine import ProTrainEngine
+    cfg = base_config(gradient_clipping=1.0)
+    zero3 = dict(cfg, zero_optimization={"stage": 3})
+    x, y = synthetic_batch(TINY, 2, seed=rank)
+
+    def built(under_zero_init: bool):
+        torch.manual_seed(0)
+        if not under_zero_init:
+            return GPT(TINY)
+        with deepspeed.zero.Init(config_dict_or_path=zero3):
+            return GPT(TINY)
+
+    def steps(engine):
+        losses = []
+        for i in range(3):
+            xi, yi = synthetic_batch(TINY, 2, seed=10 * i + rank)
+            loss = engine(xi, yi)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        state = engine.module.state_dict()
+        return losses, {n: state[n].float().sum().item() for n in sorted(state)}
+
+    got = {}
+    model = built(True)
+    # The reference: the weights zero.Init left (a model's own init under zero.Init may see
+    # empty tensors), gathered into the model built as usual.
+    reference = built(False)
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        reference.load_state_dict({n: p.data.clone() for n, p in model.named_parameters()},
+                                  strict=False)
+    plain, *_ = deepspeed.initialize(model=reference, model_parameters=reference.parameters(),
+                                     config=cfg)
+    with torch.no_grad():
+        got["plain_eval"] = plain(x, y).item()
+    got["plain"] = steps(plain)
+    evaluation, *_ = deepspeed.initialize(model=model, config={
+        k: v for k, v in with_protrain(zero3).items() if k != "optimizer"})
+    got["eval_engine"] = [type(evaluation).__name__, evaluation.zero_optimization_stage()]
+    with torch.no_grad():
+        got["eval"] = evaluation(x, y).item()
+    model = built(True)
+    assert any(hasattr(p, "ds_id") for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=with_protrain(zero3, **OFFLOADED))
+    got["engine"] = isinstance(engine, ProTrainEngine)
+    got["left"] = sorted({k for p in model.parameters() for k in vars(p) if k.startswith("ds_")
+                          or k in zero_init.ZERO3_ATTRIBUTES})
+    got["protrain"] = steps(engine)
+    got["offloaded"] = bool(engine.protrain_runtime.chunks.offloaded())
+    engine.destroy()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def test_a_model_built_under_zero_init_trains_like_deepspeed(tmp_path):
+    """transformers builds the model under zero.Init when the JSON says ZeRO-3 (run_clm): it was
+    refused ("set stage <= 2"). Two ranks, each holding half of every parameter: ProTrain gathers
+    them whole and trains bit for bit as plain DeepSpeed ZeRO-0 on the model built as usual;
+    without an optimizer ProTrain steps aside and DeepSpeed runs the JSON's ZeRO-3."""
+    import json
+    from ranks import start_ranks
+    from dpworker import free_port
+    start_ranks(_zero_init_rank, (2, free_port(), str(tmp_path)), 2)
+    for r in range(2):
+        got = json.load(open(tmp_path / f"rank{r}.json"))
+        assert got["eval_engine"] == ["DeepSpeedEngine", 3], got["eval_engine"]
+        assert got["eval"] == got["plain_eval"]
+        assert got["engine"] and got["offloaded"]
+        assert got["left"] == [], got["left"]          # no ZeRO-3 bookkeeping left on them
+        assert got["protrain"] == got["plain"]
+
+
+def _tags_rank(rank, world, port, out_dir):
+    import json
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    import deepspeed
+    from protrain.models import GPT
+    got = {}
+    for mode in ("FAIL", "WARN"):
+        torch.manual_seed(0)
+        model = GPT(TINY)
+        cfg = with_protrain(base_config(checkpoint={"tag_validation": mode}), **OFFLOADED)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        got[mode + "_losses"] = run_steps(engine, 0, 2)
+        where = os.path.join(out_dir, mode)
+        try:
+            engine.save_checkpoint(where, tag=f"tag-{rank}")
+            got[mode] = "saved"
+        except AssertionError as e:
+            got[mode] = f"AssertionError: {e}"
+        got[mode + "_files"] = sorted(os.listdir(where)) if os.path.isdir(where) else []
+        if got[mode] == "saved":
+            torch.manual_seed(1)
+            fresh = GPT(TINY)
+            again, *_ = deepspeed.initialize(model=fresh, model_parameters=fresh.parameters(),
+                                             config=cfg)
+            again.load_checkpoint(where)
+            got[mode + "_resumed"] = run_steps(again, 2, 2)
+            got[mode + "_continued"] = run_steps(engine, 2, 2)
+            again.destroy()
+        engine.destroy()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def test_tags_that_differ_between_ranks_follow_tag_validation(tmp_path):
+    """Ranks saving under different tags (a rank number in the tag): DeepSpeed's
+    checkpoint.tag_validation FAIL raises AssertionError on every rank, WARN (its default)
+    saves. ProTrain failed on every mode with a missing-file error; now FAIL raises as
+    DeepSpeed does and writes nothing, WARN saves every rank's files under rank 0's tag, and
+    that checkpoint resumes training exactly."""
+    import json
+    from ranks import start_ranks
+    from dpworker import free_port
+    start_ranks(_tags_rank, (2, free_port(), str(tmp_path)), 2)
+    for r in range(2):
+        got = json.load(open(tmp_path / f"rank{r}.json"))
+        assert got["FAIL"].startswith("AssertionError") and "not consistent" in got["FAIL"], got
+        assert "rank 1: 'tag-1'" in got["FAIL"], got["FAIL"]
+        assert got["FAIL_files"] == [], got["FAIL_files"]
+        assert got["WARN"] == "saved" and got["WARN_files"] == ["latest", "tag-0"], got
+        assert got["WARN_resumed"] == got["WARN_continued"]
+
+
+def test_deepspeeds_full_tensor_accessors_are_refused_by_name_not_none():
+    """safe_get_full_grad(p) answered None (a script's norm logger, AdaLoRA's
+    update_and_allocate then failed on None far from the cause); each accessor now names
+    itself and the calls that give the same information. A parameter pickled meanwhile loads
+    (without them), and after destroy() the parameters are DeepSpeed's again."""
+    import io
+    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad,
+                                 safe_get_full_optimizer_state, safe_set_full_fp32_param)
+    from protrain.models import GPT, synthetic_batch
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    engine, *_ = deepspeed_init(model, with_protrain(base_config(), **OFFLOADED))
+    x, y = synthetic_batch(TINY, 2, seed=0)
+    engine.backward(engine(x, y))
+    p = next(model.parameters())
+    calls = {"get_full_hp_grad": lambda: safe_get_full_grad(p),
+             "get_full_hp_param": lambda: safe_get_full_fp32_param(p),
+             "exp_avg": lambda: safe_get_full_optimizer_state(p, "exp_avg"),
+             "set_full_hp_param": lambda: safe_set_full_fp32_param(p, torch.zeros_like(p))}
+    for words, call in calls.items():
+        with pytest.raises(NotImplementedError, match="ProTrain") as e:
+            call()
+        assert words in str(e.value) and "get_global_grad_norm" in str(e.value)
+    engine.step()
+    buf = io.BytesIO()
+    torch.save(p, buf)
+    buf.seek(0)
+    assert safe_get_full_grad(torch.load(buf, weights_only=False)) is None
+    engine.destroy()
+    assert safe_get_full_grad(p) is None and not hasattr(p, "_hp_mapping")
+
+
+def deepspeed_init(model, cfg):
+    import deepspeed
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+
+def test_initialize_without_a_model_raises_deepspeeds_assertion():
+    import deepspeed
+    with pytest.raises(AssertionError, match="requires a model"):
+        deepspeed.initialize(model=None, config=with_protrain(base_config()))
+
+
+@pytest.mark.parametrize("optimizer_states", [True, False])
+def test_a_save_between_a_load_and_the_first_forward_saves_what_was_loaded(tmp_path, optimizer_states):
+    """DeepSpeed saves right after a load (a job that copies its resume point first); ProTrain
+    refused it. The loaded states (or, with load_optimizer_states=False, the loaded weights and
+    fresh moments) are saved, and a job resumed from that copy trains on as the original."""
+    import deepspeed
+    from protrain.models import GPT
+    cfg = with_protrain(base_config(gradient_clipping=1.0), **OFFLOADED)
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model = GPT(TINY)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        return engine
+
+    original = fresh(0)
+    run_steps(original, 0, 2)
+    original.save_checkpoint(str(tmp_path / "a"))
+    loaded = fresh(1)
+    loaded.load_checkpoint(str(tmp_path / "a"), load_optimizer_states=optimizer_states)
+    assert loaded.save_checkpoint(str(tmp_path / "b"))
+    if not optimizer_states:           # the reference: the same load, trained on directly
+        original = fresh(2)
+        original.load_checkpoint(str(tmp_path / "a"), load_optimizer_states=False)
+    resumed = fresh(3)
+    resumed.load_checkpoint(str(tmp_path / "b"))
+    assert resumed.global_steps == 2
+    assert run_steps(resumed, 2, 2) == run_steps(original, 2, 2)
+    a, b = original.module.state_dict(), resumed.module.state_dict()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    for e in (original, loaded, resumed):
+        e.destroy()
