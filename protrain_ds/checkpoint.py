@@ -90,8 +90,14 @@ def _crc32(path: Path) -> int:
 
 
 # ---- saving --------------------------------------------------------------------------------
-def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> bool:
+def save(engine, save_dir, tag=None, client_state=None, save_latest=True,
+         exclude_frozen_parameters=False) -> bool:
+    """``exclude_frozen_parameters``: as DeepSpeed, the frozen parameters' values are left out
+    (a load keeps the loading model's own); their names are kept, so a load that would train
+    one of them is refused as for any parameter saved frozen."""
     runtime = engine.protrain_runtime
+    excluded = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad) \
+        if exclude_frozen_parameters else []
     # Loaded and not planned yet: the loaded states are the ones to save.
     resume = engine._protrain_resume if runtime is None else None
     if runtime is not None:
@@ -136,7 +142,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
         _save_durable({"pieces": pieces, "rng": rng, "rank": dp.rank, "world": dp.world},
                       partial / _states_file(dp.rank))
         if dp.rank == 0:
-            meta = _meta(engine, tag, dp.world, client_state)
+            meta = _meta(engine, tag, dp.world, client_state, excluded)
             if resume is not None and resume.pieces is not None:
                 meta.update(resume.meta)      # what the states loaded carry
             _save_durable(meta, partial / META)
@@ -148,7 +154,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True) -> boo
     if zero:
         def write_zero_files():
             zero_files.write(partial, dp.rank, dp.world, _param_shapes(engine),
-                             read_pieces(partial, dp.world), _extra_state(engine), engine.module,
+                             read_pieces(partial, dp.world), _extra_state(engine, excluded), engine.module,
                              _save_durable)
             if dp.rank == 0:
                 zero_files.copy_recovery_script(save_dir)
@@ -193,7 +199,7 @@ def _agreed_tag(engine, dp: DataParallel, tag: str) -> str:
     return tags[0]
 
 
-def _meta(engine, tag: str, world: int, client_state) -> dict:
+def _meta(engine, tag: str, world: int, client_state, excluded: list[str]) -> dict:
     opt = engine.optimizer
     return {
         "format": FORMAT, "world": world, "tag": tag,
@@ -202,7 +208,8 @@ def _meta(engine, tag: str, world: int, client_state) -> dict:
         "parked": sorted(engine._protrain_states.parked),
         "step_counts": dict(engine._protrain_states.counts),
         "adam_chain": engine.protrain_runtime.adam_chain() if engine.protrain_runtime is not None else None,
-        "extra_state": _extra_state(engine),
+        "extra_state": _extra_state(engine, excluded),
+        "frozen_excluded": excluded,
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -492,7 +499,8 @@ def load(engine, load_dir, tag=None, *, load_optimizer_states=True, load_lr_sche
                               f"which are frozen (requires_grad=False) in this run: resume with the "
                               f"same trainable parameters")
     parked = meta.get("parked", [])
-    unfrozen = sorted(set(have) & (set(parked) | set(meta.get("extra_state") or {})))
+    unfrozen = sorted(set(have) & (set(parked) | set(meta.get("extra_state") or {})
+                                   | set(meta.get("frozen_excluded") or ())))
     if unfrozen:
         raise CheckpointError(f"checkpoint {path} was saved with parameters {unfrozen[:3]} frozen, "
                               f"which train (requires_grad=True) in this run: resume with the same "
@@ -660,9 +668,10 @@ def _initial_pieces(engine, rank: int) -> list[Piece]:
     return out
 
 
-def _extra_state(engine) -> dict:
+def _extra_state(engine, excluded=()) -> dict:
     """What the module's state_dict holds besides trainable parameters (buffers, frozen
-    parameters). Rank 0 alone reads it: the sharded parameters, left out, are not gathered."""
+    parameters but the ``excluded`` ones). Rank 0 alone reads it: the sharded parameters,
+    left out, are not gathered."""
     module = engine.module
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     if engine.protrain_runtime is None:         # not planned yet: plain tensors
@@ -670,7 +679,8 @@ def _extra_state(engine) -> dict:
     else:
         with engine.protrain_runtime.full_state.local():
             state = module.state_dict()
-    return {k: v.detach().cpu().clone() for k, v in state.items() if k not in trainable}
+    skip = trainable | set(excluded)
+    return {k: v.detach().cpu().clone() for k, v in state.items() if k not in skip}
 
 
 def main(argv=None) -> int:

@@ -726,7 +726,7 @@ class ProTrainEngine(DeepSpeedEngine):
         if self.protrain_retired_by is not None:
             raise handover.retired_error(self, "save_checkpoint()")
         from .checkpoint import save
-        return save(self, save_dir, tag, client_state, save_latest)
+        return save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):

@@ -110,7 +110,8 @@ def train(case: dict, out_dir: str) -> dict:
     seq, gas, bf16, scheduler, grad_ckpt (the Trainer's gradient_checkpointing), lora (PEFT),
     eval (an evaluation set, evaluated every ``eval_steps``), lengths ("fixed", "longest":
     pad-to-longest with the first batch the longest, "growing": a later batch longer than the
-    first), save_steps, resume (a checkpoint directory), name."""
+    first), save_steps, resume (a checkpoint directory), built_after_args (the model built after
+    the TrainingArguments, as run_clm does), name."""
     import transformers
     name = case.get("name", case["arch"])
     out = os.path.join(out_dir, name)
@@ -155,6 +156,11 @@ def train(case: dict, out_dir: str) -> dict:
         save_strategy="steps" if case.get("save_steps") else "no",
         save_steps=case.get("save_steps") or 500, ddp_backend="gloo" if world > 1 else None,
         dataloader_drop_last=True)
+    if case.get("built_after_args"):
+        # run_clm's order: the arguments (which read the JSON: with ZeRO-3 transformers turns
+        # zero.Init on) before the model; the one above only sized the JSON's pins.
+        model = tiny_model(case["arch"])
+        result_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Samples(n, lengths, labels=not padded),
         eval_dataset=Samples(4 * batch * world, seq, seed=1) if evaluating else None,
@@ -179,6 +185,7 @@ def train(case: dict, out_dir: str) -> dict:
         "idle_experts": idle() if idle else None,
         "lengths": seen, "generated": generated,
         "gradient_checkpointing": bool(getattr(_base(model), "is_gradient_checkpointing", False)),
+        "built_partitioned": result_partitioned if case.get("built_after_args") else None,
     }
     if case.get("save_steps"):         # what the Trainer saved at the last checkpoint
         from safetensors.torch import load_file

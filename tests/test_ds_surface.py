@@ -641,3 +641,94 @@ def test_a_save_between_a_load_and_the_first_forward_saves_what_was_loaded(tmp_p
         assert torch.equal(a[name], b[name]), name
     for e in (original, loaded, resumed):
         e.destroy()
+
+
+def test_exclude_frozen_parameters_leaves_their_values_out_as_deepspeed_does(tmp_path):
+    """save_checkpoint(exclude_frozen_parameters=True) was accepted and ignored: the frozen
+    values were saved and a load overwrote the loading model's. Now they are left out (the
+    loading model keeps its own), the trained ones resume, and a load that would train a
+    parameter saved frozen is still refused."""
+    import deepspeed
+    from protrain.models import GPT
+    from protrain_ds.checkpoint import CheckpointError
+    cfg = with_protrain(base_config(), **OFFLOADED)
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model = GPT(TINY)
+        model.transformer.wpe.weight.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=[
+            p for p in model.parameters() if p.requires_grad], config=cfg)
+        return model, engine
+
+    model, engine = fresh(0)
+    run_steps(engine, 0, 2)
+    engine.save_checkpoint(str(tmp_path / "all"))
+    engine.save_checkpoint(str(tmp_path / "trainable"), exclude_frozen_parameters=True)
+    trained = model.state_dict()
+    for name, own_frozen in (("all", False), ("trainable", True)):
+        other, again = fresh(1)
+        before = other.transformer.wpe.weight.detach().clone()
+        again.load_checkpoint(str(tmp_path / name))
+        state = other.state_dict()
+        assert torch.equal(state["transformer.wpe.weight"], before if own_frozen else trained["transformer.wpe.weight"]), name
+        assert torch.equal(state["transformer.wte.weight"], trained["transformer.wte.weight"]), name
+        again.destroy()
+    torch.manual_seed(2)
+    unfrozen = GPT(TINY)
+    third, *_ = deepspeed.initialize(model=unfrozen, model_parameters=unfrozen.parameters(), config=cfg)
+    with pytest.raises(CheckpointError, match="wpe.weight"):
+        third.load_checkpoint(str(tmp_path / "trainable"))
+    engine.destroy()
+
+
+def _config_forms(cfg: dict, tmp_path):
+    """The ways DeepSpeed takes a config: the keyword arguments of initialize for each."""
+    import argparse
+    import base64
+    import json
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    return {
+        "dict": dict(config=cfg),
+        "path": dict(config=str(path)),
+        "base64": dict(config=base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()),
+        "config_params": dict(config_params=cfg),
+        "args.deepspeed_config": dict(args=argparse.Namespace(deepspeed_config=str(path), local_rank=0)),
+    }
+
+
+@pytest.mark.parametrize("form", ["dict", "path", "base64", "config_params", "args.deepspeed_config"])
+def test_every_way_to_pass_the_config_trains_like_deepspeed(form, tmp_path):
+    """deepspeed.initialize's config forms, with a scheduler section and training_data (the
+    returned dataloader): the section is read from each, and ProTrain trains bit for bit as
+    plain DeepSpeed given the same form."""
+    import deepspeed
+    from protrain.models import GPT, synthetic_batch
+    from protrain_ds.engine import ProTrainEngine
+    cfg = base_config(gradient_clipping=1.0, scheduler={"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 2}})
+    x, y = synthetic_batch(TINY, 8, seed=0)
+    data = torch.utils.data.TensorDataset(x, y)
+    runs = {}
+    for name, config in (("deepspeed", cfg), ("protrain", with_protrain(cfg, **OFFLOADED))):
+        torch.manual_seed(0)
+        model = GPT(TINY)
+        (tmp_path / name).mkdir()
+        engine, optimizer, loader, scheduler = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), training_data=data,
+            **_config_forms(config, tmp_path / name)[form])
+        assert isinstance(engine, ProTrainEngine) == (name == "protrain")
+        assert optimizer is engine.optimizer and scheduler is engine.lr_scheduler is not None
+        losses = []
+        for xb, yb in loader:
+            loss = engine(xb, yb)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs[name] = (losses, scheduler.get_last_lr(), {n: p.detach().clone() for n, p in
+                                                        model.state_dict().items()})
+    assert len(runs["deepspeed"][0]) == 4
+    assert runs["protrain"][:2] == runs["deepspeed"][:2]
+    for n, w in runs["deepspeed"][2].items():
+        assert torch.equal(runs["protrain"][2][n], w), n

@@ -301,6 +301,24 @@ def test_a_zero3_json_saves_the_whole_model_through_the_trainer(tmp_path):
         assert torch.equal(pt["final_saved"][n].float(), w), n
 
 
+def test_a_model_built_after_the_arguments_under_zero3_trains_like_deepspeed_zero3(tmp_path):
+    """run_clm's order with a ZeRO-3 JSON: TrainingArguments first, then from_pretrained /
+    from_config, which transformers then runs under zero.Init (every parameter partitioned).
+    ProTrain refused it ("set stage <= 2"); now it gathers the parameters whole and trains:
+    the logged losses are plain DeepSpeed ZeRO-3's on the same script, the weights within the
+    rounding of ZeRO-3's flat-partition Adam (3e-8 measured), and save_model writes them."""
+    pt = hfmatrix.train(dict(arch="llama", protrain=True, zero3=True, steps=3,
+                             built_after_args=True, name="protrain"), str(tmp_path))
+    ds = hfmatrix.train(dict(arch="llama", protrain=False, zero3=True, steps=3,
+                             built_after_args=True, name="deepspeed"), str(tmp_path))
+    assert pt["built_partitioned"] and ds["built_partitioned"]
+    assert pt["engine"] == "ProTrainEngine" and pt["offloaded"]
+    assert pt["losses"] == ds["losses"]
+    for n, w in ds["weights"].items():
+        assert torch.allclose(pt["weights"][n], w, rtol=0, atol=1e-6), n
+        assert torch.equal(pt["final_saved"][n].float(), pt["weights"][n]), n
+
+
 def test_a_peft_model_takes_what_its_base_model_takes():
     """PEFT's forward passes **kwargs on to the model it wraps: the engine must see that it
     takes position_ids (sequence shards) and use_cache (turned off in training), while a bare
