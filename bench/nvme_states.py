@@ -15,6 +15,9 @@ interleaved in ``--rounds`` rounds (bench/ds_compare.py's harness); fp32, AdamW,
   exp_avg_sq, gradient; fewer stops it with "ran out of swap buffers");
 - nvme: ProTrain with every chunk but one offloaded and the states of all offloaded chunks on
   the drive (``n_persist`` 1, ``n_nvme`` pinned to the offloaded count);
+- nvme_noverify: nvme with ``ssd_verify: false`` - no checksums of the states read back (the
+  default, "auto", checks every read against the CRC32s taken at the write): the cost of the
+  checks, in the same run;
 - nvme_plan: ProTrain with ``n_nvme`` left to the planner under a ``host_memory`` budget
   ``--host-fraction`` of the way from what nvme's plan needs in host memory to what host's
   needs (below what the states need there; the planner chooses how many go to the drive);
@@ -51,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from protrain.units import parse_bytes  # noqa: E402
 from ds_compare import default_tag, parse, run_systems, shape_args, shape_spec, write_record  # noqa: E402
 
-SYSTEMS = ("host", "nvme", "nvme_plan", "zinf")
+SYSTEMS = ("host", "nvme", "nvme_noverify", "nvme_plan", "zinf")
 CLIP = 1.0
 LIBAIO_HINT = ("DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload) did not build: it needs "
                "libaio. Install it with `apt-get install -y libaio-dev` (Debian/Ubuntu; "
@@ -186,8 +189,10 @@ def configs(system: str, drive: str, n_chunks: int | None, host_budget: int | No
             "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 1,
                     "single_submit": False, "overlap_events": True}}
     pt = {"enabled": True, "progress": False, "chunk_size": chunk, "n_persist": 1}
-    if system == "nvme":
+    if system in ("nvme", "nvme_noverify"):
         pt.update(ssd_path=drive, n_nvme=n_chunks - 1)
+        if system == "nvme_noverify":
+            pt.update(ssd_verify=False)
     elif system == "nvme_plan":
         pt.update(ssd_path=drive, host_memory=host_budget)
     return {"protrain": pt}
@@ -212,7 +217,8 @@ def run_round(args, wanted: list[str], refs: dict[str, dict]) -> list[dict]:
     shape = shape_spec(args)
     results = []
     for system in ordered(wanted):
-        needs = {"nvme": ("host",), "nvme_plan": ("host", "nvme")}.get(system, ())
+        needs = {"nvme": ("host",), "nvme_noverify": ("host",),
+                 "nvme_plan": ("host", "nvme")}.get(system, ())
         if any(n not in refs for n in needs):
             results.append(dict(system=system, error=f"needs successful {' and '.join(needs)} runs first"))
             continue
@@ -261,16 +267,18 @@ def report(results: list[dict]) -> dict:
     ok = {r["system"]: r for r in results if r.get("tokens_per_s_median")}
     ratios = {f"{s}/{ref}": ok[s]["tokens_per_s_median"] / ok[ref]["tokens_per_s_median"]
               for s in ok for ref in ("zinf", "host") if ref in ok and s != ref}
-    print(f"\n{'system':<10}{'tokens/s':>9}{'vs zinf':>8}{'RSS MiB start/+peak':>21}{'host st.':>9}"
+    if "nvme" in ok and "nvme_noverify" in ok:       # what the checksums cost
+        ratios["nvme/nvme_noverify"] = ok["nvme"]["tokens_per_s_median"] / ok["nvme_noverify"]["tokens_per_s_median"]
+    print(f"\n{'system':<14}{'tokens/s':>9}{'vs zinf':>8}{'RSS MiB start/+peak':>21}{'host st.':>9}"
           f"{'drive st.':>10}{'dir peak':>9}{'rd/wr MiB/step':>16}{'step s med/best':>16}{'pred/meas':>10}")
     for r in results:
         if not r.get("tokens_per_s_median"):
-            print(f"{r['system']:<10}{'failed':>9}  {r.get('error', '')[-300:]}")
+            print(f"{r['system']:<14}{'failed':>9}  {r.get('error', '')[-300:]}")
             continue
         st = r.get("protrain_stats") or {}
         vs = ratios.get(f"{r['system']}/zinf")
         pred = f"{r['step_ratio']:.2f}" if "step_ratio" in r else "-"
-        print(f"{r['system']:<10}{r['tokens_per_s_median']:>9,.0f}{(f'{vs:.2f}x' if vs else '-'):>8}"
+        print(f"{r['system']:<14}{r['tokens_per_s_median']:>9,.0f}{(f'{vs:.2f}x' if vs else '-'):>8}"
               f"{_mib(r['rss_start']) + '/+' + _mib(r['rss_growth_peak']):>21}"
               f"{_mib(st.get('host_state_bytes', r.get('ds_swap_buffer_bytes'))):>9}"
               f"{_mib(st.get('nvme_state_bytes')):>10}{_mib(r['drive_dir_peak_bytes']):>9}"
@@ -311,6 +319,9 @@ def main() -> None:
         rounds.append(run_round(args, wanted, refs))
     results = summarize(rounds, wanted)
     ratios = report(results)
+    if "nvme/nvme_noverify" in ratios:
+        print(f"checksums of the states read back (ssd_verify auto vs false): "
+              f"{ratios['nvme/nvme_noverify']:.3f}x the tokens/s")
     out = write_record("nvme_states", default_tag(args), args, results, ratios=ratios, dir=args.dir,
                        filesystem=_filesystem(args.dir), async_io=aio, chunk_size=args.chunk_size,
                        loads_before_rounds=loads, load_after=os.getloadavg(), rounds=rounds)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .config import ConfigError, PlannerConfig
+from .config import ALL, ConfigError, PlannerConfig
 from .sp.degree import SPShape, broken_constraints
 from .units import fmt_bytes
 
@@ -98,6 +98,7 @@ def check_settings(config: PlannerConfig, facts: ModelFacts, *, world: int, ssd_
                           f"{where}.ssd_path (a directory on an NVMe drive); set ssd_path, pin "
                           f"n_nvme to 0, {_FIX_AUTO}")
     _check_chunk_pins(config, facts, where)
+    _check_nvme_pin(config, facts, where)
     if profile_seq_len is not None and facts.max_positions and profile_seq_len > facts.max_positions:
         raise ConfigError(f"{where}.profile_seq_len = {profile_seq_len}: the model's position table "
                           f"holds {facts.max_positions} positions, so no batch is that long; use "
@@ -222,6 +223,29 @@ def _check_chunk_pins(config: PlannerConfig, facts: ModelFacts, where: str) -> N
                               f"({fmt_bytes(facts.trainable_params * w)}) fill at most {most} "
                               f"chunk(s) at the chunk sizes the search may use ({sizes}); use 0 to "
                               f"{most}{also}, {_FIX_AUTO}")
+
+
+def _check_nvme_pin(config: PlannerConfig, facts: ModelFacts, where: str) -> None:
+    """``n_nvme`` counts offloaded chunks: none where ``n_persist`` is "all", and at most the
+    chunks the parameters can fill less the pinned persistent ones (an upper bound: the
+    search, with the exact layout, refuses the rest by name)."""
+    n, persist = config.pins.n_nvme, config.pins.n_persist
+    if not n or facts.trainable_params == 0:
+        return
+    if persist == ALL:
+        raise ConfigError(f"{where}.n_nvme = {n} with {where}.n_persist = \"all\": optimizer states on "
+                          f"NVMe are those of offloaded chunks, and \"all\" keeps every chunk on the "
+                          f"device; pin n_nvme to 0, n_persist to a number of chunks, {_FIX_AUTO}")
+    caps = _capacities(config, facts)
+    chunks = max(max_chunks(facts, c) for c in caps)
+    most = max(0, chunks - (persist or 0))
+    if n > most:
+        sizes = ", ".join(fmt_bytes(c * facts.param_bytes) for c in caps)
+        kept = f", {persist} of them kept on the device ({where}.n_persist)" if persist else ""
+        raise ConfigError(f"{where}.n_nvme = {n}: optimizer states on NVMe are those of offloaded "
+                          f"chunks, and the model's trainable parameters fill at most {chunks} "
+                          f"chunk(s) at the chunk sizes the search may use ({sizes}){kept}; use 0 to "
+                          f"{most}, {_FIX_AUTO}")
 
 
 def _capacities(config: PlannerConfig, facts: ModelFacts) -> tuple[int, ...]:

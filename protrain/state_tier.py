@@ -7,7 +7,8 @@ the reads and write-backs around them. Their parameters (uploaded every iteratio
 stay in host memory. CPU Adam streams their states through ``STAGING_SLOTS`` pinned buffers of
 one chunk's states each (read chunk k+1 while updating chunk k and writing back chunk k-1),
 counted in the host budget. The runtime (``runtime.nvme_states``) and the cost model both read
-this module, so they agree on which chunks and how much staging.
+this module, so they agree on which chunks, how much staging, and how large the state file is
+(``state_file_bytes``: the runtime lays the file out with it, the planner prices it with it).
 """
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ being updated, one being written back."""
 NVME_STATE_SLOTS = 2
 """Copies of an NVMe chunk's states the drive holds room for: the committed states and the
 other slot a speculative update writes into (committed by switching, rolled back by reading
-the old one), so speculation needs no backup in host memory. The cost model sizes the drive
-space the states take as ``NVME_STATE_SLOTS`` x their bytes (``drive_state_bytes``)."""
+the old one), so speculation needs no backup in host memory (``state_file_bytes``)."""
+
+FIELD_ALIGN = 4096
+"""Alignment of every field in the state file and in a staging buffer: ``runtime.storage.ALIGN``
+(O_DIRECT wants 4 KiB-aligned offsets, sizes and memory), repeated here so that the planner,
+which does not import the runtime, lays the file out as the runtime does."""
 
 
 def nvme_chunk_ids(n_chunks: int, n_persist: int, n_nvme: int) -> range:
@@ -45,6 +50,22 @@ def staged_bytes_per_element(master_separate: bool, speculative: bool) -> int:
     return state_bytes_per_element(master_separate) + (4 if speculative and not master_separate else 0)
 
 
-def drive_state_bytes(state_bytes: int) -> int:
-    """Drive space for ``state_bytes`` of NVMe chunk states: ``NVME_STATE_SLOTS`` copies."""
-    return NVME_STATE_SLOTS * state_bytes
+def field_stride(largest_shard):
+    """Bytes of one field: one fp32 tensor of the largest NVMe chunk's shard (elements), 4 KiB
+    aligned. Every chunk's fields take this stride, the smaller chunks' too, so that any
+    chunk's states fit any staging buffer. Works on numpy arrays as on ints."""
+    return -(-4 * largest_shard // FIELD_ALIGN) * FIELD_ALIGN
+
+
+def state_file_bytes(n_chunks, largest_shard, fields: int):
+    """Bytes of the state file of ``n_chunks`` NVMe chunks whose largest shard has
+    ``largest_shard`` elements: each chunk takes ``NVME_STATE_SLOTS`` places of ``fields``
+    fields (``staged_bytes_per_element // 4``) of ``field_stride`` bytes. What the runtime
+    preallocates and the planner checks against the drive's free space."""
+    return n_chunks * NVME_STATE_SLOTS * fields * field_stride(largest_shard)
+
+
+def staging_ring_bytes(largest_shard, fields: int, slots: int = STAGING_SLOTS):
+    """Pinned host bytes of the staging ring: ``slots`` buffers of ``fields`` fields, each
+    allocated ``FIELD_ALIGN`` larger so that an aligned view of it can be taken."""
+    return slots * (fields * field_stride(largest_shard) + FIELD_ALIGN)

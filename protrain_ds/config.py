@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ _OWN_KEYS = {
     "progress": "show a progress bar while profiling (default true)",
     "accounting": "count device-resident bytes in the runtime (slow; for tests and debugging)",
     "ssd_path": "directory on an NVMe drive for activations the plan puts on SSD (enables the tier)",
-    "ssd_verify": "checksum every activation read back from the SSD (slower; for debugging)",
+    "ssd_verify": "checksum what is read back from the drive: auto (optimizer states on NVMe, default), true (also activations), false",
     "ssd_min_bytes": "tensors smaller than this stay on the device instead of going to SSD",
     "cpu_adam": "CPU Adam kernel for offloaded chunks: auto, native (csrc, GIL-free) or deepspeed",
     "cpu_adam_threads": "OpenMP threads of each rank's CPU Adam: auto (the node's cores split among "
@@ -84,9 +85,13 @@ class ProTrainDSConfig:
     """Count the runtime's device-resident bytes (CPU tests and debugging; slows training)."""
     ssd_path: str | None = None
     """Directory on an NVMe drive: enables the SSD activation tier (SSDTrain). A per-run
-    subdirectory is created there and removed at exit, on errors and on SIGTERM."""
-    ssd_verify: bool = False
-    """Checksum every activation read back from the SSD; a mismatch stops training."""
+    subdirectory is created there and removed at exit, on errors and on SIGTERM. A relative
+    path (as every path here) is made absolute at initialize."""
+    ssd_verify: bool | str = "auto"
+    """Check what is read back from the drive against checksums taken at the write; a
+    mismatch stops training naming the file and offset. "auto": the optimizer states on NVMe
+    (n_nvme: they live across steps and checkpoints certify them); true: the SSD tier's
+    activations too; false: nothing (docs/nvme-states.md gives the cost)."""
     ssd_min_bytes: int = 2**20
     """Saved tensors (storages) smaller than this stay on the device: their I/O would cost
     more than the memory saved."""
@@ -166,7 +171,10 @@ class ProTrainDSConfig:
                 raise ConfigError(f"{SECTION}.{key} = {v!r}: must be a "
                                   + ("module name such as \"encoder.layer\"" if key == "blocks"
                                      else "path string"))
-            kwargs[key] = v
+            # Paths resolved now, against the directory the script was in at initialize: one
+            # that changes directory later still means the same files (and its run directory
+            # under ssd_path is removed where it was made).
+            kwargs[key] = os.path.abspath(v) if v is not None and key != "blocks" else v
         v = data.pop("verbosity", 1)
         if isinstance(v, bool) or v not in (0, 1, 2):
             raise ConfigError(f"{SECTION}.verbosity = {v!r}: must be 0, 1 or 2")
@@ -209,11 +217,16 @@ class ProTrainDSConfig:
             raise ConfigError(f"{SECTION}.gather_timeout = {v!r}: must be a number of seconds > 0 "
                               f"(or null for the process group's timeout)")
         kwargs["gather_timeout"] = None if v is None else float(v)
-        for key in ("progress", "accounting", "ssd_verify"):
+        for key in ("progress", "accounting"):
             v = data.pop(key, cls.__dataclass_fields__[key].default)
             if not isinstance(v, bool):
                 raise ConfigError(f"{SECTION}.{key} = {v!r}: must be true or false")
             kwargs[key] = v
+        v = data.pop("ssd_verify", "auto")
+        if not isinstance(v, bool) and v != "auto":
+            raise ConfigError(f"{SECTION}.ssd_verify = {v!r}: must be \"auto\" (checksums of the "
+                              f"optimizer states on NVMe), true (and of activations) or false")
+        kwargs["ssd_verify"] = v
         sp = (ds_config or {}).get("sequence_parallel_size")
         if sp is not None and sp != 1:
             if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
+import shutil
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -314,6 +315,9 @@ class ProTrainEngine(DeepSpeedEngine):
             opt.exit_backward()
         steps = rt.step_counts()
         state = rt.export_state(grads=keep_grads)
+        # The state file stays on the drive (``state`` maps it) until the new runtime has its
+        # states: the re-plan is priced with that space taken.
+        held = rt.chunks.nvme.file_bytes() if rt.chunks.nvme is not None else 0
         if trainable is not None:
             state = self._protrain_states.carry(state, steps, trainable, rank0=dp.rank == 0,
                                                 half=rt.chunks.half)
@@ -335,7 +339,8 @@ class ProTrainEngine(DeepSpeedEngine):
         planner = replace(_planner_config(self, dp), memory_margin=margin)
         try:
             plan = self.protrain_session.replan(planner, target, old=old, keep_grads=keep_grads,
-                                                batch=(inputs, kwargs), remeasure=trainable is not None)
+                                                batch=(inputs, kwargs), remeasure=trainable is not None,
+                                                drive_held=held)
             self._protrain_build_runtime(plan, dp)
             self._protrain_covered = self._protrain_covered or target   # a plan without a sequence
             # Another layout or sharding: each rank gets what it holds now.
@@ -538,7 +543,8 @@ class ProTrainEngine(DeepSpeedEngine):
             measure=self._protrain_measure, machine=self._protrain_machine,
             search=self._protrain_search, word=_rank0_failure, together=self._protrain_probe_links,
             host=lambda: read_host_limits(ranks_per_node=self._protrain_node.ranks_per_node),
-            ssd_path=cfg.ssd_path)
+            ssd_path=cfg.ssd_path,
+            drive_free=(lambda: shutil.disk_usage(cfg.ssd_path).free) if cfg.ssd_path else None)
 
     def _protrain_block_tries(self) -> list[list]:
         """The blocks to plan with, finest first: the model's list; unless protrain.blocks

@@ -80,6 +80,13 @@ REFUSED_AT_INITIALIZE = [
                                         "at most 4"]),
     ({"n_ssd": 1}, ["protrain.n_ssd = 1", "protrain.ssd_path", "pin n_ssd to 0"]),
     ({"n_nvme": 1}, ["protrain.n_nvme = 1", "protrain.ssd_path", "pin n_nvme to 0"]),
+    # issue 38, item 11: n_nvme beyond the offloaded chunks (it used to fail at the first forward)
+    ({"n_nvme": 16, "ssd_path": "/nonexistent"}, ["protrain.n_nvme = 16", "offloaded chunks",
+                                                  "fill at most 15 chunk(s)", "use 0 to 15", '"auto"']),
+    ({"n_nvme": 14, "n_persist": 2, "ssd_path": "/nonexistent"},
+     ["protrain.n_nvme = 14", "2 of them kept on the device (protrain.n_persist)", "use 0 to 13"]),
+    ({"n_nvme": 1, "n_persist": "all", "ssd_path": "/nonexistent"},
+     ['protrain.n_nvme = 1 with protrain.n_persist = "all"', "pin n_nvme to 0"]),
     ({"profile_seq_len": 4096}, ["protrain.profile_seq_len = 4096", "64 positions", "1 to 64",
                                  "remove it"]),
     ({"ssd_min_bytes": 1.5}, ["protrain.ssd_min_bytes", "1.5", "whole number of bytes", "64MiB"]),

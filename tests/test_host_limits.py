@@ -163,13 +163,17 @@ def test_a_deepspeed_plan_beyond_the_hosts_limits_is_refused_naming_the_numbers(
     plan, planner = engine.protrain_plan, engine.protrain_config.planner
     engine.destroy()
     limits = read_host_limits(roomy)
-    assert plan.host_memory == default_budget(limits, planner.host_reserve) == int((3 * GiB - 768 * MiB) * 0.9)
+    # The share less what the pinning guard keeps free (256 MiB: more than the 10% reserve).
+    assert plan.host_memory == default_budget(limits, planner.host_reserve) == \
+        3 * GiB - 768 * MiB - host_limits.GUARD_HEADROOM
     need = plan.prediction.host_bytes
     assert need > MiB
 
     # The tiers of admission, on this plan: fits; leaves less than the reserve; beyond the share.
+    # (A node of 256 KiB for the guard's headroom, 4 KiB: on a real one it keeps more free than
+    # the reserve, and the warning tier is never reached.)
     def at(share):
-        return replace(limits, mem_available=share, cgroup=None, cgroup_limit=None)
+        return replace(limits, mem_available=share, mem_total=256 * KiB, cgroup=None, cgroup_limit=None)
     assert admit(plan, at(2 * need), planner, ssd_path=None) is None
     warning = admit(plan, at(need + need // 20), planner, ssd_path=None)
     assert warning.startswith("ProTrain: warning") and fmt_bytes(need) in warning and "OOM killer" in warning
@@ -180,6 +184,7 @@ def test_a_deepspeed_plan_beyond_the_hosts_limits_is_refused_naming_the_numbers(
     tight = fake_host(tmp_path / "tight", total=64 * MiB, available=need // 2)
     monkeypatch.setattr(host_limits, "SYSTEM", tight)
     share = read_host_limits(tight).share
+    budget = default_budget(read_host_limits(tight), 0.1)
     def first_step(ds_config):
         import deepspeed
         from protrain.models import GPT, synthetic_batch
@@ -196,14 +201,14 @@ def test_a_deepspeed_plan_beyond_the_hosts_limits_is_refused_naming_the_numbers(
     assert err.value.host_needed == need
     for words in (f"it needs {fmt_bytes(need)}", f"this rank can have {fmt_bytes(share)}",
                   f"MemAvailable binds at {fmt_bytes(share)}", "RLIMIT_MEMLOCK",
-                  f"set protrain.host_memory to at most {fmt_bytes(int(share * 0.9))}",
+                  f"set protrain.host_memory to at most {fmt_bytes(budget)}",
                   "set protrain.ssd_path"):
         assert words in msg, (words, msg)
     with pytest.raises(InfeasibleError) as err:      # the default budget: the search says why
         first_step(with_protrain(base_config(), **offloaded))
     assert "cannot hold the plan" not in str(err.value)
-    assert f"host budget {fmt_bytes(int(share * 0.9))}: this rank's {fmt_bytes(share)} less the 10% " \
-           f"host_reserve" in str(err.value), str(err.value)
+    assert f"host budget {fmt_bytes(budget)}: this rank's {fmt_bytes(share)} less " in str(err.value), \
+        str(err.value)
 
 
 class _FailingRegistration(Streams):
@@ -288,3 +293,62 @@ def test_a_failed_cuda_host_register_leaves_no_error_for_the_next_kernel():
     assert x.sum().item() == 16
     streams.release_pinned()
     assert streams.pinned_bytes() == 0
+
+
+def _speculating_small(host, drive: bool):
+    from test_search import SMALL, SSD as DRIVES, small_hw
+
+    from protrain.config import PlannerConfig
+    from protrain.profile.analytic import analytic_profile
+    hw = small_hw(device_memory=60 * MiB, host_memory=host, **(DRIVES["gds"] if drive else {}))
+    config = PlannerConfig(chunk_sizes=(1 * MiB,), cpu_optim_overlap=False, cpu_optim_speculative=True,
+                           gradient_clipping=True, speculate_chunks=99)
+    return analytic_profile(SMALL, hw), hw, config
+
+
+def test_a_pinned_speculate_chunks_is_planned_within_the_host_budget():
+    """Issue 38, item 10: the backups of a pinned speculate_chunks are host memory the plan
+    holds. With a drive the search moves more chunks' states there (they speculate without a
+    backup) until the plan fits; without one the refusal names the pin and its fix - not a
+    plan printed as "host memory X of Y" with X > Y."""
+    from protrain.search import InfeasibleError, search
+    prof, hw, config = _speculating_small(40 * MiB, drive=True)
+    plan = search(prof, hw, config)
+    assert plan.n_speculate == plan.chunks.n_chunks - plan.knobs.n_persist > 0 and plan.knobs.n_nvme > 0
+    assert plan.prediction.host_bytes <= 40 * MiB
+    row = next(line for line in plan.explain().splitlines() if "host memory" in line)
+    assert f"host memory {fmt_bytes(plan.prediction.host_bytes)} of {fmt_bytes(40 * MiB)}" in row
+    prof, hw, config = _speculating_small(60 * MiB, drive=False)
+    assert search(prof, hw, replace(config, speculate_chunks=None)).prediction.host_bytes <= 60 * MiB
+    with pytest.raises(InfeasibleError) as e:
+        search(prof, hw, config)
+    msg = str(e.value)
+    assert "speculation backups" in msg and "speculate_chunks=99" in msg
+    assert "Pin speculate_chunks lower, or leave it on auto" in msg and "60.0 MiB is available" in msg
+
+
+def test_the_default_budget_is_what_the_runtime_may_pin_and_the_fixes_name_only_pinned_knobs(tmp_path):
+    """Issue 38, item 10: on a host with 1 GiB available the pinning guard keeps 256 MiB free,
+    more than the 10% host_reserve: the default budget leaves that much, so a plan inside it
+    is pinned, not refused; a plan between what the guard allows and the share is refused at
+    admission (not at the first pinned allocation) with fixes that can help: "unpin n_nvme"
+    only where it was pinned, the pinned speculate_chunks where it was."""
+    from protrain.config import KnobPins
+    from protrain.search import InfeasibleError, search
+    from protrain.session.host_budget import admit, default_budget, describe_budget
+    limits = read_host_limits(fake_host(tmp_path / "h", total=64 * GiB, available=GiB))
+    prof, hw, config = _speculating_small(40 * MiB, drive=True)
+    budget = default_budget(limits, config.host_reserve)
+    check_pinning(budget, "a plan at the default budget", limits=limits)       # not refused
+    assert budget == GiB - host_limits.GUARD_HEADROOM == limits.pinnable < int(0.9 * GiB)
+    assert "the 256.0 MiB the pinning guard keeps free" in describe_budget(limits, config)
+    plan = search(prof, hw, config)
+    big = replace(plan, prediction=replace(plan.prediction, host_bytes=budget + MiB))
+    with pytest.raises(InfeasibleError) as e:
+        admit(big, limits, config, ssd_path=str(tmp_path))
+    msg = str(e.value)
+    assert f"this rank can have {fmt_bytes(GiB)} less the 256.0 MiB the pinning guard keeps free" in msg
+    assert "unpin n_nvme" not in msg and "pin speculate_chunks lower" in msg
+    pinned = replace(config, pins=KnobPins(n_nvme=3), speculate_chunks=None)
+    with pytest.raises(InfeasibleError, match=r"unpin n_nvme, pinned to 3"):
+        admit(big, limits, pinned, ssd_path=str(tmp_path))

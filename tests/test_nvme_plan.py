@@ -14,14 +14,14 @@ import pytest
 from protrain.block_mode import NONE, SSD
 from protrain.cli import main
 from protrain.config import KnobPins, PlannerConfig
-from protrain.cost.memory import nvme_state_top, state_bytes
+from protrain.cost.memory import nvme_file_top, nvme_state_top, state_bytes
 from protrain.cost.time_model import simulate
 from protrain.layout import build_layout
 from protrain.profile.analytic import PRESETS, analytic_profile
 from protrain.profile.machines import machine
 from protrain.search import InfeasibleError, search
-from protrain.state_tier import NVME_STATE_SLOTS, STAGING_SLOTS
-from protrain.units import GiB, MiB
+from protrain.state_tier import FIELD_ALIGN, NVME_STATE_SLOTS, STAGING_SLOTS
+from protrain.units import GiB, MiB, fmt_bytes
 from conftest import chain_profile, slow_link
 from test_search import SMALL, SSD as DRIVES, brute_force, small_hw
 
@@ -46,7 +46,9 @@ def test_llama2_70b_plans_within_the_host_with_states_on_the_drive(capsys):
     assert 0 < k.n_nvme <= plan.chunks.n_chunks - k.n_persist and p.host_bytes <= 256 * GiB
     layout = build_layout(prof, k.chunk_size // 2)
     states = int(nvme_state_top(layout, state_bytes(2), 1)[k.n_nvme])
-    assert p.nvme_state_bytes == NVME_STATE_SLOTS * states and p.nvme_state_io_bytes == 2 * states
+    assert p.nvme_state_io_bytes == 2 * states
+    # the drive space is the state file as the runtime lays it out: both places, padded fields
+    assert p.nvme_state_bytes == nvme_file_top(layout, state_bytes(2), 1)[k.n_nvme] >= NVME_STATE_SLOTS * states
     # the fewest that fit: one chunk fewer on the drive would not fit the host
     fewer = int(nvme_state_top(layout, state_bytes(2), 1)[k.n_nvme - 1])
     assert p.host_bytes - p.staging_bytes * (k.n_nvme == 1) + states - fewer > 256 * GiB
@@ -96,8 +98,9 @@ def test_ample_host_keeps_states_on_host_and_a_pin_is_honoured_and_priced():
                                                 "n_checkpoint", "n_ssd", "n_selective")}, n_nvme=0)))
     assert pinned.prediction.iter_time >= same.prediction.iter_time
     p, q = pinned.prediction, same.prediction
-    assert p.host_bytes == q.host_bytes - p.nvme_state_bytes // NVME_STATE_SLOTS + p.staging_bytes
-    assert p.staging_bytes == STAGING_SLOTS * 12 * (1 * MiB // 2)
+    assert p.host_bytes == q.host_bytes - p.nvme_state_io_bytes // 2 + p.staging_bytes
+    # the ring as the runtime allocates it: each buffer a chunk's states, 4 KiB more to align
+    assert p.staging_bytes == STAGING_SLOTS * (12 * (1 * MiB // 2) + FIELD_ALIGN)
     with pytest.raises(InfeasibleError, match="no drive is configured"):
         search(prof, replace(hw, nvme_write_bandwidth=0.0), replace(config, pins=KnobPins(n_nvme=1)))
     # more than the offloaded chunks: the most there can be named, with the fix
@@ -156,7 +159,94 @@ def test_fp32_with_speculation_stages_and_writes_the_master_too():
     spec = search(prof, hw, replace(base, cpu_optim_overlap=False, cpu_optim_speculative=True,
                                     gradient_clipping=True)).prediction
     numel = 2 * MiB // 4
-    assert plain.staging_bytes == STAGING_SLOTS * 8 * numel and spec.staging_bytes == STAGING_SLOTS * 12 * numel
+    assert plain.staging_bytes == STAGING_SLOTS * (8 * numel + FIELD_ALIGN)
+    assert spec.staging_bytes == STAGING_SLOTS * (12 * numel + FIELD_ALIGN)
     read = plain.nvme_state_io_bytes // 2
-    assert spec.nvme_state_bytes == NVME_STATE_SLOTS * read * 12 // 8
+    assert spec.nvme_state_bytes == plain.nvme_state_bytes * 12 // 8
     assert spec.nvme_state_io_bytes == read + read * 12 // 8
+
+
+def test_the_plan_prices_the_state_file_the_runtime_lays_out(tmp_path):
+    """Issue 38, item 5: fp32 with clipping, the last chunk smaller than the others. The runtime
+    pads every chunk's fields to the largest shard's stride (4 KiB-aligned), keeps two places
+    per chunk and three fields (the master from before a speculative update): the plan's drive
+    bytes are that file's size, to the byte, so a plan chosen for a drive fits it; the staging
+    ring it counts in host memory is at least the runtime's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from protrain.runtime.nvme_states import NvmeStates
+    from protrain.runtime.storage import ALIGN
+    from protrain.runtime.streams import Streams
+    hw = small_hw(device_memory=60 * MiB, host_memory=1 * GiB, **DRIVES["gds"])
+    prof = analytic_profile(replace(SMALL, dtype_bytes=4), hw)
+    config = PlannerConfig(chunk_sizes=(2 * MiB,), pins=KnobPins(n_nvme=3), cpu_optim_overlap=False,
+                           cpu_optim_speculative=True, gradient_clipping=True)
+    plan = search(prof, hw, config)
+    layout = build_layout(prof, plan.knobs.chunk_size // 4)
+    ids = range(layout.n_chunks - 3, layout.n_chunks)
+    assert len({layout.used[i] for i in ids}) > 1          # padding matters here
+    states = NvmeStates(ids, tmp_path, Streams(torch.device("cpu")), torch.device("cpu"), speculative=True)
+    states.open([SimpleNamespace(index=i, shard_size=layout.used[i]) for i in ids], master_separate=False)
+    try:
+        assert states.file_bytes() == plan.prediction.nvme_state_bytes
+        assert states.staging_bytes() <= plan.prediction.staging_bytes
+    finally:
+        states.close()
+    assert FIELD_ALIGN == ALIGN       # state_tier lays the file out with the storage's alignment
+    # A drive that holds the file but not the margin (it held the unpadded states' with it):
+    # refused by the planner, not when the runtime is built.
+    with pytest.raises(InfeasibleError, match="on the drive per rank"):
+        search(prof, replace(hw, nvme_free_bytes=plan.prediction.nvme_state_bytes), config)
+
+
+def test_pinned_knobs_that_run_out_of_drive_name_the_drive_not_the_pins():
+    """Issue 38, item 6: with pins, the drive binds (the plan without them keeps every state in
+    host memory): the refusal says so, with the drive's numbers and fix, before the plan
+    without the pins."""
+    hw = small_hw(device_memory=100 * MiB, host_memory=30 * MiB, **DRIVES["gds"])
+    prof = analytic_profile(SMALL, hw)
+    config = PlannerConfig(chunk_sizes=(1 * MiB,), pins=KnobPins(n_persist=2))
+    plan = search(prof, hw, config)
+    assert plan.knobs.n_nvme > 0
+    small = replace(hw, nvme_free_bytes=plan.prediction.nvme_state_bytes // 2)
+    with pytest.raises(InfeasibleError) as e:
+        search(prof, small, config)
+    msg = str(e.value)
+    assert msg.startswith("no plan fits with the pinned knobs {'n_persist': 2}: the plan that needs "
+                          "the least drive puts"), msg
+    assert f"the SSD path has {fmt_bytes(small.nvme_free_bytes)} free" in msg and "Free space under ssd_path" in msg
+    assert "Without the pins the planner finds" in msg and "n_nvme=0" in msg
+
+
+def test_a_replan_prices_the_drive_as_it_is_now_naming_the_state_file_it_still_holds():
+    """Issue 38, item 6: a re-plan (a longer batch, after a resume) is built while the old
+    runtime's state file is still on the drive. The session asks the drive for its free space
+    at every decision (the machine's figure was measured before any file existed) and the
+    refusal names the drive, the file it still holds and a fix that avoids the re-plan."""
+    from protrain.runtime.collectives import DataParallel
+    from protrain.session.ranks import PlanRanks
+    from protrain.session.session import PlanningSession, PlanningSteps
+    hw = small_hw(device_memory=100 * MiB, host_memory=30 * MiB, **DRIVES["gds"])
+    prof = analytic_profile(SMALL, hw)
+    config = PlannerConfig(chunk_sizes=(1 * MiB,), pins=KnobPins(n_persist=2))
+    drive = {"free": 10 * GiB}
+    steps = PlanningSteps(load=lambda planner, target: None, measure=lambda batch: prof,
+                          machine=lambda: hw, search=lambda p, h, c, t: search(p, h, c),
+                          word=lambda failure: failure.own, drive_free=lambda: drive["free"])
+    session = PlanningSession(PlanRanks(DataParallel()), steps, plan_file=None)
+    first = session.decide(config, None).plan
+    held = first.prediction.nvme_state_bytes
+    assert first.knobs.n_nvme > 0
+    # Room for one state file, with the margin: the old one takes it until its states moved.
+    drive["free"] = int(1.5 * held) - held
+    with pytest.raises(InfeasibleError) as e:
+        session.replan(config, None, old=first, keep_grads=False, drive_held=held)
+    msg = str(e.value)
+    for words in ("no plan fits with the pinned knobs", f"has {fmt_bytes(drive['free'])} free while this "
+                  f"run's current state file ({fmt_bytes(held)} per rank) is on it", "room for both",
+                  "protrain.max_seq_len"):
+        assert words in msg, (words, msg)
+    drive["free"] = 10 * GiB
+    assert session.replan(config, None, old=first, keep_grads=False, drive_held=held).knobs == first.knobs

@@ -493,3 +493,115 @@ def test_file_system_type_reads_the_mount_table(tmp_path):
     root = [m[2] for m in mounts if m[1] == "/"]
     assert file_system_type("/") == root[-1]
     assert file_system_type(tmp_path) in {m[2] for m in mounts}
+
+
+def test_a_file_that_does_not_fit_the_drive_is_refused_when_made_not_written_sparse(tmp_path, monkeypatch):
+    """Issue 38, item 4: posix_fallocate's ENOSPC used to fall back to ftruncate - a sparse file
+    whose writes failed mid-training on a drive that had looked large enough. Now it is refused
+    when made, naming the file, the bytes needed and free, and the fix; nothing is left behind.
+    A file system that cannot preallocate gets a sparse file only where the free space covers
+    it, and says so."""
+    import errno
+    import shutil
+
+    from protrain.runtime import storage
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(StorageConfigError) as e:
+        BlockFile(tmp_path / "states.opt", 3 * 2**20)
+    msg = str(e.value)
+    assert f"cannot reserve 3.0 MiB on the drive for {tmp_path / 'states.opt'}" in msg
+    assert "No space left on device" in msg and "free. Free space on the drive" in msg
+    assert "pin n_nvme / n_ssd lower" in msg
+    assert list(tmp_path.iterdir()) == []
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: usage._replace(free=2**20))
+    with pytest.raises(StorageConfigError, match=r"cannot preallocate .*it has 1.0 MiB free"):
+        BlockFile(tmp_path / "block.act", 3 * 2**20)
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: usage._replace(free=2**30))
+    f = BlockFile(tmp_path / "block.act", 3 * 2**20)
+    assert os.fstat(f.fd).st_size == 3 * 2**20
+    f.close()
+
+
+def test_a_sweep_of_stale_runs_between_lock_file_and_lock_cannot_remove_a_new_run(tmp_path, monkeypatch):
+    """Issue 38, item 8: another process sweeping stale runs (``remove_stale_runs``) right while
+    a RunDirectory is being made - here at the moment it locks its lock file - used to find
+    that file unlocked, take the new directory for a dead run's and remove it (a raw
+    FileNotFoundError at the rename). A flock is per open file: the sweep's own open and lock
+    here act as another process's would."""
+    import fcntl
+
+    from protrain.runtime import storage
+    real_flock = fcntl.flock
+    swept = []
+
+    def flock_after_a_sweep(fd, op):
+        if op == fcntl.LOCK_EX and not swept:
+            swept.append(storage.remove_stale_runs(tmp_path))
+        return real_flock(fd, op)
+    monkeypatch.setattr(storage.fcntl, "flock", flock_after_a_sweep)
+    run = RunDirectory(tmp_path, 0)
+    assert swept == [[]] and run.path.is_dir() and (run.path / ".lock").exists()
+    monkeypatch.setattr(storage.fcntl, "flock", real_flock)
+    assert storage.remove_stale_runs(tmp_path) == []          # held: left alone
+    run.close()
+    # Killed after making the directory, before its lock was in place: reaped as a dead run's.
+    dead = tmp_path / f".protrain-{__import__('socket').gethostname()}-999999999-0123abcd.new"
+    dead.mkdir()
+    (dead / ".lock.making").write_bytes(b"")
+    assert storage.remove_stale_runs(tmp_path) == [dead] and list(tmp_path.iterdir()) == []
+
+
+def test_a_relative_ssd_path_is_resolved_when_configured(tmp_path, monkeypatch):
+    """Issue 38, item 9: a relative ssd_path and a chdir in the script: the run directory is
+    removed where it was made (its path absolute), and the DeepSpeed section's paths are made
+    absolute at initialize, so the runtime uses the directory the script meant."""
+    from protrain_ds.config import ProTrainDSConfig
+    (tmp_path / "ssd").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    run = RunDirectory("ssd", 0)
+    assert run.path.is_absolute() and run.path.parent == tmp_path / "ssd"
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    run.close()
+    assert list((tmp_path / "ssd").iterdir()) == []
+    monkeypatch.chdir(tmp_path)
+    cfg = ProTrainDSConfig.from_ds_config({"protrain": {
+        "enabled": True, "ssd_path": "ssd", "plan_file": "plans/p.json", "trace_file": "t.json",
+        "profile_cache_dir": "cache"}})
+    assert (cfg.ssd_path, cfg.plan_file, cfg.trace_file, cfg.profile_cache_dir) == (
+        str(tmp_path / "ssd"), str(tmp_path / "plans/p.json"), str(tmp_path / "t.json"), str(tmp_path / "cache"))
+
+
+def test_a_file_system_without_o_direct_is_said_once(tmp_path, monkeypatch, caplog):
+    """Issue 38, item 11: tmpfs (and others) refuse O_DIRECT; the files there are read and
+    written through the page cache. That is said in one line, at the first file made on that
+    file system (the start-up probe's or the runtime's), not again for the others."""
+    import errno
+    import logging
+
+    from protrain.runtime import storage
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args)
+    monkeypatch.setattr(storage.os, "open", no_direct)
+    monkeypatch.setattr(storage, "_SAID_BUFFERED", set(), raising=False)
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT on this platform")
+    with caplog.at_level(logging.WARNING, logger="protrain"):
+        files = [BlockFile(tmp_path / f"block{i}.act", 4096) for i in range(3)]
+    lines = [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()]
+    assert len(lines) == 1 and f"{tmp_path} is on" in lines[0] and "page cache" in lines[0], lines
+    assert all(f.fd_direct is None for f in files)
+    for f in files:
+        f.close()

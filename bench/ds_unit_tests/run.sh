@@ -10,7 +10,7 @@
 #   there is a tag for (e.g. git clone https://github.com/deepspeedai/DeepSpeed; git checkout <tag>).
 # one: every test id on 1 rank (world_size >= 2 tests skip: the CPU accelerator has one device);
 # two: the ids of two_rank_ids.txt on 2 ranks (LOCAL_SIZE=2). Needs pytest-timeout.
-# Time on 2 cores: one ~14 min per mode, two ~5 min plain and ~8 min injected.
+# Time on 2 cores: one ~30-40 min per mode, two ~6 min plain and ~5 min injected.
 set -u
 SRC=$(cd "$1" && pwd); OUT=$(mkdir -p "$2" && cd "$2" && pwd); WHICH=${3:-both}
 HERE=$(cd "$(dirname "$0")" && pwd)

@@ -42,7 +42,8 @@ import numpy as np
 from ..block_mode import CKPT, NONE, SEL, SSD, SWAP, BlockMode
 from ..profile.model_profile import ModelProfile
 from ..layout import ChunkLayout
-from ..state_tier import STAGING_SLOTS, drive_state_bytes, staged_bytes_per_element, state_bytes_per_element
+from ..state_tier import (STAGING_SLOTS, staged_bytes_per_element, staging_ring_bytes, state_bytes_per_element,
+                          state_file_bytes)
 
 
 # ---- model states ----------------------------------------------------------------------
@@ -121,16 +122,27 @@ def nvme_state_top(layout: ChunkLayout, sb: StateBytes, world: int = 1, staged: 
 
 
 def staging_bytes(layout: ChunkLayout, sb: StateBytes, world: int, n_nvme):
-    """Pinned host bytes of the staging ring (``state_tier.STAGING_SLOTS`` buffers of one chunk
-    capacity's shard of states) where any chunk's states are on the drive."""
-    ring = STAGING_SLOTS * -(-layout.chunk_numel // world) * sb.nvme_staged
+    """Pinned host bytes of the staging ring (``state_tier.staging_ring_bytes``:
+    ``STAGING_SLOTS`` buffers of one chunk capacity's shard of states, 4 KiB-aligned) where any
+    chunk's states are on the drive. The runtime sizes its buffers by the largest NVMe chunk,
+    at most the capacity: this is its bound, exact where that chunk is full."""
+    ring = staging_ring_bytes(-(-layout.chunk_numel // world), sb.nvme_staged // 4)
     return np.where(np.asarray(n_nvme) > 0, ring, 0)
 
 
+def nvme_file_top(layout: ChunkLayout, sb: StateBytes, world: int = 1) -> np.ndarray:
+    """At index k (0 .. n_chunks): bytes of the state file of the last k chunks on one rank, as
+    the runtime lays it out (``state_tier.state_file_bytes``: both places of every chunk, each
+    field padded to the largest of those chunks' shards and 4 KiB-aligned)."""
+    shard = -(-np.asarray(layout.used, dtype=np.int64) // world)
+    largest = np.concatenate([[0], np.maximum.accumulate(shard[::-1])])
+    return state_file_bytes(np.arange(layout.n_chunks + 1, dtype=np.int64), largest, sb.nvme_staged // 4)
+
+
 def nvme_drive_bytes(layout: ChunkLayout, sb: StateBytes, world: int, n_nvme):
-    """Drive space the last ``n_nvme`` chunks' states take on one rank (both slots:
-    ``state_tier.drive_state_bytes``)."""
-    return drive_state_bytes(nvme_state_top(layout, sb, world, staged=True)[np.asarray(n_nvme)])
+    """Drive space the last ``n_nvme`` chunks' states take on one rank: their state file
+    (``nvme_file_top``)."""
+    return nvme_file_top(layout, sb, world)[np.asarray(n_nvme)]
 
 
 def norm_scratch_bytes(profile: ModelProfile, layout: ChunkLayout, clipping: bool,
@@ -258,7 +270,8 @@ class MemoryPrediction:
     norm_scratch_bytes: int = 0
     """The clipping norm's fp32 copy of one 16-bit gradient (``norm_scratch_bytes``)."""
     nvme_state_bytes: int = 0
-    """Drive space the NVMe chunks' optimizer states take (both slots)."""
+    """Drive space the NVMe chunks' optimizer states take: the state file as the runtime lays
+    it out (both slots, padded fields; ``nvme_file_top``)."""
     nvme_state_io_bytes: int = 0
     """Bytes of optimizer states read from the drive and written back per optimizer step."""
     staging_bytes: int = 0
@@ -288,6 +301,6 @@ def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n
 
 
 __all__ = ["StateBytes", "state_bytes", "model_state_device_bytes", "norm_scratch_bytes",
-           "model_state_host_bytes", "nvme_state_top", "staging_bytes", "nvme_drive_bytes",
+           "model_state_host_bytes", "nvme_state_top", "staging_bytes", "nvme_drive_bytes", "nvme_file_top",
            "activation_walk", "offload_bytes", "swap_host_bytes", "ssd_bytes", "MemoryPrediction",
            "predict_memory", "NONE", "CKPT", "SWAP"]

@@ -81,6 +81,10 @@ class HardwareProfile(JsonValue):
     with chunk traffic (compatibility mode and POSIX bounce through the host and do)."""
     nvme_free_bytes: int = 0
     """Free space on the SSD path."""
+    nvme_held_bytes: int = 0
+    """Of the space not free on the SSD path, bytes this rank's own state file holds while a
+    re-plan moves its states into the new plan's file (free again once they are there; the
+    re-plan needs room for both). 0: no re-plan, or no states on the drive."""
     peak_flops: float = 0.0
     """Dense bf16 tensor FLOP/s (published), used only by the analytic profile."""
     cpu_cores: int = 1

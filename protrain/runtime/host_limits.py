@@ -121,6 +121,20 @@ class HostLimits:
         """This rank's host bytes: its share of the binding room."""
         return self.node_room // self.ranks_per_node
 
+    @property
+    def headroom(self) -> int:
+        """Host bytes ``check_pinning`` keeps free on the node: ``GUARD_HEADROOM``, at most 1/64
+        of the node's memory."""
+        return min(GUARD_HEADROOM, self.mem_total // 64)
+
+    @property
+    def pinnable(self) -> int:
+        """The most this rank's plan can pin: its share less its part of ``headroom`` (the node's
+        ranks pinning their shares one after the other each pass ``check_pinning``). The
+        default host budget and the admission of a plan stay within it, so a plan they take
+        is not refused when the runtime pins it."""
+        return max(0, self.share - self.headroom // self.ranks_per_node)
+
     def describe(self) -> str:
         """The limits in one line: each one's room, which binds, this rank's share."""
         parts = [f"MemAvailable {fmt_bytes(self.mem_available)} of {fmt_bytes(self.mem_total)}"]
@@ -163,7 +177,7 @@ def check_pinning(nbytes: int, what: str, *, limits: HostLimits | None = None) -
     if nbytes <= 0:
         return
     limits = limits or read_host_limits()
-    headroom = min(GUARD_HEADROOM, limits.mem_total // 64)
+    headroom = limits.headroom
     room = limits.node_room - headroom
     if nbytes > room:
         raise PinnedMemoryError(

@@ -49,6 +49,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import enum
 import mmap
+import os
 import threading
 import warnings
 from collections import deque
@@ -58,10 +59,11 @@ from typing import Collection
 
 import torch
 
-from ..state_tier import (NVME_STATE_SLOTS, STAGING_SLOTS, staged_bytes_per_element,
-                          state_bytes_per_element)
+from ..state_tier import (NVME_STATE_SLOTS, STAGING_SLOTS, field_stride,
+                          staged_bytes_per_element, state_bytes_per_element, state_file_bytes)
 from ..units import fmt_bytes
-from .storage import ALIGN, BlockFile, PosixStore, RunDirectory, StorageConfigError
+from .storage import (ALIGN, BlockFile, PosixStore, RunDirectory, StorageConfigError, StorageIOError,
+                      check_region)
 from .streams import Streams
 
 
@@ -74,10 +76,6 @@ class Outcome(enum.Enum):
     """Written to the chunk's other place, which becomes current."""
     SPECULATED = "speculated"
     """Written to the chunk's other place, current only once ``commit`` says the step stands."""
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(eq=False)
@@ -113,9 +111,8 @@ class _Place:
     pending: int | None = None
     """The place a speculative update wrote, until ``commit`` or ``discard``."""
     written: list = field(default_factory=lambda: [None, None])
-    """The last write to each place (a future), which reads and later writes wait for."""
-    written_bytes: list = field(default_factory=lambda: [0, 0])
-    """Its length (a read of the same length checks its checksum in verify mode)."""
+    """The last write to each place (a future of each field's CRC32 when verifying), which
+    reads and later writes wait for, and every read of the place is checked against."""
     undo: int | None = None
     """fp32: the place whose master field holds the parameters from before the speculative
     update just discarded, until ``restore_master`` puts them back."""
@@ -184,12 +181,13 @@ class NvmeStates:
         self.state_fields = state_bytes_per_element(master_separate) // 4
         self.fields = staged_bytes_per_element(master_separate, self.speculative) // 4
         self.master_backup = self.fields > self.state_fields
-        self.field_stride = _aligned(4 * max((c.shard_size for c in mine), default=1))
+        largest = max((c.shard_size for c in mine), default=1)
+        self.field_stride = field_stride(largest)
         region = self.fields * self.field_stride
-        at = 0
-        for c in mine:
-            self._places[c.index] = _Place(c.shard_size, at)
-            at += NVME_STATE_SLOTS * region
+        for i, c in enumerate(mine):
+            self._places[c.index] = _Place(c.shard_size, i * NVME_STATE_SLOTS * region)
+        # The size the planner priced (cost.memory.nvme_file_top): one function for both.
+        at = state_file_bytes(len(mine), largest, self.fields)
         self.rundir = RunDirectory(self.root, at, purpose="the plan's optimizer states on NVMe (n_nvme)",
                                    knob="n_nvme")
         try:
@@ -297,8 +295,17 @@ class NvmeStates:
         if open_:
             raise RuntimeError(f"protrain: the states of chunks {open_} on NVMe are speculative "
                                f"(neither committed nor rolled back); export them after the step's verdict")
+        size = os.fstat(self.file.fd).st_size
+        if size < self.file.capacity:
+            raise StorageIOError(
+                f"{self.file.path}: the optimizer states' file is {size} bytes where {self.file.capacity} "
+                f"were laid out and written - it was truncated (another process, or a cleanup of "
+                f"{self.root}) and the states past its end are lost. Resume from the last checkpoint")
         # MAP_SHARED, read-only: no commit charge however large the file, pages reclaimable.
         whole = mmap.mmap(self.file.fd, self.file.capacity, access=mmap.ACCESS_READ)
+        # What is exported (a checkpoint, a re-plan's new file) is certified by its own checksum
+        # from here on: it must be what was written, checked before anyone copies it.
+        self._check_current(whole)
 
         def view(c, lo: int, hi: int) -> list[torch.Tensor]:
             p = self._places[c.index]
@@ -309,6 +316,18 @@ class NvmeStates:
                                          offset=base + k * self.field_stride)
                         for k in range(self.state_fields)]
         yield view
+
+    def _check_current(self, whole: mmap.mmap) -> None:
+        """Every chunk's current states in the mapping against their checksums at the write."""
+        for p in self._places.values():
+            last = p.written[p.current]
+            crcs = last.result() if last is not None and not last.cancelled() else None
+            if crcs is None:
+                continue
+            base = p.offset + p.current * self.fields * self.field_stride
+            with memoryview(whole) as view:
+                for start, length, k in self._checks(p, range(self.state_fields)):
+                    check_region(self.file, base + start, view[base + start:base + start + length], crcs[k])
 
     def commit(self, c) -> None:
         """The step stands: ``c``'s speculative update (written, or being written) is current."""
@@ -347,8 +366,8 @@ class NvmeStates:
             last = p.written[place]
             offset = p.offset + (place * self.fields + self.fields - 1) * self.field_stride
         n = 4 * c.shard_size
-        self.store.read(self.file, offset, c.master.view(torch.uint8)[:n],
-                        after=_AfterWrite(last) if last is not None else None).result()
+        self.store.read(self.file, offset, c.master.view(torch.uint8)[:n], written=last,
+                        checks=[(0, n, self.fields - 1)]).result()
         self.read_bytes += n
 
     def fail(self) -> None:
@@ -406,17 +425,16 @@ class NvmeStates:
             nbytes = u.fields * self.field_stride
             offset = p.offset + p.current * self.fields * self.field_stride
             last = p.written[p.current]
-            whole = nbytes == p.written_bytes[p.current]
             if nbytes == 0:
                 u.read = cf.Future()
                 u.read.set_result(None)
                 self._cv.notify_all()
                 continue
-            # The checksum covers what was written: checked only on a read of as much.
+            # Each field read is checked against its checksum taken at the write (a read of the
+            # states after a speculative write of three fields, or of the master alone, too).
             try:
-                u.read = self.store.read(self.file, offset, slot.buf[:nbytes],
-                                         written=last if whole else None,
-                                         after=_AfterWrite(last) if last is not None and not whole else None)
+                u.read = self.store.read(self.file, offset, slot.buf[:nbytes], written=last,
+                                         checks=self._checks(p, range(u.fields)))
             except BaseException as e:  # noqa: BLE001 - on a store thread (a write-back's callback): keep it for hold()
                 u.read = cf.Future()
                 u.read.set_exception(e)
@@ -454,11 +472,13 @@ class NvmeStates:
             prev = p.written[target]
             region = self.fields * self.field_stride
             # A speculative write keeps the master from before it too (fp32, keep_master).
-            nbytes = (self.fields if outcome is Outcome.SPECULATED else self.state_fields) * self.field_stride
+            fields = self.fields if outcome is Outcome.SPECULATED else self.state_fields
+            nbytes = fields * self.field_stride
             done = self.store.write(self.file, p.offset + target * region, slot.buf[:nbytes],
-                                    after=_AfterWrite(prev) if prev is not None else None)
+                                    after=_AfterWrite(prev) if prev is not None else None,
+                                    regions=[(a, n) for a, n, _ in self._checks(p, range(fields))])
             self.written_bytes += nbytes
-            p.written[target], p.written_bytes[target] = done, nbytes
+            p.written[target] = done
             if outcome is Outcome.UPDATED:
                 p.current, p.pending = target, None
             else:
@@ -474,6 +494,11 @@ class NvmeStates:
             slot.free = True
             self._pump()
             self._cv.notify_all()
+
+    def _checks(self, p: _Place, fields) -> list[tuple[int, int, int]]:
+        """(start, length, field) of each of ``fields`` of a place: the bytes of the chunk's
+        shard in the field (the rest of the stride is padding nobody reads)."""
+        return [(k * self.field_stride, 4 * p.shard_size, k) for k in fields]
 
     def _views(self, slot: _Staging, shard_size: int, fields: int) -> list[torch.Tensor]:
         flat = slot.buf[:fields * self.field_stride].view(torch.float32)

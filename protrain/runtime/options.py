@@ -74,8 +74,10 @@ class RuntimeOptions:
     """The data-parallel group offloaded chunks are sharded over (None: one rank)."""
     ssd_root: str | None = None
     """Directory of the SSD tier's activation files (blocks in BlockMode.SSD)."""
-    ssd_verify: bool = False
-    """Check every activation read back from the SSD against a checksum taken when written."""
+    ssd_verify: bool | str = "auto"
+    """Check what is read back from the drive against checksums taken when written: "auto"
+    the optimizer states on NVMe (kept across steps and exported by checkpoints), true also
+    the SSD tier's activations (read once, within the step), false nothing."""
     ssd_min_bytes: int = 2**20
     """Saved tensors smaller than this stay in host memory instead of going to the SSD."""
     trace_file: str | None = None

@@ -106,7 +106,7 @@ class ProTrainRuntime:
         nvme_ids = nvme_chunk_ids(layout.n_chunks, plan.knobs.n_persist, plan.knobs.n_nvme)
         nvme = NvmeStates(nvme_ids, options.ssd_root, self.streams, device,
                           speculative=setup.clip > 0 or setup.loss_scaler is not None,
-                          verify=options.ssd_verify) if nvme_ids else None
+                          verify=options.ssd_verify is not False) if nvme_ids else None
         # Where each parameter was: a pinned allocation the host cannot give part way puts the
         # parameters back there (``_unbuild``), out of the half-built chunks.
         before = [(p, p.device) for _, p in params]
@@ -141,7 +141,7 @@ class ProTrainRuntime:
         try:
             self.activations = ActivationRuntime(
                 self.blocks, plan.block_modes, self.streams, device, plan.block_saved_bytes,
-                self._param_lookup, ssd_root=options.ssd_root, ssd_verify=options.ssd_verify,
+                self._param_lookup, ssd_root=options.ssd_root, ssd_verify=options.ssd_verify is True,
                 ssd_min_bytes=options.ssd_min_bytes)
         except BaseException:
             self.compiled.close()

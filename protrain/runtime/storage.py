@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import errno
 import fcntl
 import logging
 import os
@@ -76,7 +77,9 @@ class RunDirectory:
                  purpose: str = "the plan's swapped-to-SSD activations", knob: str = "n_ssd"):
         """``needed_bytes``: what ``purpose`` will write here (refused with both named when
         the drive has less free, and the plan's ``knob`` that puts it there)."""
-        root = Path(root)
+        # Absolute now: a script that changes directory later must not strand the directory
+        # (close() and the signal handlers remove it by this path).
+        root = Path(os.path.abspath(root))
         if not root.exists():
             raise StorageConfigError(f"ssd_path {root} does not exist; create it or point ssd_path "
                                      f"at a directory on the NVMe drive")
@@ -92,12 +95,16 @@ class RunDirectory:
                 f"ssd_path {root} has {fmt_bytes(free)} free but {purpose} need "
                 f"{fmt_bytes(needed_bytes)}; free space, use a larger drive, or pin {knob} lower")
         name = f"protrain-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        # Made under a name the cleanup does not match, locked, then renamed: a directory with
-        # the run name is never seen without its lock held.
+        # Made as ``.<name>.new``, its lock file made and locked under another name and only
+        # then renamed to ``.lock``, then the directory renamed: another process's sweep
+        # (remove_stale_runs) sees the directory either without a lock file - kept, its
+        # process being alive - or with the lock held, never with an unlocked lock file it
+        # would take for a dead run's.
         making = root / f".{name}.new"
         making.mkdir()
-        self._lock_fd = os.open(making / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd = os.open(making / f"{_LOCK}.making", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        os.rename(making / f"{_LOCK}.making", making / _LOCK)
         self.path = root / name
         making.rename(self.path)
         self._owner = os.getpid()
@@ -168,7 +175,7 @@ def remove_stale_runs(root: Path) -> list[Path]:
             fd = None
             stale = m["host"] == host and not _alive(int(m["pid"]))
         if stale:
-            freed += sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            freed += _tree_bytes(d)
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
         if fd is not None:
@@ -178,6 +185,21 @@ def remove_stale_runs(root: Path) -> list[Path]:
                     "without cleaning up (%s): %s", len(removed), "y" if len(removed) == 1 else "ies",
                     root, fmt_bytes(freed), ", ".join(d.name for d in removed))
     return removed
+
+
+def _tree_bytes(d: Path) -> int:
+    """Bytes of the files under ``d`` (for the report): those another process's sweep removes
+    meanwhile count as nothing, not as an error."""
+    total = 0
+    try:
+        for f in d.rglob("*"):
+            try:
+                total += f.stat().st_size if f.is_file() else 0
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return total
 
 
 def _alive(pid: int) -> bool:
@@ -200,13 +222,16 @@ class BlockFile:
         self.capacity = (capacity + ALIGN - 1) // ALIGN * ALIGN
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.posix_fallocate(self.fd, 0, self.capacity)
-        except (AttributeError, OSError):
-            os.ftruncate(self.fd, self.capacity)
+            _reserve(self.fd, path, self.capacity)
+        except BaseException:
+            os.close(self.fd)
+            path.unlink(missing_ok=True)
+            raise
         try:
             self.fd_direct = os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
-        except OSError:   # tmpfs and some file systems refuse O_DIRECT
+        except OSError as e:   # tmpfs and some file systems refuse O_DIRECT
             self.fd_direct = None
+            _say_buffered(path, e)
         self.used = 0
 
     def alloc(self, nbytes: int) -> int:
@@ -227,6 +252,66 @@ class BlockFile:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""posix_fallocate's answers that mean the file does not fit (the drive, a quota, a size limit)."""
+_NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
+"""Its answers that mean the file system cannot preallocate (some network file systems)."""
+
+
+def _reserve(fd: int, path: Path, nbytes: int) -> None:
+    """Give the file at ``path`` its ``nbytes`` of blocks now, so that no write in training
+    finds the drive full part way (a sparse file would take its blocks only then, and fail
+    with ENOSPC at some offset mid-run). Refused when they do not fit, naming the drive, the
+    bytes needed and free, and the fix. A file system that cannot preallocate gets a sparse
+    file, after checking the free space covers it, and says so."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return
+    except AttributeError:          # no posix_fallocate (macOS): as a file system without it
+        why = "this platform has no posix_fallocate"
+    except OSError as e:
+        if e.errno in _NO_SPACE:
+            os.ftruncate(fd, 0)     # what a failed fallocate allocated, back before measuring
+            raise _no_room(path, nbytes, os.strerror(e.errno)) from None
+        if e.errno not in _NO_FALLOCATE:
+            raise StorageIOError(f"reserving {fmt_bytes(nbytes)} for {path} failed: {e}") from e
+        why = f"its file system cannot preallocate ({os.strerror(e.errno)})"
+    if shutil.disk_usage(path.parent).free < nbytes:
+        raise _no_room(path, nbytes, why)
+    os.ftruncate(fd, nbytes)
+    log.warning("protrain: %s: %s; the file's %s are not reserved, and a write fails if other "
+                "files fill the drive first", path, why, fmt_bytes(nbytes))
+
+
+def _no_room(path: Path, nbytes: int, why: str) -> StorageConfigError:
+    free = shutil.disk_usage(path.parent).free
+    return StorageConfigError(
+        f"cannot reserve {fmt_bytes(nbytes)} on the drive for {path} ({why}): it has "
+        f"{fmt_bytes(free)} free. Free space on the drive, point ssd_path "
+        f"at a larger one, or put less there (pin n_nvme / n_ssd lower; the planner measures the "
+        f"free space at start-up, and other files may have taken it since)")
+
+
+_SAID_BUFFERED: set[int] = set()
+"""File systems (``st_dev``) whose refusal of O_DIRECT was said already in this process."""
+
+
+def _say_buffered(path: Path, error: OSError) -> None:
+    """One line per file system and process, at the first file made there (the start-up
+    probe's, or the runtime's): reads and writes go through the page cache."""
+    try:
+        dev = os.stat(path.parent).st_dev
+    except OSError:
+        dev = -1
+    if dev in _SAID_BUFFERED:
+        return
+    _SAID_BUFFERED.add(dev)
+    log.warning("protrain: %s is on %s, which refuses O_DIRECT (%s): reads and writes of the files "
+                "there go through the page cache (buffered I/O, using host memory for the cache)",
+                path.parent, file_system_type(path.parent) or "a file system",
+                os.strerror(error.errno) if error.errno else error)
 
 
 # ---- backends ------------------------------------------------------------------------------
@@ -256,21 +341,38 @@ class PosixStore:
         self._bounce_buffers: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
-    def write(self, f: BlockFile, offset: int, src: torch.Tensor, after=None) -> cf.Future:
-        """Write the uint8 tensor ``src`` at ``offset``; returns a future of its CRC32 (or None)."""
-        return self.store_pool.submit(self._write, f, offset, src, after)
+    def write(self, f: BlockFile, offset: int, src: torch.Tensor, after=None,
+              regions: list[tuple[int, int]] | None = None) -> cf.Future:
+        """Write the uint8 tensor ``src`` at ``offset``; returns a future of its CRC32 (or None),
+        or with ``regions`` ((start, length) in ``src``, a host tensor) of a list of each
+        region's CRC32 (or None): reads of parts of what was written check the parts they read
+        (``read``'s ``checks``)."""
+        if regions is not None and self._staged(src):
+            raise ValueError("checksums of regions are taken of host tensors only")
+        return self.store_pool.submit(self._write, f, offset, src, after, regions)
 
     def read(self, f: BlockFile, offset: int, dst: torch.Tensor, written: cf.Future | None = None,
-             after=None) -> cf.Future:
+             after=None, checks: list[tuple[int, int, int]] | None = None) -> cf.Future:
         """Read into the uint8 tensor ``dst`` once the write ``written`` is done (its CRC32 is
-        checked in verify mode) and the producer event ``after`` has happened."""
-        return self.load_pool.submit(self._read_after, f, offset, dst, written, after)
+        checked in verify mode) and the producer event ``after`` has happened. ``checks``
+        ((start, length) in ``dst``, the index of the region of ``written`` that is): the
+        regions of a ``write(..., regions=...)`` this read covers, each checked on its own."""
+        if checks is not None and self._staged(dst):
+            raise ValueError("checksums of regions are taken of host tensors only")
+        return self.load_pool.submit(self._read_after, f, offset, dst, written, after, checks)
 
-    def _read_after(self, f, offset, dst, written, after):
+    def _read_after(self, f, offset, dst, written, after, checks=None):
         if after is not None:
             after.synchronize()
         crc = written.result() if written is not None and not written.cancelled() else None
-        return self._read(f, offset, dst, crc)
+        if checks is None:
+            return self._read(f, offset, dst, crc)
+        self._read(f, offset, dst, None)
+        if crc is not None:
+            data = memoryview(dst.numpy()).cast("B")
+            for start, length, index in checks:
+                check_region(f, offset + start, data[start:start + length], crc[index])
+        return None
 
     def _staged(self, t: torch.Tensor) -> bool:
         return t.device.type != "cpu" or self.stage_host
@@ -288,12 +390,15 @@ class PosixStore:
                 self._bounce_buffers.append(raw)
         return buf
 
-    def _write(self, f, offset, src, after):
+    def _write(self, f, offset, src, after, regions=None):
         if after is not None:
             after.synchronize()
         if not self._staged(src):
             data = memoryview(src.numpy()).cast("B")
             self._pwrite(f, data, offset, src.data_ptr())
+            if regions is not None:
+                # Of what was handed to the drive: a later read compares against these.
+                return [zlib.crc32(data[a:a + n]) for a, n in regions] if self.verify else None
             return zlib.crc32(data) if self.verify else None
         buf, crc = self._bounce(src), 0
         for i in range(0, src.numel(), STAGE_BYTES):
@@ -348,6 +453,17 @@ class PosixStore:
 def _direct_ok(f: BlockFile, addr: int, nbytes: int, offset: int) -> bool:
     return (f.fd_direct is not None and nbytes > 0 and addr % ALIGN == 0 and nbytes % ALIGN == 0
             and offset % ALIGN == 0)
+
+
+def check_region(f: BlockFile, offset: int, data, crc: int) -> None:
+    """Raise, naming the file and the offset, if ``data`` (read from ``f`` at ``offset``) is not
+    what was written there (``crc``, taken at the write)."""
+    if zlib.crc32(data) != crc:
+        raise StorageIOError(
+            f"{f.path} at offset {offset}: the {len(data)} bytes read back differ from what was "
+            f"written there (checksum mismatch: the data on the drive changed - a failing drive, "
+            f"or another process writing the file). Training stopped before using them: resume "
+            f"from the last checkpoint (on a healthy drive, or without n_nvme)")
 
 
 def _pwrite_all(f: BlockFile, data: memoryview, offset: int, addr: int) -> None:

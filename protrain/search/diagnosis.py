@@ -36,23 +36,42 @@ def diagnose_infeasible(profile: ModelProfile, hw: HardwareProfile, config: Plan
         pinned = _pinned_diagnosis(profile, hw, config, stats, search)
         if pinned is not None:
             return pinned
+    return _binding_resource(profile, hw, config, stats) or _device_diagnosis(profile, hw, config, budget,
+                                                                              acts, caps)
+
+
+def _binding_resource(profile, hw, config: PlannerConfig, stats: dict) -> InfeasibleError | None:
+    """The drive or the host memory, where one of them rules out every point that fit the
+    device (``stats``: what the nearest misses needed), with its fix; None: no point fit the
+    device."""
     if "host_needed" in stats and stats["host_needed"] <= hw.host_memory and "drive_needed" in stats:
         need = int(stats["drive_needed"])
         return InfeasibleError(drive_space_message(hw, config, need, what="the plan that needs the least drive"))
     if "host_needed" in stats:
         need = int(stats["host_needed"])
-        return InfeasibleError(_host_message(profile, hw, config, need), host_needed=need)
-    return _device_diagnosis(profile, hw, config, budget, acts, caps)
+        return InfeasibleError(_host_message(profile, hw, config, need, int(stats.get("host_backups", 0))),
+                               host_needed=need)
+    return None
 
 
-def _host_message(profile, hw, config: PlannerConfig, need: int) -> str:
-    """Host memory too small: what the states need, and what to do - the drive among it."""
+def _host_message(profile, hw, config: PlannerConfig, need: int, backups: int = 0) -> str:
+    """Host memory too small: what the states need, and what to do - the drive among it.
+    ``backups``: of ``need``, the speculation backups a pinned ``speculate_chunks`` holds (the
+    first thing to change where the rest fits: the planner speculates within the budget)."""
+    spec = (f"{fmt_bytes(backups)} of it the speculation backups (12 bytes per parameter) of the "
+            f"chunks speculate_chunks={config.speculate_chunks} makes speculate" if backups else "")
+    if backups and need - backups <= hw.host_memory:
+        return (f"host memory too small: the plan that needs the least host memory needs "
+                f"{fmt_bytes(need)}, {spec}, but {fmt_bytes(hw.host_memory)} is available. Pin "
+                f"speculate_chunks lower, or leave it on auto (the planner speculates with the "
+                f"chunks whose backups fit the host memory left)")
+    spec = f" ({spec}: pin speculate_chunks lower, or leave it on auto)" if backups else ""
     sb = planned_state_bytes(profile, config)
     if drive_states_possible(config, hw) and config.pins.n_nvme is None:
         return (f"host memory too small: even with every offloaded chunk's optimizer states on the "
                 f"drive, the offloaded parameters and gradients ({sb.host - sb.nvme} bytes per "
                 f"offloaded parameter) and the staging ring need at least {fmt_bytes(need)} of host "
-                f"memory, but {fmt_bytes(hw.host_memory)} is available. Add host memory (or raise "
+                f"memory{spec}, but {fmt_bytes(hw.host_memory)} is available. Add host memory (or raise "
                 f"protrain.host_memory / --host-memory if the machine has more), shard the states "
                 f"over more data-parallel ranks, or train a smaller model.")
     drive = ("" if drive_states_possible(config, hw) or config.model_states_fixed is not None else
@@ -60,7 +79,7 @@ def _host_message(profile, hw, config: PlannerConfig, need: int) -> str:
              f"({sb.nvme} bytes per parameter) on the drive.")
     return (f"host memory too small: the offloaded model states "
             f"({sb.host} bytes per offloaded parameter) "
-            f"need at least {fmt_bytes(need)} of host memory, but {fmt_bytes(hw.host_memory)} is "
+            f"need at least {fmt_bytes(need)} of host memory{spec}, but {fmt_bytes(hw.host_memory)} is "
             f"available. Add host memory (or raise protrain.host_memory / --host-memory if the "
             f"machine has more), shard the states over more data-parallel ranks, or train a "
             f"smaller model.{drive}")
@@ -100,10 +119,17 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
             f"model spans {stats['buffers_needed']} chunks, which must be on the device together. "
             f"Pin n_buffer >= {stats['buffers_needed']}, a larger chunk_size, or leave n_buffer on auto")
     if free is not None:
+        # Name what the pins run into, with its own fix, before the plan without them.
+        binding = _binding_resource(profile, hw, config, stats)
+        why = (str(binding).rstrip(".") if binding is not None else
+               f"no plan with them fits the device memory ({fmt_bytes(hw.device_memory)}, less the "
+               f"{config.memory_margin:.0%} margin)")
         return InfeasibleError(
-            f"no plan fits with the pinned knobs {pins}; without pins the planner finds "
-            f"{free.knobs} ({fmt_bytes(free.prediction.peak_device_bytes)} peak). Unpin "
-            f"(set to \"auto\") or change the pinned values")
+            f"no plan fits with the pinned knobs {pins}: {why}. Without the pins the planner finds "
+            f"{free.knobs} ({fmt_bytes(free.prediction.peak_device_bytes)} peak): unpin them (set "
+            f"to \"auto\") or change the pinned values",
+            device_needed=binding.device_needed if binding is not None else None,
+            host_needed=binding.host_needed if binding is not None else None)
     return None
 
 

@@ -254,11 +254,17 @@ def drive_space_message(hw: HardwareProfile, config: PlannerConfig, need: int, *
     """Why ``need`` bytes per rank (activations and optimizer states) do not fit the drive."""
     rpn = max(1, hw.ranks_per_node)
     share = f", shared by {rpn} ranks per node: {fmt_bytes(nvme_free_share(hw))} each" if rpn > 1 else ""
-    return (f"{what} puts {fmt_bytes(need)} on the drive per rank (activations and optimizer states, "
-            f"these in {NVME_STATE_SLOTS} slots; {fmt_bytes(need * (1 + config.memory_margin))} with the "
-            f"{config.memory_margin:.0%} margin), but the SSD path has {fmt_bytes(hw.nvme_free_bytes)} "
-            f"free{share}. Free space under ssd_path (or give --nvme-free the drive's free space), "
-            f"point ssd_path at a larger drive, or add host memory")
+    held = (f" while this run's current state file ({fmt_bytes(hw.nvme_held_bytes)} per rank) is on "
+            f"it: a re-plan moves the states from that file into the new plan's, so it needs room "
+            f"for both" if hw.nvme_held_bytes else "")
+    avoid = ("; or plan for the longest batch from the start (protrain.max_seq_len) so that no "
+             "re-plan is needed" if hw.nvme_held_bytes else "")
+    return (f"{what} puts {fmt_bytes(need)} on the drive per rank (activations and the optimizer "
+            f"states' file, {NVME_STATE_SLOTS} places per chunk; {fmt_bytes(need * (1 + config.memory_margin))} "
+            f"with the {config.memory_margin:.0%} margin), but the SSD path has "
+            f"{fmt_bytes(hw.nvme_free_bytes)} free{share}{held}. Free space under ssd_path (or give "
+            f"--nvme-free the drive's free space), point ssd_path at a larger drive, or add host "
+            f"memory{avoid}")
 
 
 def _check_fit(hw: HardwareProfile, config: PlannerConfig, knobs: Knobs, mem: MemoryPrediction) -> None:

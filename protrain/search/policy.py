@@ -66,6 +66,17 @@ def host_backup_bytes(layout, world: int, n_speculate, n_nvme) -> np.ndarray:
     return top[n_speculate] - top[np.minimum(n_speculate, np.asarray(n_nvme))]
 
 
+def pinned_speculation(layout, config: PlannerConfig, n_persist) -> np.ndarray:
+    """Per n_persist: the offloaded chunks a pinned ``speculate_chunks`` makes speculate (their
+    backups must fit the host budget like any other state: the search counts them in the
+    host bytes); 0 where the count is the search's (``speculation_max`` fits it to the host
+    memory left) or nothing speculates."""
+    n_off = layout.n_chunks - np.asarray(n_persist)
+    if not speculates(config) or config.speculate_chunks is None:
+        return np.zeros_like(n_off)
+    return np.minimum(config.speculate_chunks, n_off).clip(min=0)
+
+
 def speculation_max(layout, hw: HardwareProfile, config: PlannerConfig, n_persist, host_bytes, n_nvme=0):
     """The most offloaded chunks a plan may speculate with (``evaluation.boundary_times`` picks
     among none, these, and a count in between): the pin, else those whose backups fit the host

@@ -11,16 +11,16 @@ from ..block_mode import CKPT, SEL, layout_codes
 from ..config import ALL, PlannerConfig
 from ..cost.chunk_times import state_io_times
 from ..cost.host_share import nvme_free_share, rank_rates
-from ..cost.memory import activation_walk, buffer_numel, nvme_state_top, offload_bytes, staging_bytes
+from ..cost.memory import activation_walk, buffer_numel, nvme_file_top, nvme_state_top, offload_bytes, staging_bytes
 from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
-from ..state_tier import drive_state_bytes
 from ..profile.model_profile import ModelProfile
 from ..units import fmt_bytes
 from .bounds import degree_floor, forward_write_bound, step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .infeasible import InfeasibleError
-from .policy import drive_states_possible, norm_scratch, planned_state_bytes, speculative_writes
+from .policy import (backup_from_top, drive_states_possible, norm_scratch, pinned_speculation,
+                     planned_state_bytes, speculative_writes)
 
 
 def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile, states_busy: float = 0.0) -> int:
@@ -292,9 +292,6 @@ def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget
     a_idx, np_idx, nb, nbmin, peak = (x[dev_ok] for x in (a_idx, np_idx, nb, nbmin, peak))
     host = host_state[np_idx] + acts.swap_host[a_idx]
     nv, host, drive = _drive_states(profile, hw, config, layout, np_idx, host, acts.ssd[a_idx], stats)
-    if len(host):
-        need = host.min()
-        stats["host_needed"] = min(stats.get("host_needed", need), need)
     ok = (host <= hw.host_memory) & (nv <= nch - np_idx) & (drive <= drive_room)
     return tuple(x[ok] for x in (a_idx, np_idx, nb, nbmin, peak, host, nv))
 
@@ -315,7 +312,7 @@ def _drive_states(profile, hw, config, layout, np_idx, host, ssd, stats: dict):
     """(n_nvme, host bytes, drive bytes) of each point: the pin, else the fewest chunks with
     their optimizer states on the drive that bring the host bytes within the host memory
     (none where they fit already, or without a drive). ``drive``: what one rank puts on the
-    drive, activations and states (both slots).
+    drive, activations and the state file (``cost.memory.nvme_file_top``).
 
     The fewest is the fastest of the counts that fit, the rest of the point held equal: a
     chunk moved to the drive keeps its CPU Adam work, and adds the read before its update and
@@ -340,22 +337,43 @@ def _drive_states(profile, hw, config, layout, np_idx, host, ssd, stats: dict):
                if config.model_states_fixed is not None else
                "no drive is configured: set ssd_path (protrain.ssd_path; protrain plan --nvme GB/s) "
                "or pin n_nvme to 0"))
+    # A pinned speculate_chunks: its chunks' backups are host memory the plan holds too, but
+    # not those of chunks on the drive (they speculate into their other place there).
+    spec = pinned_speculation(layout, config, np_idx)
+    backups = backup_from_top(layout, world)
     if pin is not None:
         nv = np.full_like(np_idx, pin)
     elif drive_states_possible(config, hw):
-        excess = host - hw.host_memory
-        nv = np.where(excess > 0, np.searchsorted(top, excess + ring, side="left"), 0)
+        nv = _fewest_on_drive(host + backups[spec] - hw.host_memory, top, ring, backups, spec)
     else:
         nv = np.zeros_like(np_idx)
     # Beyond the offloaded chunks (refused by the caller) the host is the least it can be.
     nv_c = np.minimum(nv, layout.n_chunks - np_idx)
-    host = host - top[nv_c] + np.where(nv_c > 0, ring, 0)
-    drive = ssd + drive_state_bytes(nvme_state_top(layout, sb, world, staged=True)[nv_c])
+    held_backups = backups[spec] - backups[np.minimum(spec, nv_c)]
+    host = host - top[nv_c] + np.where(nv_c > 0, ring, 0) + held_backups
+    if len(host) and host.min() < stats.get("host_needed", np.inf):
+        i = int(host.argmin())
+        stats["host_needed"], stats["host_backups"] = host[i], held_backups[i]
+    drive = ssd + nvme_file_top(layout, sb, world)[nv_c]
     fit = (host <= hw.host_memory) & (nv <= layout.n_chunks - np_idx)
-    if fit.any() and (nv_c > 0).any():
+    if fit.any() and (drive[fit] > 0).any():
         need = drive[fit].min()
         stats["drive_needed"] = min(stats.get("drive_needed", need), need)
     return nv, host, drive
+
+
+def _fewest_on_drive(excess: np.ndarray, top: np.ndarray, ring: int, backups: np.ndarray,
+                     spec: np.ndarray) -> np.ndarray:
+    """Per point: the fewest last chunks whose states, moved to the drive, take ``excess`` host
+    bytes off (0 where none is over): each takes its states off, and its backup where it is
+    among the ``spec`` pinned speculating chunks; the first one adds the staging ring."""
+    nv = np.zeros_like(spec)
+    over = excess > 0
+    for s in np.unique(spec[over]):
+        rows = over & (spec == s)
+        gain = top + backups[np.minimum(np.arange(len(top)), s)]
+        nv[rows] = np.searchsorted(gain, excess[rows] + ring, side="left")
+    return nv
 
 
 def chunk_bytes_prefix(layout, profile, config) -> np.ndarray:

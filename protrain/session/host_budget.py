@@ -28,8 +28,10 @@ from ..units import fmt_bytes
 
 def default_budget(limits: HostLimits, reserve: float) -> int:
     """The host bytes a search may plan for on this rank when ``host_memory`` is not set: its
-    share of the binding limit, less ``reserve`` of it."""
-    return int(limits.share * (1.0 - reserve))
+    share of the binding limit, less ``reserve`` of it, and at most what it can pin
+    (``HostLimits.pinnable``: on a small host the pinning guard keeps more free than the
+    reserve, and a plan inside the budget must not be refused when the runtime pins it)."""
+    return min(int(limits.share * (1.0 - reserve)), limits.pinnable)
 
 
 def with_host_budget(hw: HardwareProfile, limits: HostLimits, planner: PlannerConfig) -> HardwareProfile:
@@ -43,9 +45,11 @@ def describe_budget(limits: HostLimits, planner: PlannerConfig) -> str:
     if planner.host_memory is not None:
         return (f"host budget {fmt_bytes(planner.host_memory)} (protrain.host_memory); this rank "
                 f"can have {fmt_bytes(limits.share)}: {limits.describe()}")
-    return (f"host budget {fmt_bytes(default_budget(limits, planner.host_reserve))}: this rank's "
-            f"{fmt_bytes(limits.share)} less the {planner.host_reserve:.0%} host_reserve; "
-            f"{limits.describe()}")
+    budget = default_budget(limits, planner.host_reserve)
+    kept = (f"the {planner.host_reserve:.0%} host_reserve" if budget < limits.pinnable else
+            f"the {fmt_bytes(limits.share - budget)} the pinning guard keeps free (more than the "
+            f"{planner.host_reserve:.0%} host_reserve)")
+    return f"host budget {fmt_bytes(budget)}: this rank's {fmt_bytes(limits.share)} less {kept}; {limits.describe()}"
 
 
 def admit(plan: Plan, limits: HostLimits, planner: PlannerConfig, *,
@@ -55,12 +59,14 @@ def admit(plan: Plan, limits: HostLimits, planner: PlannerConfig, *,
     than the reserve; None when it fits."""
     need = plan.prediction.host_bytes
     share = limits.share
-    if need > share:
+    if need > limits.pinnable:
+        kept = (f" less the {fmt_bytes(share - limits.pinnable)} the pinning guard keeps free: "
+                f"{fmt_bytes(limits.pinnable)}" if limits.pinnable < share else "")
         raise InfeasibleError(
             f"this rank's host memory cannot hold the plan: it needs {fmt_bytes(need)} "
             f"(offloaded chunks' states and buffers {fmt_bytes(need - plan.prediction.swap_host_bytes)}, "
             f"swapped activations {fmt_bytes(plan.prediction.swap_host_bytes)}) and this rank can "
-            f"have {fmt_bytes(share)}: {limits.describe()}. "
+            f"have {fmt_bytes(share)}{kept}: {limits.describe()}. "
             + _fixes(plan, limits, planner, ssd_path=ssd_path), host_needed=need)
     left = share - need
     if left < share * planner.host_reserve:
@@ -82,10 +88,15 @@ def _fixes(plan: Plan, limits: HostLimits, planner: PlannerConfig, *, ssd_path: 
     elif plan.host_memory > budget:
         fixes.append(f"plan again (the plan was made for {fmt_bytes(plan.host_memory)} of host "
                      f"memory; delete the plan file, the default budget here is {fmt_bytes(budget)})")
+    # Only knobs the user pinned are worth unpinning: the planner fits the others already.
+    if planner.speculate_chunks is not None and plan.n_speculate:
+        fixes.append(f"pin speculate_chunks lower or leave it on auto (it is {planner.speculate_chunks}: "
+                     f"each speculating chunk keeps a backup of its states in host memory)")
     if not ssd_path:
         fixes.append("set protrain.ssd_path to an NVMe directory so optimizer states go to the drive")
-    else:
-        fixes.append("let the planner put more optimizer states on the drive (unpin n_nvme)")
+    elif planner.pins.n_nvme is not None:
+        fixes.append(f"let the planner put more optimizer states on the drive (unpin n_nvme, "
+                     f"pinned to {planner.pins.n_nvme})")
     fixes.append("spread the run over more nodes (the offloaded states are sharded over the "
                  "data-parallel ranks, and the ranks of a node share its memory)")
     if limits.binding.startswith("cgroup"):

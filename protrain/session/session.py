@@ -63,6 +63,11 @@ class PlanningSteps:
     budget, and plans are not checked."""
     ssd_path: str | None = None
     """Where optimizer states may go: named in the fixes of a plan refused for host memory."""
+    drive_free: Callable[[], int] | None = None
+    """The decider: the free bytes under ``ssd_path`` now, the plans' ``nvme_free_bytes``. The
+    machine is measured once per session, but the drive is asked again at every decision: a
+    re-plan's runtime is built while the old runtime's state file is still on it (and other
+    jobs write there meanwhile). None: the machine's figure."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +111,14 @@ class PlanningSession:
             self._host = self.steps.host()
         return self._host
 
-    def _priced(self, planner: PlannerConfig) -> HardwareProfile:
-        """The machine with this rank's host budget (host_budget.with_host_budget)."""
+    def _priced(self, planner: PlannerConfig, drive_held: int = 0) -> HardwareProfile:
+        """The machine with this rank's host budget (host_budget.with_host_budget) and the
+        drive's free space now (``drive_held``: of the space not free, what this rank's old
+        state file holds until a re-plan has moved its states)."""
         limits = self.host()
         hw = self.machine()
+        if self.steps.drive_free is not None:
+            hw = replace(hw, nvme_free_bytes=self.steps.drive_free(), nvme_held_bytes=drive_held)
         return hw if limits is None else with_host_budget(hw, limits, planner)
 
     def _admit(self, plan: Plan, planner: PlannerConfig) -> None:
@@ -131,11 +140,12 @@ class PlanningSession:
                                micro_batch_fit=error.micro_batch_fit)
 
     def decide(self, planner: PlannerConfig, target: BatchShape | None, *, load: bool = True,
-               batch=None, save: bool = True) -> Decision:
+               batch=None, save: bool = True, drive_held: int = 0) -> Decision:
         """The plan every rank of the group runs for batches up to ``target``: the decider
         loads it from the plan file (with ``load``) or searches it from the profile (measured
         now on ``batch`` if none is held) and saves it there (with ``save``); every rank gets
-        it or the same error (a collective)."""
+        it or the same error (a collective). ``drive_held``: bytes of the drive this rank's
+        old state file holds until the new plan's runtime has its states (``_priced``)."""
         steps = self.steps
         if steps.together is not None:
             steps.together()
@@ -162,7 +172,7 @@ class PlanningSession:
                 if self.profile is None:
                     self.profile = steps.measure(batch)
                     profile_seconds = time.perf_counter() - t0
-                plan = steps.search(self.profile, self._priced(planner), planner, target)
+                plan = steps.search(self.profile, self._priced(planner, drive_held), planner, target)
                 self._admit(plan, planner)
                 if self.plan_file and save:
                     plan.save(self.plan_file)
@@ -202,13 +212,14 @@ class PlanningSession:
 
     # ---- planning again ----------------------------------------------------------------------
     def replan(self, planner: PlannerConfig, target: BatchShape | None, *, old: Plan,
-               keep_grads: bool, batch=None, remeasure: bool = False) -> Plan:
+               keep_grads: bool, batch=None, remeasure: bool = False, drive_held: int = 0) -> Plan:
         """The plan for batches up to ``target`` with ``planner`` (its margin the re-plan's),
         made now from the held profile (or one of ``batch``: after a loaded plan; a
         collective). ``keep_grads``: the gradients accumulated under ``old`` are carried into
         the new plan. ``remeasure``: the model changed what it trains (requires_grad), so the
         held profile is of another parameter set: profile ``batch`` again; the plan is not
-        saved to the plan file, which keeps the plan the run starts with."""
+        saved to the plan file, which keeps the plan the run starts with. ``drive_held``: bytes
+        of the drive the old runtime's state file holds until the new runtime has its states."""
         if remeasure:
             self.profile = None
         if keep_grads and self.ranks.dp.world > 1 and old.knobs.sequence_parallel == 1 and \
@@ -217,7 +228,8 @@ class PlanningSession:
             # first micro-step by rescaling what was accumulated, which would rescale the
             # gradients carried over from P = 1 too: the degree stays for this re-plan.
             planner = replace(planner, pins=replace(planner.pins, sequence_parallel=1))
-        return self.decide(planner, target, load=False, batch=batch, save=not remeasure).plan
+        return self.decide(planner, target, load=False, batch=batch, save=not remeasure,
+                           drive_held=drive_held).plan
 
     def margin_after_oom(self, configured: float, error: BaseException) -> float:
         """The memory margin to plan again with after an out-of-memory error on this rank:
