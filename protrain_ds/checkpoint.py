@@ -7,9 +7,10 @@
                                         that rank's pieces of every parameter: fp32 master,
                                         Adam m and v, step (see protrain.runtime.states), RNG
     save_dir/<tag>/manifest.json        every file's size and CRC32, written last
-    save_dir/<tag>/zero_pp_rank_*_mp_rank_00_{model,optim}_states.pt, save_dir/zero_to_fp32.py
-                                        with a ZeRO stage in the JSON: DeepSpeed's ZeRO-3
-                                        files for its recovery tools (zero_files.py)
+    save_dir/<tag>/mp_rank_00_model_states.pt, zero_pp_rank_*_mp_rank_00_*_states.pt,
+    save_dir/zero_to_fp32.py            the files plain DeepSpeed writes for the JSON's ZeRO
+                                        stage, for DeepSpeed's tools and scripts that read
+                                        them (zero_files.py)
 
 Crash-safe, step by step (tests/test_checkpoint.py kills a save before every file-system
 change it makes and loads what is left):
@@ -74,9 +75,11 @@ def _states_file(rank: int) -> str:
     return f"protrain_states_rank{rank:05d}.pt"
 
 
-def _expected_files(world: int, zero: bool = False) -> set[str]:
-    """The files of a checkpoint of ``world`` ranks (``zero``: with DeepSpeed's ZeRO-3 files)."""
-    return {META} | {_states_file(r) for r in range(world)} | (zero_files.files(world) if zero else set())
+def _expected_files(world: int, kind: int | None = None) -> set[str]:
+    """The files of a checkpoint of ``world`` ranks (``kind``: with DeepSpeed's files of that
+    layout, zero_files.py)."""
+    return {META} | {_states_file(r) for r in range(world)} | \
+        (zero_files.files(world, kind) if kind is not None else set())
 
 
 def _crc32(path: Path) -> int:
@@ -148,23 +151,24 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True,
             _save_durable(meta, partial / META)
     _settle(dp, tag, save_dir, attempt("writing its files", write_files))
 
-    # 2b. With a ZeRO stage in the JSON, DeepSpeed's ZeRO-3 files too (zero_files.py), cut
-    # from every rank's files just written: DeepSpeed's zero_to_fp32 tools read them.
-    zero = engine.protrain_zero_stage >= 1
-    if zero:
-        def write_zero_files():
-            zero_files.write(partial, dp.rank, dp.world, _param_shapes(engine),
-                             read_pieces(partial, dp.world), _extra_state(engine, excluded), engine.module,
-                             _save_durable)
-            if dp.rank == 0:
-                zero_files.copy_recovery_script(save_dir)
-        _settle(dp, tag, save_dir, attempt("writing DeepSpeed's ZeRO-3 files", write_zero_files))
+    # 2b. The files plain DeepSpeed writes for the JSON's ZeRO stage (zero_files.py), cut from
+    # every rank's files just written: DeepSpeed's tools and users' scripts read them.
+    kind = zero_files.layout(engine.protrain_zero_stage)
+
+    def write_deepspeed_files():
+        keys, extra = _module_state(engine, excluded)
+        zero_files.write(partial, dp.rank, dp.world, _param_shapes(engine), read_pieces(partial, dp.world),
+                         extra, engine.module, _save_durable, kind=kind, groups=_group_names(engine),
+                         engine_state=_deepspeed_state(engine, dp.world, client_state), keys=keys)
+        if dp.rank == 0 and kind >= 2:
+            zero_files.copy_recovery_script(save_dir)
+    _settle(dp, tag, save_dir, attempt("writing DeepSpeed's files", write_deepspeed_files))
 
     # 3-5. Rank 0 certifies and publishes.
     error, published = None, []
     if dp.rank == 0:
         error = attempt(f"publishing {save_dir / tag}",
-                        lambda: _commit(save_dir, tag, dp.world, save_latest, published, zero))
+                        lambda: _commit(save_dir, tag, dp.world, save_latest, published, kind))
         if error and published:
             error += f" ({_PUBLISHED}: the checkpoint is complete in {save_dir / tag})"
     _settle(dp, tag, save_dir, error)
@@ -244,15 +248,15 @@ def _prepare(save_dir: Path, tag: str) -> None:
 
 
 def _commit(save_dir: Path, tag: str, world: int, save_latest: bool, published: list,
-            zero: bool = False) -> None:
+            kind: int | None = None) -> None:
     partial, final, old = save_dir / f".{tag}.partial", save_dir / tag, save_dir / f".{tag}.old"
     files = {f.name: {"bytes": f.stat().st_size, "crc32": _crc32(f)}
              for f in sorted(partial.iterdir()) if f.name != MANIFEST}
-    expected = _expected_files(world, zero)
+    expected = _expected_files(world, kind)
     if set(files) != expected:
         raise CheckpointError(f"{partial}: expected files {sorted(expected)}, found {sorted(files)}")
     _write_durable(partial / MANIFEST, json.dumps(
-        {"format": FORMAT, "tag": tag, "world": world, "complete": True, "zero_files": zero,
+        {"format": FORMAT, "tag": tag, "world": world, "complete": True, "deepspeed_layout": kind,
          "files": files}, indent=1))
     _fsync_dir(partial)
     if final.exists():
@@ -397,6 +401,10 @@ def resolve(load_dir, tag=None) -> Path | None:
 def _not_a_checkpoint(path: Path) -> CheckpointError:
     """Why ``path`` (a directory without a manifest) is not a usable ProTrain checkpoint."""
     names = sorted(p.name for p in path.iterdir())
+    # ProTrain's own files first: its saves write DeepSpeed's files too.
+    if META in names or any(n.startswith("protrain_states_rank") for n in names):
+        return CheckpointError(f"checkpoint {path} is incomplete: {MANIFEST} is missing (the save "
+                               f"was interrupted or the file deleted); load an earlier tag")
     deepspeed = [n for n in names if n.endswith(("_model_states.pt", "_optim_states.pt"))]
     if deepspeed:
         return CheckpointError(
@@ -405,9 +413,6 @@ def _not_a_checkpoint(path: Path) -> CheckpointError:
             f"weights, load them into the model before deepspeed.initialize: model.load_state_dict("
             f"torch.load('{path / 'mp_rank_00_model_states.pt'}', weights_only=False)['module']) "
             f"(a ZeRO-3 checkpoint: run DeepSpeed's zero_to_fp32.py on it first)")
-    if META in names or any(n.startswith("protrain_states_rank") for n in names):
-        return CheckpointError(f"checkpoint {path} is incomplete: {MANIFEST} is missing (the save "
-                               f"was interrupted or the file deleted); load an earlier tag")
     if not names:
         return CheckpointError(f"checkpoint {path} is an empty directory, not a ProTrain checkpoint")
     return CheckpointError(f"{path} is not a ProTrain checkpoint: it has no {MANIFEST} and holds "
@@ -438,7 +443,12 @@ def verify(path: Path) -> dict:
                               f"{type(files).__name__}); it was edited or damaged")
     # The manifest vouches for the files it lists: it must list every file a checkpoint of its
     # world size has (an edited list would let an unchecked file in).
-    expected = _expected_files(world, info.get("zero_files") is True)
+    # Older checkpoints: "zero_files" true for ZeRO-3's files, else none.
+    kind = info.get("deepspeed_layout", 3 if info.get("zero_files") is True else None)
+    if kind not in (None, 0, 2, 3):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed (deepspeed_layout={kind!r}); "
+                              f"it was edited or damaged")
+    expected = _expected_files(world, kind)
     if set(files) != expected:
         missing, extra = sorted(expected - set(files)), sorted(set(files) - expected)
         raise CheckpointError(
@@ -666,6 +676,36 @@ def _initial_pieces(engine, rank: int) -> list[Piece]:
                              exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
                              step=0))
     return out
+
+
+def _group_names(engine) -> list[list[str]]:
+    """The trainable parameters' names per optimizer param group (empty groups left out), in
+    the groups' order: ZeRO-2's flat groups."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    groups = [[names[id(p)] for p in g["params"] if p.requires_grad and id(p) in names]
+              for g in engine.optimizer.param_groups]
+    return [g for g in groups if g]
+
+
+def _deepspeed_state(engine, world: int, client_state) -> dict:
+    """What plain DeepSpeed's model file carries besides the module (its load_checkpoint
+    reads these back)."""
+    return {"lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "skipped_steps": engine.skipped_steps, "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples, "dp_world_size": world,
+            "mp_world_size": 1, "ds_config": engine.config, "client_state": client_state or {}}
+
+
+def _module_state(engine, excluded=()) -> tuple[list[str], dict]:
+    """(the module's state_dict keys in order, ``_extra_state``)."""
+    module = engine.module
+    if engine.protrain_runtime is None:
+        keys = list(module.state_dict(keep_vars=True))
+    else:
+        with engine.protrain_runtime.full_state.local():
+            keys = list(module.state_dict(keep_vars=True))
+    keys = [k for k in keys if k not in set(excluded)]
+    return keys, _extra_state(engine, excluded)
 
 
 def _extra_state(engine, excluded=()) -> dict:

@@ -28,6 +28,7 @@ import inspect
 import logging
 import shutil
 import weakref
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,6 +58,7 @@ from protrain.session.plan_file import check_plan_file, load_plan_file
 from protrain.session.profiling import profile_batch
 from protrain.session.session import first_target, longer_target, search_for_batches
 
+from . import accumulation
 from . import compile as protrain_compile
 from . import fragment_api, handover, zero_init
 from .config import ProTrainDSConfig
@@ -82,8 +84,8 @@ class ProTrainEngine(DeepSpeedEngine):
         self.protrain_compile = compile_request   # torch.compile asked for (protrain.runtime.compile)
         self.protrain_overridden = overridden
         self.protrain_zero_stage = zero_stage
-        """The ZeRO stage the user's JSON named (the plan replaces it; checkpoints then also
-        carry DeepSpeed's ZeRO-3 files for its recovery tools: zero_files.py)."""
+        """The ZeRO stage the user's JSON named (the plan replaces it; checkpoints also carry the
+        files plain DeepSpeed writes at that stage, for its tools: zero_files.py)."""
         self.protrain_runtime: ProTrainRuntime | None = None
         self._protrain_overlap = None   # OverlapStats, kept across re-plans
         self.protrain_plan: Plan | None = None
@@ -106,6 +108,10 @@ class ProTrainEngine(DeepSpeedEngine):
         call is refused naming it."""
         self._protrain_lost: str | None = None
         """Why a re-plan failed after closing the runtime (its states lost), else None."""
+        self.protrain_by_hand = False
+        """The script accumulates gradients by hand with \"gradient_accumulation_steps\": 1
+        (``no_sync()`` and its kin, seen at a forward on some rank): plans from then on hold
+        accumulators (accumulation.py)."""
         super().__init__(*args, dont_change_device=True, **kwargs)
         # DeepSpeed moves the whole module to the device. ProTrain places the parameters itself
         # (in chunks) and moves the buffers as DeepSpeed would: a model built on the host keeps
@@ -135,7 +141,7 @@ class ProTrainEngine(DeepSpeedEngine):
             try:
                 check_budgets(sum(p.numel() for p in params), max(p.numel() for p in params),
                               params[0].element_size(), protrain_config.planner,
-                              grad_accumulation=self.gradient_accumulation_steps() > 1)
+                              grad_accumulation=accumulation.planned_steps(self) > 1)
             except InfeasibleError as e:
                 raise ConfigError(f"protrain: impossible memory budget: {e}") from None
         # deepspeed.utils.safe_get_full_grad and its kin: refused by name, not a silent None.
@@ -219,8 +225,10 @@ class ProTrainEngine(DeepSpeedEngine):
         if self.protrain_runtime is None:
             # A first forward under torch.inference_mode() (an evaluation before training)
             # plans all the same: the chunks it allocates are trained from later.
+            # (Whether the script accumulates by hand is read in its own grad mode.)
+            by_hand = accumulation.by_hand_now(self)
             with torch.inference_mode(False):
-                self._protrain_setup(inputs, kwargs, self._protrain_batch(inputs, kwargs))
+                self._protrain_setup(inputs, kwargs, self._protrain_batch(inputs, kwargs, by_hand))
         elif torch.is_grad_enabled():
             # Training forwards run on every rank; one without autograd (evaluation,
             # generation) may run on one rank alone, so it neither agrees on the shape nor
@@ -233,6 +241,8 @@ class ProTrainEngine(DeepSpeedEngine):
                 self._protrain_covered = shape       # a plan that does not say (an older file)
             elif shape is not None and not self._protrain_covered.covers(shape):
                 self._protrain_longer_batch(shape, inputs, kwargs)
+            if self.protrain_by_hand and self.protrain_runtime.optimizer.gas == 1:
+                self._protrain_accumulate_by_hand(inputs, kwargs)
         if self._protrain_sp is not None:
             return self._protrain_sp.forward(inputs, kwargs)
         # What redoing this micro-batch after an out-of-memory error needs.
@@ -284,6 +294,32 @@ class ProTrainEngine(DeepSpeedEngine):
         old, plan = self._protrain_move(self._protrain_covered, inputs, kwargs, margin=margin,
                                         keep_grads=keep)
         self.protrain_session.say_out_of_memory(where, error, old, plan)
+
+    def _protrain_accumulate_by_hand(self, inputs, kwargs) -> None:
+        """The script accumulates by hand (accumulation.py) and the runtime has no
+        accumulators: plan again with them, before this micro-batch's forward, while no
+        gradient of the step exists (else refused: they left the device as the step's)."""
+        from protrain.runtime.optimizer import StepState
+        if self.protrain_runtime.optimizer.step_state is not StepState.IDLE:
+            accumulation.refuse_mixed(self)
+        margin = max(self.protrain_config.planner.memory_margin, self.protrain_session.margin)
+        old, plan = self._protrain_move(self._protrain_covered, inputs, kwargs, margin=margin,
+                                        keep_grads=False)
+        self.protrain_session.say_accumulation_by_hand(old, plan)
+
+    @contextmanager
+    def no_sync(self):
+        """DeepSpeed's, with its check on the JSON's ZeRO stage (accumulation.py)."""
+        accumulation.check_no_sync(self)
+        with super().no_sync():
+            yield
+
+    @contextmanager
+    def coalesce_grad_reduction(self):
+        """DeepSpeed's (ZeRO 1-3): the backwards inside accumulate; ``step()`` after the block
+        applies their sum (accumulation.py)."""
+        with accumulation.coalesce_grad_reduction(self):
+            yield
 
     def _protrain_longer_batch(self, shape: BatchShape, inputs, kwargs) -> None:
         """A batch beyond the shape the plan covers, on some rank (``shape``: the largest over
@@ -358,13 +394,15 @@ class ProTrainEngine(DeepSpeedEngine):
         that train now, profiled again, each state carried as plain DeepSpeed keeps it
         (trainable.py). Refused, before anything moves, where no layout can train it exactly."""
         gas = self.gradient_accumulation_steps()
-        if self.micro_steps % gas:
+        if self.micro_steps % gas or self.protrain_runtime.optimizer.holds_accumulated_gradients():
+            where = (f"this forward is micro-batch {self.micro_steps % gas + 1} of {gas}" if gas > 1
+                     else "gradients of earlier micro-batches, accumulated by hand, are held")
             raise RuntimeError(
                 f"ProTrain: requires_grad changed ({change.describe()}) between micro-batches of one "
-                f"optimizer step (this forward is micro-batch {self.micro_steps % gas + 1} of "
-                f"{gas}): the step's gradients were accumulated for the parameters that trained "
-                f"before. Change requires_grad after the engine.step() that ends an optimizer step "
-                f"(the micro-batch for which engine.is_gradient_accumulation_boundary() is true)")
+                f"optimizer step ({where}): the step's gradients were accumulated for the parameters "
+                f"that trained before. Change requires_grad after the engine.step() that ends an "
+                f"optimizer step (the micro-batch for which engine.is_gradient_accumulation_boundary() "
+                f"is true)")
         states = self._protrain_states
         trainable = {n for n, p in states.params.items() if p.requires_grad}
         outside = sorted(trainable - states.held())
@@ -467,22 +505,27 @@ class ProTrainEngine(DeepSpeedEngine):
         super().__del__()
 
     # ---- planning at the first batch --------------------------------------------------------
-    def _protrain_batch(self, inputs, kwargs) -> BatchShape | None:
+    def _protrain_batch(self, inputs, kwargs, by_hand: bool | None = None) -> BatchShape | None:
         """This forward's batch shape, the largest over the ranks (with pad-to-longest ranks see
         different lengths in one step; all of them must run one plan). One all-reduce of two
         numbers in host memory per forward (collectives.host_side: no device sync). A batch
-        without a sequence dimension (batch_shape.batch_dims) has the micro-batch alone."""
+        without a sequence dimension (batch_shape.batch_dims) has the micro-batch alone.
+        ``by_hand``: whether this micro-batch accumulates by hand (None: read now), agreed
+        over the ranks into ``protrain_by_hand``."""
         micro_batch, seq = batch_dims(inputs, kwargs)
+        by_hand = accumulation.by_hand_now(self) if by_hand is None else by_hand
         host = self._protrain_host
         if host.world > 1:
             # The trainable set's digest rides along (max of it and of its negation): every rank
-            # must move to a layout for the same set at the same forward.
+            # must move to a layout for the same set at the same forward. So does accumulation by
+            # hand: one rank seeing it re-plans them all.
             sig = signature(tuple(p.requires_grad for p in self._protrain_states.params.values()))
-            t = torch.tensor([micro_batch or 0, seq or 0, sig, -sig], dtype=torch.int64)
+            t = torch.tensor([micro_batch or 0, seq or 0, sig, -sig, int(by_hand)], dtype=torch.int64)
             host.all_reduce_(t, op=dist.ReduceOp.MAX)
-            micro_batch, seq = int(t[0]), int(t[1])
+            micro_batch, seq, by_hand = int(t[0]), int(t[1]), bool(t[4])
             if int(t[2]) != -int(t[3]):
                 self._protrain_ranks_disagree()
+        self.protrain_by_hand = self.protrain_by_hand or by_hand
         return BatchShape(micro_batch, seq or None) if micro_batch else None
 
     def _protrain_ranks_disagree(self) -> None:
@@ -650,7 +693,7 @@ class ProTrainEngine(DeepSpeedEngine):
                         host_thread=self.protrain_config.host_thread,
                         cpu_adam_threads=self.protrain_config.cpu_adam_threads
                         or self._protrain_node.threads)
-        is_boundary = self.is_gradient_accumulation_boundary
+        is_boundary = lambda: accumulation.is_boundary(self)  # noqa: E731
         self._protrain_close_sp()
         p = plan.knobs.sequence_parallel
         if p > 1:
@@ -789,7 +832,7 @@ class ProTrainEngine(DeepSpeedEngine):
         passes = host_update_passes(
             fused_kernel=uses_native_kernel(self.device, setup),
             half=dtype in (torch.float16, torch.bfloat16),
-            grad_accumulation=self.gradient_accumulation_steps() > 1,
+            grad_accumulation=accumulation.planned_steps(self) > 1,
             scaled=(self.gradient_clipping() or 0.0) > 0 or self.fp16_enabled())
         return runtime_update_rate(hw, passes)
 
@@ -797,7 +840,7 @@ class ProTrainEngine(DeepSpeedEngine):
 def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821
     cfg = engine.protrain_config.planner
     clip = engine.gradient_clipping() or 0.0
-    return replace(cfg, grad_accumulation_steps=engine.gradient_accumulation_steps(),
+    return replace(cfg, grad_accumulation_steps=accumulation.planned_steps(engine),
                    cpu_optim_overlap=not (clip > 0 or engine.fp16_enabled()),
                    cpu_optim_speculative=clip > 0 or engine.fp16_enabled(),
                    gradient_clipping=clip > 0, data_parallel_size=dp.world)

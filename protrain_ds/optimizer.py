@@ -17,6 +17,7 @@ from protrain.config import ConfigError
 from protrain.runtime.adam import AdamHyper
 from protrain.runtime.options import OptimizerSetup
 
+from . import accumulation
 from .trainable import step_rule
 
 _OPTIMIZER_PARAM_KEYS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode",
@@ -136,7 +137,7 @@ class ProTrainOptimizer(ZeROOptimizer):
         fused, foreach = _torch_flags(self.optimizer) or (None, None)
         return OptimizerSetup(param_groups=self.param_groups, hyper=hyper, adamw=adamw,
                               torch_adam=self.torch_adam, torch_fused=fused, torch_foreach=foreach,
-                              grad_accumulation_steps=self.engine.gradient_accumulation_steps(),
+                              grad_accumulation_steps=accumulation.planned_steps(self.engine),
                               clip=self.engine.gradient_clipping() or 0.0,
                               loss_scaler=self.loss_scaler)
 

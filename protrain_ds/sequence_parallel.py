@@ -37,6 +37,8 @@ from deepspeed.runtime.utils import register_output_backward_hooks
 from protrain.sp.batch import PADDING_MASK, BatchExchange, ShardedLoss, shard
 from protrain.sp.ulysses import SequenceParallelError, UlyssesSwitch, new_groups, ulysses_blocks
 
+from . import accumulation
+
 
 def model_takes(module, name: str) -> bool:
     """Whether the module's forward has a parameter ``name``. A wrapper whose forward passes
@@ -119,7 +121,7 @@ class SequenceParallelForward:
 
     def is_boundary(self) -> bool:
         """Accumulation boundary for the runtime: DeepSpeed's, at the group's last sub-step."""
-        return self.engine.is_gradient_accumulation_boundary() and self.substep == self.degree - 1
+        return accumulation.is_boundary(self.engine) and self.substep == self.degree - 1
 
     # ---- one forward call of the script -------------------------------------------------------
     def forward(self, inputs, kwargs):

@@ -63,17 +63,25 @@ def test_load_into_another_world_size_and_consolidated_fp32_export(tmp_path):
     assert torch.load(out).keys() == fp32.keys()
 
 
-def test_deepspeeds_zero_to_fp32_reads_a_checkpoint_of_a_zero_json(tmp_path):
-    """A JSON that says ZeRO stage 3 (the plan replaces it): the checkpoint also holds the
-    ZeRO-3 files DeepSpeed's recovery tools read, and zero_to_fp32.py lies next to the tags
-    (DeepSpeed's own tools could not read it: "can't find *_model_states.pt"). Two ranks, the
-    embedding tied to the head (a shared parameter)."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeeds_zero_to_fp32_reads_a_checkpoint_of_a_zero_json(stage, tmp_path):
+    """A JSON that says a ZeRO stage (the plan replaces it): the checkpoint also holds the
+    files plain DeepSpeed writes at that stage, which its recovery tools read, and
+    zero_to_fp32.py lies next to the tags (DeepSpeed's own tools could not read it: "can't find
+    *_model_states.pt"); stages 1-2 also ``mp_rank_00_model_states.pt`` with the module. Two
+    ranks, the embedding tied to the head (a shared parameter)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     ckpt = tmp_path / "ckpt"
     model = dict(MODEL, tie_embeddings=True)
     launch(2, dict(_spec(steps=3, save=str(ckpt)), model=model,
-                   extra=dict(EXTRA, zero_optimization={"stage": 3})), str(tmp_path / "run"))
+                   extra=dict(EXTRA, zero_optimization={"stage": stage})), str(tmp_path / "run"))
     trained = torch.load(tmp_path / "run" / "weights.pt")
+    tag = ckpt / (ckpt / "latest").read_text()
+    assert (tag / "mp_rank_00_model_states.pt").exists() == (stage < 3)
+    if stage < 3:
+        module = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+        for name, w in trained.items():
+            assert torch.equal(module[name], w), name
     fp32 = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
     assert set(trained) <= set(fp32)
     for name, w in trained.items():
@@ -88,13 +96,56 @@ def test_deepspeeds_zero_to_fp32_reads_a_checkpoint_of_a_zero_json(tmp_path):
         assert torch.equal(written[name], w), name
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_checkpoint_holds_deepspeeds_module_file_for_scripts_and_plain_engines(bf16, tmp_path):
+    """ZeRO-0 (no stage in the JSON): ``<tag>/mp_rank_00_model_states.pt`` as plain DeepSpeed
+    writes it - ``module`` the model's state_dict (every key in order, the trained weights) -
+    read by scripts with torch.load, and by a plain DeepSpeed engine's
+    ``load_checkpoint(load_module_only=True)`` (it found no file before); with
+    ``exclude_frozen_parameters`` the frozen values are left out, as in DeepSpeed. In bf16 the
+    module holds the bf16 weights the model trains with."""
+    import deepspeed
+    from dstrain import TINY, base_config, with_protrain
+    from protrain.models import GPT, synthetic_batch
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    model.transformer.wpe.weight.requires_grad_(False)
+    cfg = base_config(gradient_clipping=1.0, **({"bf16": {"enabled": True}} if bf16 else {}))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=with_protrain(
+        cfg, chunk_size="64KiB", n_persist=1))
+    for i in range(3):
+        x, y = synthetic_batch(TINY, 2, seed=i)
+        engine.backward(engine(x, y))
+        engine.step()
+    assert engine.protrain_runtime.chunks.offloaded()
+    engine.save_checkpoint(tmp_path / "all", tag="t")
+    engine.save_checkpoint(tmp_path / "trainable", tag="t", exclude_frozen_parameters=True)
+    weights = {n: t.clone() for n, t in model.state_dict().items()}
+    engine.destroy()
+    saved = torch.load(tmp_path / "all" / "t" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert list(saved["module"]) == list(weights) and saved["global_steps"] == 3
+    for name, w in weights.items():
+        assert saved["module"][name].dtype == w.dtype and torch.equal(saved["module"][name], w), name
+    assert weights["transformer.h.0.mlp.c_fc.weight"].dtype == (torch.bfloat16 if bf16 else torch.float32)
+    lean = torch.load(tmp_path / "trainable" / "t" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert set(saved["module"]) - set(lean["module"]) == {"transformer.wpe.weight"}
+    torch.manual_seed(1)
+    model = GPT(TINY)
+    plain, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    plain.load_checkpoint(tmp_path / "all", tag="t", load_module_only=True)
+    for name, w in weights.items():
+        assert torch.equal(model.state_dict()[name], w), name
+    plain.destroy()
+
+
 def test_partial_corrupt_or_foreign_checkpoints_are_refused(tmp_path, monkeypatch):
     from dstrain import UNTIED, base_config, train, with_protrain
     import protrain_ds.checkpoint as ck
     _, _, engine = train(with_protrain(base_config(), **PLAN), UNTIED, 2)
     engine.save_checkpoint(tmp_path, tag="good")
     files = sorted(p.name for p in (tmp_path / "good").iterdir())
-    assert files == ["manifest.json", "protrain_meta.pt", "protrain_states_rank00000.pt"]
+    assert files == ["manifest.json", "mp_rank_00_model_states.pt", "protrain_meta.pt",
+                     "protrain_states_rank00000.pt"]
 
     bad = tmp_path / "bad"
     shutil.copytree(tmp_path / "good", bad)

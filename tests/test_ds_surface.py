@@ -355,13 +355,117 @@ def test_a_step_before_any_forward_through_the_engine_is_refused_by_name():
     engine.destroy()
 
 
-@pytest.mark.parametrize("by", ["no_sync", "two backwards"])
-def test_accumulating_by_hand_without_accumulation_steps_is_refused_by_name(by):
-    """DeepSpeed's ``engine.no_sync()`` (or two ``engine.backward`` calls before a step) with
-    ``"gradient_accumulation_steps": 1``: every backward is a boundary, whose offloaded gradients
-    ProTrain sends off the device as the step's (no accumulator) and may start updating; a
-    second one before ``step()`` trained silently wrong (weights 6e-3 apart from DeepSpeed's
-    after 3 steps). Refused, naming the setting that does it right."""
+def _by_hand(cfg: dict, by: str, ordinary: int, steps: int = 2, k: int = 3, rank: int = 0):
+    """``ordinary`` plain steps, then ``steps`` optimizer steps of ``k`` micro-batches each
+    accumulated by hand as ``by`` says, with "gradient_accumulation_steps": 1 (``rank``'s
+    batches). Returns (losses, weights, engine)."""
+    import contextlib
+
+    import deepspeed
+    from protrain.models import GPT, synthetic_batch
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    losses = run_steps(engine, 100 * rank, ordinary)
+    for i in range(ordinary, ordinary + steps * k):
+        last = (i - ordinary) % k == k - 1
+        if by == "no_sync":              # DeepSpeed's docs: the last micro-batch outside it
+            ctx = contextlib.nullcontext() if last else engine.no_sync()
+        elif by == "no_sync, step after":    # every micro-batch inside, step() outside
+            ctx = engine.no_sync()
+        elif by == "coalesce":
+            ctx = contextlib.nullcontext()
+        else:                            # set_gradient_accumulation_boundary / unmanaged
+            ctx = contextlib.nullcontext()
+            if by == "boundary":
+                engine.set_gradient_accumulation_boundary(last)
+        if by == "coalesce" and (i - ordinary) % k == 0:
+            block = engine.coalesce_grad_reduction()
+            block.__enter__()
+        with ctx:
+            x, y = synthetic_batch(TINY, 2, seed=100 * rank + i)
+            loss = engine(x, y)
+            engine.backward(loss)
+            losses.append(loss.item())
+        if last:
+            if by == "coalesce":
+                block.__exit__(None, None, None)
+            engine.step()
+    state = model.state_dict()
+    return losses, {n: state[n].clone() for n, _ in model.named_parameters()}, engine
+
+
+@pytest.mark.parametrize("by,ordinary,clip", [
+    ("no_sync", 0, 1.0), ("no_sync", 2, 0.0), ("no_sync, step after", 2, 1.0),
+    ("boundary", 2, 1.0), ("unmanaged", 0, 1.0), ("coalesce", 1, 1.0)])
+def test_accumulating_by_hand_with_the_steps_at_1_trains_like_deepspeed(by, ordinary, clip):
+    """DeepSpeed's ``no_sync()`` (its docs' loop), ``set_gradient_accumulation_boundary(False)``,
+    ``coalesce_grad_reduction()`` and ``"managed_gradient_accumulation": false`` with
+    ``"gradient_accumulation_steps": 1``: several backwards, then one step of their sum. Refused
+    before (a boundary's gradients leave the device as the step's); now planned with
+    accumulators - from the first plan, or re-planned at the forward that shows it after
+    ordinary steps - and bit for bit plain DeepSpeed ZeRO-0 (coalesce: ZeRO-1/2/3 only in
+    DeepSpeed, whose sum it is; compared with no_sync's)."""
+    extra = {"managed_gradient_accumulation": False} if by == "unmanaged" else {}
+    cfg = base_config(gradient_clipping=clip, **extra)
+    ref_by = "no_sync" if by == "coalesce" else by
+    ref = _by_hand(cfg, ref_by, ordinary)
+    ref[2].destroy()
+    pt_cfg = with_protrain(cfg, chunk_size="64KiB", n_persist=1)
+    if by == "coalesce":
+        pt_cfg["zero_optimization"] = {"stage": 2}
+    losses, weights, engine = _by_hand(pt_cfg, by, ordinary)
+    assert engine.protrain_runtime.chunks.offloaded()
+    assert engine.protrain_runtime.optimizer.gas > 1          # accumulators held
+    assert losses == ref[0]
+    for name, w in ref[1].items():
+        assert torch.equal(weights[name], w), name
+    engine.destroy()
+
+
+def _by_hand_rank(rank, world, port, out_dir):
+    """One rank: DeepSpeed's no_sync loop after an ordinary step, plain ZeRO-0 then ProTrain."""
+    import json
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    cfg = base_config(gradient_clipping=1.0)
+    got = {}
+    for name, c in (("plain", cfg), ("protrain", with_protrain(cfg, **OFFLOADED))):
+        losses, weights, engine = _by_hand(c, "no_sync", 1, rank=rank)
+        got[name] = [losses, {n: w.tolist() for n, w in weights.items()}]
+        got[name + "_gas"] = getattr(getattr(engine, "protrain_runtime", None), "optimizer", None) \
+            and engine.protrain_runtime.optimizer.gas
+        engine.destroy()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def test_accumulating_by_hand_on_two_ranks_trains_like_deepspeed(tmp_path):
+    """The no_sync loop on two ranks (each its own batches): every rank re-plans with
+    accumulators at the same forward (no hang), the weights stay equal over the ranks, and
+    losses and weights are plain DeepSpeed ZeRO-0's up to the rounding of reducing each
+    micro-batch rather than their sum."""
+    import json
+    from ranks import start_ranks
+    from dpworker import free_port
+    start_ranks(_by_hand_rank, (2, free_port(), str(tmp_path)), 2)
+    got = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    for g in got:
+        assert g["protrain_gas"] == 2
+        assert g["protrain"][0] == pytest.approx(g["plain"][0], rel=1e-6, abs=1e-7)
+        for name, w in g["plain"][1].items():
+            assert torch.allclose(torch.tensor(g["protrain"][1][name]), torch.tensor(w), atol=1e-6), name
+    assert got[0]["protrain"][1] == got[1]["protrain"][1]
+
+
+@pytest.mark.parametrize("by", ["two backwards", "no_sync after a backward"])
+def test_accumulating_by_hand_after_a_boundary_backward_is_refused_by_name(by):
+    """Two ``engine.backward`` calls before a step with no ``no_sync()`` (each is a boundary with
+    the steps at 1), or ``no_sync()`` entered after a backward outside it: the first backward's
+    offloaded gradients left the device as the step's and their updates may have begun - a
+    second one trained silently wrong (weights 6e-3 apart from DeepSpeed's after 3 steps).
+    Refused, naming what does it right."""
     import contextlib
 
     import deepspeed
@@ -371,11 +475,49 @@ def test_accumulating_by_hand_without_accumulation_steps_is_refused_by_name(by):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=with_protrain(
         base_config(gradient_clipping=0.0), chunk_size="64KiB", n_persist=1))
     run_steps(engine, 0, 2)                   # ordinary steps first: updates run during backward
-    with pytest.raises(RuntimeError, match=r"second backward before engine\.step\(\).*gradient_accumulation_steps"):
-        with engine.no_sync() if by == "no_sync" else contextlib.nullcontext():
-            for m in range(2):
-                x, y = synthetic_batch(TINY, 2, seed=10 + m)
+    match = (r"second backward before engine\.step\(\).*engine\.no_sync\(\)" if by == "two backwards"
+             else r"no_sync\(\).*began after a backward outside it.*gradient_accumulation_steps")
+    with pytest.raises(RuntimeError, match=match):
+        for m in range(2):
+            x, y = synthetic_batch(TINY, 2, seed=10 + m)
+            with engine.no_sync() if (m == 1 and by != "two backwards") else contextlib.nullcontext():
                 engine.backward(engine(x, y))
+    engine.destroy()
+
+
+def test_requires_grad_changed_between_micro_batches_accumulated_by_hand_is_refused():
+    """Under no_sync with the steps at 1 DeepSpeed's micro-step count says nothing: a change of
+    the trainable set there would re-plan and drop the gradients held. Refused by name."""
+    import deepspeed
+    from protrain.models import GPT, synthetic_batch
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=with_protrain(
+        base_config(), **OFFLOADED))
+    with engine.no_sync():
+        x, y = synthetic_batch(TINY, 2, seed=1)
+        engine.backward(engine(x, y))
+        model.transformer.wpe.weight.requires_grad_(False)
+        with pytest.raises(RuntimeError, match="between micro-batches.*accumulated by hand"):
+            engine(x, y)
+    engine.destroy()
+
+
+def test_coalesce_grad_reduction_keeps_deepspeeds_checks():
+    """``coalesce_grad_reduction()`` as DeepSpeed has it: stage 0 in the JSON is its
+    NotImplementedError, a step inside the block its no_sync assertion."""
+    from protrain.models import synthetic_batch
+    _, _, engine = train(with_protrain(base_config(), chunk_size="64KiB", n_persist=1), TINY, 1)
+    with pytest.raises(NotImplementedError, match="requires ZeRO stage 1/2/3, got stage 0"):
+        with engine.coalesce_grad_reduction():
+            pass
+    engine.protrain_zero_stage = 1
+    with pytest.raises(AssertionError, match="illegal to call Engine.step"):
+        with engine.coalesce_grad_reduction():
+            x, y = synthetic_batch(TINY, 2, seed=5)
+            engine.backward(engine(x, y))
+            engine.step()
+    assert not engine.inside_no_sync_ctxt
     engine.destroy()
 
 

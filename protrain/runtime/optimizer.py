@@ -378,12 +378,12 @@ class ChunkOptimizer:
         if self.boundary_backward_done:
             raise RuntimeError(
                 "a second backward before engine.step() at a gradient accumulation boundary (with "
-                "\"gradient_accumulation_steps\": 1 every backward is one; engine.no_sync() or "
-                "calling engine.backward twice accumulates by hand): ProTrain moves a boundary's "
-                "gradients off the device as the step's and may start their update at once, so it "
-                "cannot add more to them. Set \"gradient_accumulation_steps\" in the JSON to the "
-                "micro-batches per step and call engine.backward(loss); engine.step() for each, as "
-                "DeepSpeed's docs do")
+                "\"gradient_accumulation_steps\": 1 and no engine.no_sync(), every backward is one): "
+                "ProTrain moves a boundary's gradients off the device as the step's and may start "
+                "their update at once, so it cannot add more to them. Run the micro-batches before "
+                "the last one under engine.no_sync() (or set_gradient_accumulation_boundary(False)), "
+                "or set \"gradient_accumulation_steps\" in the JSON to the micro-batches per step "
+                "and call engine.backward(loss); engine.step() for each, as DeepSpeed's docs do")
         c, s = self.chunks.slot_of[p]
         with torch.no_grad():
             if c.persistent:

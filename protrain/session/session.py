@@ -262,6 +262,15 @@ class PlanningSession:
                   f"trainable parameters: {old.knobs.as_tuple()} -> {plan.knobs.as_tuple()}, "
                   f"predicted peak {fmt_bytes(plan.prediction.peak_device_bytes)}", flush=True)
 
+    def say_accumulation_by_hand(self, old: Plan, plan: Plan) -> None:
+        """The decider: the re-plan for a script accumulating gradients by hand with the
+        steps at 1 (protrain_ds/accumulation.py), from ``old`` to ``plan``."""
+        if self.ranks.decides:
+            print(f"ProTrain: gradients accumulate by hand (engine.no_sync() or a micro-batch that "
+                  f"is not a boundary, with gradient_accumulation_steps 1); re-planned with "
+                  f"gradient accumulators: {old.knobs.as_tuple()} -> {plan.knobs.as_tuple()}, "
+                  f"predicted peak {fmt_bytes(plan.prediction.peak_device_bytes)}", flush=True)
+
     def say_longer_batch(self, shape: BatchShape, covered: BatchShape, target: BatchShape,
                          old: Plan, plan: Plan, *, world: int) -> None:
         """The decider: the re-plan for a batch of ``shape`` beyond ``covered`` (the largest
