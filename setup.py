@@ -1,7 +1,7 @@
 """ProTrain: automatic memory management for DeepSpeed and Megatron.
 
-Install for development with ``pip install -e ".[test]"`` (pin ``torch==2.13.0`` on CPU-only
-machines so pip takes the CPU wheel instead of the CUDA build).
+Install for development with ``pip install -e ".[deepspeed,megatron,test]"``; the README says
+how to get torch's CPU build on a machine without CUDA.
 """
 import os
 import shutil
@@ -40,27 +40,31 @@ setup(
     "DeepSpeed and Megatron training",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    # The floor the extras share (matplotlib and the test stack need 3.11); CI's floors job
+    # runs it (.ci/compat floors, docs/compatibility.md).
+    python_requires=">=3.11",
     packages=find_packages(include=["protrain", "protrain.*", "protrain_ds", "protrain_ds.*",
                                     "protrain_megatron", "protrain_megatron.*"]),
+    # Every lower bound here is installed and tested by .ci/compat floors; the newest releases
+    # by .ci/compat newest (docs/compatibility.md says which versions ran).
     install_requires=[
         # The planner core needs only numpy; torch is needed to profile and to train.
-        "numpy>=1.24",
-        "torch>=2.4",
+        "numpy>=1.26",
+        "torch>=2.13",
         "tqdm>=4.60",
-        # Pinned: the adapters override private methods of these exact versions
-        # (tests/test_contract_*.py fail loudly when they move).
-        "deepspeed==0.19.8",
-        "megatron-core==0.16.1",
     ],
     extras_require={
+        # The adapters override private parts of these (protrain_ds/contract.py checks them at
+        # initialize, tests/test_ds_contract.py in CI; tests/test_megatron*.py for Megatron).
+        "deepspeed": ["deepspeed>=0.19.8,<0.20"],
+        "megatron": ["megatron-core>=0.16.1,<0.20"],
         # peft: the PEFT LoRA case of the Hugging Face matrix (tests/test_hf_matrix.py)
-        "test": ["pytest>=7", "transformers>=4.40", "accelerate>=0.30", "matplotlib==3.11.2",
-                 "peft==0.21.2"],
+        "test": ["pytest>=8", "transformers>=5.3", "accelerate>=1.3",
+                 "matplotlib>=3.8", "peft>=0.21"],
         # the deselected runs (`pytest -m matrix`): TRL's DPOTrainer (tests/test_trl.py)
         "matrix": ["trl==1.16.0"],
         # `protrain explain PLAN.json --plot out.png`: the timeline drawn
-        "plot": ["matplotlib==3.11.2"],
+        "plot": ["matplotlib>=3.8"],
         "gds": ["kvikio-cu13==26.10.0"],
     },
     entry_points={"console_scripts": ["protrain=protrain.cli:main"]},

@@ -4,7 +4,11 @@ With the package installed, ``deepspeed.initialize`` is wrapped at import time (
 protrain/_autoload.py), so existing scripts need no change; ``protrain_ds.initialize`` is the
 same function for explicit use.
 """
-from .config import ProTrainDSConfig
-from .initialize import initialize
+from protrain.requires import require
+
+require("deepspeed")    # before anything imports it: name the extra that installs it
+
+from .config import ProTrainDSConfig  # noqa: E402
+from .initialize import initialize  # noqa: E402
 
 __all__ = ["initialize", "ProTrainDSConfig"]

@@ -37,7 +37,13 @@ def planned_steps(engine) -> int:
     gas = engine.gradient_accumulation_steps()
     if gas > 1:
         return gas
-    return 2 if (engine.protrain_by_hand or not engine.managed_gradient_accumulation()) else 1
+    return 2 if (engine.protrain_by_hand or not managed(engine)) else 1
+
+
+def managed(engine) -> bool:
+    """DeepSpeed's ``managed_gradient_accumulation`` (0.19.8 on; before it, always managed)."""
+    fn = getattr(engine, "managed_gradient_accumulation", None)
+    return True if fn is None else bool(fn())
 
 
 def by_hand_now(engine) -> bool:
@@ -83,7 +89,7 @@ def coalesce_grad_reduction(engine):
     the JSON; not under ``managed_gradient_accumulation: false``; not nested): the backwards
     inside accumulate and the ``step()`` after the block applies their sum. ProTrain reduces
     as gradients leave the device, so the block only marks its backwards as not boundaries."""
-    assert engine.managed_gradient_accumulation(), \
+    assert managed(engine), \
         "coalesce_grad_reduction is not supported with managed_gradient_accumulation=False; " \
         "the caller already owns the accumulation boundary via step()"
     stage = engine.protrain_zero_stage

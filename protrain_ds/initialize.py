@@ -72,9 +72,11 @@ def _initialize_protrain(ds_config: dict, kw: dict):
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.pipe.module import PipelineModule
 
+    from . import contract
     from .compile import eager_model
     from .engine import ProTrainEngine
 
+    contract.check()           # a DeepSpeed whose internals moved is refused by name
     pt_config = ProTrainDSConfig.from_ds_config(ds_config)
     refuse_conflicts(ds_config)
     # torch.compile(model): the engine plans on the eager model and compiles its blocks.

@@ -14,7 +14,11 @@ Entries:
 - ``--protrain-auto-memory``: Megatron-LM's ``pretrain()``, wired by the start-up hook
   (``protrain_megatron.training``).
 """
-from .apply import ActivationPolicy, AppliedPlan, plan_activations
-from .state_bytes import MegatronStates
+from protrain.requires import require
+
+require("megatron")     # megatron-core, or Megatron-LM's source tree with megatron/core
+
+from .apply import ActivationPolicy, AppliedPlan, plan_activations  # noqa: E402
+from .state_bytes import MegatronStates  # noqa: E402
 
 __all__ = ["ActivationPolicy", "AppliedPlan", "MegatronStates", "plan_activations"]

@@ -8,9 +8,10 @@ Two ways, chosen from the plan:
 - hooks: anything else (swap to host, NVMe, checkpointed layers that are not a prefix).
   Megatron's recompute is switched off and ProTrain's ActivationRuntime is driven from the
   layers' part boundaries: CKPT layers run under torch's non-reentrant checkpoint with
-  Megatron's tensor-parallel RNG streams restored (``rng.tracker_context_fn``), SWAP / SSD
-  layers' saved tensors go through saved-tensor hooks entered around the model's forward.
-  Megatron's parameters never move, so saved views of them are kept as they are.
+  Megatron's tensor-parallel RNG streams restored (``rng.tracker_context_fn``) and run to
+  the end of the layer's forward, as Megatron's own recompute runs them (``_wrap_forward``),
+  SWAP / SSD layers' saved tensors go through saved-tensor hooks entered around the model's
+  forward. Megatron's parameters never move, so saved views of them are kept as they are.
 
 ``close()`` restores the model: the config fields, the layers' forwards, the hooks.
 """
@@ -22,6 +23,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from protrain.block_mode import BlockMode, modes_string
 from protrain.plan import Plan
@@ -159,6 +161,19 @@ class ActivationPolicy:
                 return inner(*args, **kwargs)
             self._begin_iteration()
             with ExitStack() as stack:
+                if self.activations is not None:
+                    # Recompute CKPT / SELECTIVE layers to the end of their forward, as
+                    # Megatron's own recompute does, not only up to the last tensor backward
+                    # needs (torch's early stop): a layer may keep per-call state that its
+                    # forward releases only at its end. megatron-core 0.19's TransformerLayer
+                    # sets self.mlp_norm_manager, which holds the residual, in
+                    # _forward_pre_mlp_layernorm and clears it in _forward_post_mlp, after the
+                    # last saved tensor. Stopped early, the recompute leaves it set, and the
+                    # residual's autograd graph keeps what the recompute saved alive until the
+                    # layer's next forward: a recomputed layer's activations, per layer, that the
+                    # plan does not count. The tail has no FLOPs (the bias-dropout-add), and the
+                    # planner times a recompute as a whole forward.
+                    stack.enter_context(set_checkpoint_early_stop(False))
                 if hooks:
                     stack.enter_context(self.activations.hooks())
                 out = inner(*args, **kwargs)

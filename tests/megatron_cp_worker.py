@@ -186,8 +186,15 @@ def main(rank: int, world: int, port: str, out_dir: str, config: str) -> None:
         model = gpt(num_layers=LAYERS, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, seq=SEQ, dropout=0.0,
                     cp=cp, local_attention=True, kv_heads=kv)
     result["attention"] = type(model.decoder.layers[0].self_attention.core_attention).__name__
-    local = get_batch_on_this_cp_rank(_full_batch())
     group = ps.get_context_parallel_group()
+    # megatron-core 0.19 added ``is_hybrid_cp`` and no longer falls back to the CP group
+    # without ``cp_group`` (it splits over the whole world): name both where they exist.
+    import inspect
+    split = inspect.signature(get_batch_on_this_cp_rank).parameters
+    extra = {"is_hybrid_cp": False} if "is_hybrid_cp" in split else {}
+    if "cp_group" in split:
+        extra["cp_group"] = group
+    local = get_batch_on_this_cp_rank(_full_batch(), **extra)
     result["cp"] = _run(model, local, group, result, "a2a_backward")
 
     # 4. With each activation plan in turn (every CP rank profiles, the group's first rank
