@@ -12,7 +12,8 @@ ROOT = Path(__file__).parent.parent
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
 
 
 @pytest.mark.parametrize("adapter, blocked, extra", [
@@ -49,3 +50,16 @@ def test_frameworks_are_extras_whose_ranges_hold_the_pinned_and_installed_stack(
             assert version(r.name).split("+")[0] in r.specifier, (r, version(r.name))
     extras = {str(r.marker) for r in reqs if r.marker is not None}
     assert {'extra == "deepspeed"', 'extra == "megatron"', 'extra == "test"'} <= extras, extras
+
+
+def test_the_deepspeed_engine_trains_without_megatron():
+    """``pip install 'protrain[deepspeed]'`` alone (the README's main job): a ProTrain engine
+    plans and steps with megatron-core absent."""
+    r = _run("import sys; sys.modules['megatron'] = None\n"
+             "sys.path.insert(0, 'tests')\n"
+             "from dstrain import base_config, train, with_protrain\n"
+             "losses, _, engine = train(with_protrain(base_config()), steps=2)\n"
+             "assert engine.protrain_runtime is not None and len(losses) == 2, losses\n"
+             "print('trained', losses)")
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert "trained" in r.stdout
