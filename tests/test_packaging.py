@@ -12,8 +12,13 @@ ROOT = Path(__file__).parent.parent
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
+    import os
+
+    from dpworker import free_port
+    # A port of its own: this process's engines may still hold the one in MASTER_PORT.
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+                          cwd=ROOT, env=env)
 
 
 @pytest.mark.parametrize("adapter, blocked, extra", [
