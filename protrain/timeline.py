@@ -20,9 +20,9 @@ from pathlib import Path
 
 from .serde import JsonValue
 
-LANES = ("compute", "h2d", "d2h", "cpu_adam", "nvme")
+LANES = ("compute", "h2d", "d2h", "cpu_adam", "nvme", "collective")
 LANE_TITLES = {"compute": "compute", "h2d": "H2D", "d2h": "D2H", "cpu_adam": "CPU Adam",
-               "nvme": "NVMe"}
+               "nvme": "NVMe", "collective": "all-reduce"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -321,12 +321,3 @@ def refuse_conflicts(ds_config: dict) -> None:
     if ds_config.get("torch_autocast", {}).get("enabled"):
         raise ConfigError("torch_autocast with protrain is not supported: use the bf16 or fp16 "
                           "section (parameters are kept in the training dtype in chunks)")
-    opt = ds_config.get("optimizer")
-    if opt is not None:
-        kind = str(opt.get("type", "")).lower()
-        if kind not in ("adam", "adamw"):
-            raise ConfigError(f"optimizer.type={opt.get('type')!r} with protrain: only Adam and "
-                              f"AdamW are supported (the chunk runtime updates with Adam kernels)")
-        params = opt.get("params") or {}
-        if params.get("amsgrad"):
-            raise ConfigError("optimizer.params.amsgrad=true is not supported with protrain")

@@ -144,8 +144,9 @@ class ProTrainEngine(DeepSpeedEngine):
                               grad_accumulation=accumulation.planned_steps(self) > 1)
             except InfeasibleError as e:
                 raise ConfigError(f"protrain: impossible memory budget: {e}") from None
-        # deepspeed.utils.safe_get_full_grad and its kin: refused by name, not a silent None.
-        fragment_api.attach(self.module)
+        # deepspeed.utils.safe_get_full_grad and its kin: answered where ProTrain holds what
+        # DeepSpeed returns, refused by name elsewhere, never a silent None.
+        fragment_api.attach(self.module, self)
         handover.register(self)
         if self.global_rank == 0 and protrain_config.verbosity >= 1:
             lines = ["ProTrain: enabled; the model is profiled and the plan chosen at the first "
@@ -185,6 +186,25 @@ class ProTrainEngine(DeepSpeedEngine):
     def _configure_optimizer(self, client_optimizer, model_parameters):
         self.optimizer = ProTrainOptimizer(self, client_optimizer, model_parameters)
         self.basic_optimizer = self.optimizer.optimizer
+
+    def zero_grad(self):
+        """DeepSpeed ZeRO-0's ``engine.zero_grad()`` drops every ``p.grad``: the gradients
+        accumulated since the last step (``step()`` calls it too, after the update). ProTrain's
+        are in its chunks: dropped there between micro-batches (was a no-op: the next step
+        applied them, silently). After the boundary's backward the step's update has begun
+        (CPU Adam runs during backward), so there it is refused by name."""
+        super().zero_grad()
+        runtime = self.protrain_runtime
+        if runtime is None:
+            return
+        if runtime.optimizer.boundary_backward_done:
+            raise RuntimeError(
+                "ProTrain: engine.zero_grad() between the accumulation boundary's backward and "
+                "engine.step(): ProTrain applies the step's update from that backward on (CPU Adam "
+                "runs under it), so its gradients cannot be dropped any more and this step "
+                "cannot be skipped exactly. To skip a batch (a NaN loss), test the loss before "
+                "engine.backward(loss); resume from the last checkpoint now")
+        runtime.optimizer.zero_grad()
 
     def clip_fp32_gradients(self):
         """Clipping happens in ProTrainOptimizer.step, where the gradients are (in chunks)."""
@@ -442,6 +462,8 @@ class ProTrainEngine(DeepSpeedEngine):
 
         - ``cpu_adam_overlapped_chunks``: offloaded chunk updates that ran during backward and
           stood (cumulative; with clipping or fp16 they are speculative and committed);
+        - ``reductions_overlapped``: persistent chunks' gradient all-reduces (several ranks)
+          started during backward as the chunk's backward ended (cumulative);
         - ``cpu_adam_rollbacks``: speculative chunk updates undone and redone after backward
           because the step clipped, overflowed or its hyperparameters changed (cumulative);
         - ``cpu_adam_exposed_s``: the CPU Adam work the last optimizer step's compute did not
@@ -457,7 +479,8 @@ class ProTrainEngine(DeepSpeedEngine):
             raise RuntimeError("protrain_stats(): ProTrain has not planned yet (it plans on the "
                                "first forward); call it after a training step")
         out = {"cpu_adam_overlapped_chunks": st.overlapped_chunks,
-               "cpu_adam_rollbacks": st.rollbacks, "cpu_adam_exposed_s": st.exposed_s}
+               "cpu_adam_rollbacks": st.rollbacks, "cpu_adam_exposed_s": st.exposed_s,
+               "reductions_overlapped": st.reductions_overlapped}
         if self.protrain_runtime is not None:
             out.update(self.protrain_runtime.state_bytes())
         return out

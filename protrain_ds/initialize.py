@@ -12,7 +12,7 @@ import functools
 from protrain.config import ConfigError
 
 from .config import ProTrainDSConfig, is_enabled, load_ds_config, refuse_conflicts, strip_replaced_knobs
-from . import zero_init
+from . import step_aside, zero_init
 from .handover import retire_engines_of
 
 _ORIGINAL = "_protrain_original_initialize"
@@ -70,7 +70,6 @@ def _initialize_protrain(ds_config: dict, kw: dict):
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime import zero
     from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.pipe.module import PipelineModule
 
     from . import contract
     from .compile import eager_model
@@ -83,16 +82,13 @@ def _initialize_protrain(ds_config: dict, kw: dict):
     model, compile_request = eager_model(kw["model"])
     if model is None:
         # DeepSpeed's own check, and its exception (AssertionError), as without the section.
-        return _deepspeed_initialize()(**dict(kw, config=_without_section(ds_config), config_params=None))
-    if isinstance(model, PipelineModule):
-        raise ConfigError("protrain does not drive DeepSpeed's pipeline engine (a PipelineModule "
-                          "was given): use protrain with data parallel training, or disable it")
+        return _deepspeed_initialize()(**dict(kw, config=step_aside.without_section(ds_config), config_params=None))
     clean, overridden = strip_replaced_knobs(ds_config)
     built_under_zero_init = bool(zero_init.partitioned(model))
-    if kw["optimizer"] is None and "optimizer" not in ds_config:
-        # A model built under zero.Init stays with ZeRO-3, as the JSON asked (ZeRO-3 inference).
-        return _step_aside(_without_section(ds_config) if built_under_zero_init else clean, kw,
-                           pt_config, zero3=built_under_zero_init)
+    step_aside.instantiate_client_optimizer(kw, model)
+    aside = step_aside.decide(model, ds_config, clean, kw, built_under_zero_init)
+    if aside is not None:
+        return step_aside.run(aside, kw, model, _deepspeed_initialize(), pt_config.verbosity)
     retire_engines_of(model, "a newer ProTrain engine")
     zero.partition_parameters.shutdown_init_context()
     if built_under_zero_init:
@@ -120,31 +116,6 @@ def _initialize_protrain(ds_config: dict, kw: dict):
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _without_section(ds_config: dict) -> dict:
-    return {k: v for k, v in ds_config.items() if k != "protrain"}
-
-
-def _step_aside(clean: dict, kw: dict, pt_config: ProTrainDSConfig, zero3: bool = False):
-    """An engine without an optimizer (a reference model for DPO, an evaluation before
-    training) only runs forward passes: ProTrain, which plans the training step, steps aside and
-    plain DeepSpeed runs it, saying so: on the config ProTrain would hand it (ZeRO stage 0, so
-    the parameters stay plain tensors a later ProTrain engine can take), or, for a model built
-    under ``zero.Init`` (``zero3``), on the JSON as written (ZeRO-3 inference)."""
-    from deepspeed import comm as dist
-    clean = _without_section(clean)
-    retire_engines_of(_module_of(kw["model"]), "a newer DeepSpeed engine")
-    out = _deepspeed_initialize()(**dict(kw, config=clean, config_params=None))
-    if (not dist.is_initialized() or dist.get_rank() == 0) and pt_config.verbosity >= 1:
-        how = ("with the JSON's ZeRO-3 (the model was built partitioned, under zero.Init)" if zero3
-               else "with ZeRO stage 0 (the whole model on the device). For a model larger than "
-                    "the device, run its inference without the \"protrain\" section (ZeRO-3 "
-                    "inference)")
-        print("ProTrain: this engine has no optimizer (no \"optimizer\" section, none passed to "
-              "initialize), so it only runs forward passes: ProTrain steps aside and plain "
-              f"DeepSpeed runs it {how}", flush=True)
-    return out
 
 
 def install(deepspeed_module) -> None:

@@ -18,6 +18,7 @@ from protrain.runtime.adam import AdamHyper
 from protrain.runtime.options import OptimizerSetup
 
 from . import accumulation
+from .step_aside import client_optimizer_outside
 from .trainable import step_rule
 
 _OPTIMIZER_PARAM_KEYS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode",
@@ -28,18 +29,13 @@ gets without ``torch_adam`` (torch's AdamW would default weight_decay to 0.01)."
 
 
 def _torch_flags(opt) -> tuple[bool | None, bool | None] | None:
-    """(fused, foreach) of a torch.optim Adam/AdamW (None for another optimizer); settings the
-    chunk runtime does not run are refused by name, not dropped."""
+    """(fused, foreach) of a torch.optim Adam/AdamW (None for another optimizer). Settings the
+    chunk runtime does not run never get here: ProTrain steps aside for them (step_aside.py)."""
     if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         return None
-    unsupported = {"amsgrad": True, "maximize": True, "capturable": True, "differentiable": True}
-    for g in opt.param_groups:
-        for key, bad in unsupported.items():
-            if g.get(key) == bad:
-                raise ConfigError(
-                    f"{type(opt).__name__}({key}={bad}) is not supported with protrain (the chunk "
-                    f"runtime runs Adam without it): drop {key}, or remove the \"protrain\" section "
-                    f"to run this optimizer with plain DeepSpeed")
+    reason = client_optimizer_outside(opt)
+    if reason is not None:
+        raise ConfigError(f"protrain cannot run {reason}")
     groups = opt.param_groups or [opt.defaults]
     return groups[0].get("fused", opt.defaults.get("fused")), groups[0].get("foreach", opt.defaults.get("foreach"))
 

@@ -123,6 +123,7 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         result["races"] = getattr(rt.streams, "races", None)
         st = rt.optimizer.stats
         result["overlapped_chunks"], result["rollbacks"] = st.overlapped_chunks, st.rollbacks
+        result["reductions_overlapped"] = st.reductions_overlapped
         kernel = rt.optimizer.host_kernel
         result["host"] = {"ranks_per_node": engine._protrain_node.ranks_per_node,
                           "plan_ranks_per_node": engine.protrain_plan.ranks_per_node,

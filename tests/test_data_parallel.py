@@ -132,6 +132,8 @@ def test_two_ranks_speculating_under_clipping_equal_deepspeed_zero0_exactly(regi
     assert len(norms) == 20 and got[1]["norms"] == norms           # one global norm
     assert got[0]["offloaded"] > 0 and all(r["races"] == 0 for r in got)
     assert all(r["overlapped_chunks"] > 0 for r in got)
+    # the persistent chunk's all-reduce ran under backward, from the plan's second step on
+    assert all(r["reductions_overlapped"] == 19 for r in got), [r["reductions_overlapped"] for r in got]
     if regime == "under the threshold":
         assert max(norms) < 1.0 and all(r["rollbacks"] == 0 for r in got)
     else:

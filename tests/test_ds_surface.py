@@ -1,5 +1,7 @@
 """The DeepSpeed surface beyond the Trainer's happy path (issue 33), each against plain
 DeepSpeed ZeRO-0 on the same script: optimizer sections with DeepSpeed's own defaults."""
+import contextlib
+
 import pytest
 import torch
 
@@ -61,13 +63,33 @@ def test_a_client_torch_optimizer_is_run_as_torch_runs_it(make):
         assert torch.equal(pt_weights[name], w), name
 
 
-@pytest.mark.parametrize("flag", ["amsgrad", "maximize"])
-def test_a_client_optimizer_setting_the_runtime_cannot_run_is_refused_by_name(flag):
-    from protrain.config import ConfigError
-    cfg = base_config()
-    del cfg["optimizer"]
-    with pytest.raises(ConfigError, match=rf"AdamW\({flag}=True\) is not supported with protrain"):
-        train(with_protrain(cfg), steps=1, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, **{flag: True}))
+@pytest.mark.parametrize("json_optimizer, client", [
+    (None, lambda ps: torch.optim.AdamW(ps, lr=1e-3, amsgrad=True)),
+    (None, lambda ps: torch.optim.Adam(ps, lr=1e-3, maximize=True)),
+    (None, lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)),
+    (None, lambda ps: (lambda params: torch.optim.SGD(params, lr=1e-2))),
+    ({"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": True, "torch_adam": True}}, None),
+    ({"type": "Adagrad", "params": {"lr": 1e-2}}, None),
+], ids=["AdamW-amsgrad", "Adam-maximize", "SGD", "SGD-callable", "json-amsgrad", "json-Adagrad"])
+def test_an_optimizer_the_runtime_cannot_run_steps_aside_to_plain_deepspeed(json_optimizer, client, capsys):
+    """An optimizer the chunk runtime does not run (was refused by name at initialize): plain
+    DeepSpeed runs the engine with the JSON as written, saying so with the reason; the
+    losses and weights are DeepSpeed's bit for bit."""
+    from protrain_ds.engine import ProTrainEngine
+    cfg = base_config(gradient_clipping=1.0, zero_optimization={"stage": 1}, zero_allow_untested_optimizer=True)
+    if json_optimizer is None:
+        del cfg["optimizer"]
+    else:
+        cfg["optimizer"] = json_optimizer
+    ds_losses, ds_weights, _ = train(cfg, steps=3, optimizer=client)
+    capsys.readouterr()
+    pt_losses, pt_weights, engine = train(with_protrain(cfg, verbosity=1), steps=3, optimizer=client)
+    assert not isinstance(engine, ProTrainEngine)
+    out = capsys.readouterr().out
+    assert "ProTrain steps aside" in out and "JSON as written" in out, out
+    assert pt_losses == ds_losses
+    for name, w in ds_weights.items():
+        assert torch.equal(pt_weights[name], w), name
 
 
 def test_a_job_resumed_from_a_checkpoint_runs_its_own_pins(tmp_path):
@@ -355,10 +377,26 @@ def test_a_step_before_any_forward_through_the_engine_is_refused_by_name():
     engine.destroy()
 
 
-def _by_hand(cfg: dict, by: str, ordinary: int, steps: int = 2, k: int = 3, rank: int = 0):
+def _full_grads(model) -> dict:
+    """``deepspeed.utils.safe_get_full_grad`` of every parameter: the tensor, None, or
+    "refused" (NotImplementedError)."""
+    from deepspeed.utils import safe_get_full_grad
+    out = {}
+    for n, p in model.named_parameters():
+        try:
+            g = safe_get_full_grad(p)
+            out[n] = None if g is None else g.detach().float().cpu().clone()
+        except NotImplementedError:
+            out[n] = "refused"
+    return out
+
+
+def _by_hand(cfg: dict, by: str, ordinary: int, steps: int = 2, k: int = 3, rank: int = 0,
+             grads: list | None = None):
     """``ordinary`` plain steps, then ``steps`` optimizer steps of ``k`` micro-batches each
     accumulated by hand as ``by`` says, with "gradient_accumulation_steps": 1 (``rank``'s
-    batches). Returns (losses, weights, engine)."""
+    batches). Returns (losses, weights, engine). ``grads``: gets ``_full_grads`` after every
+    backward and after every step of those."""
     import contextlib
 
     import deepspeed
@@ -387,10 +425,14 @@ def _by_hand(cfg: dict, by: str, ordinary: int, steps: int = 2, k: int = 3, rank
             loss = engine(x, y)
             engine.backward(loss)
             losses.append(loss.item())
+        if grads is not None:
+            grads.append(_full_grads(model))
         if last:
             if by == "coalesce":
                 block.__exit__(None, None, None)
             engine.step()
+            if grads is not None:
+                grads.append(_full_grads(model))
     state = model.state_dict()
     return losses, {n: state[n].clone() for n, _ in model.named_parameters()}, engine
 
@@ -423,6 +465,93 @@ def test_accumulating_by_hand_with_the_steps_at_1_trains_like_deepspeed(by, ordi
     engine.destroy()
 
 
+def _zero_grad_run(cfg):
+    """DeepSpeed's no_sync loop with engine.zero_grad() dropping the first two micro-batches
+    (a script discarding a bad stretch), then two more and the boundary; twice."""
+    import deepspeed
+    from protrain.models import GPT, synthetic_batch
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    losses = []
+    for step in range(2):
+        for i in range(5):
+            with engine.no_sync() if i < 4 else contextlib.nullcontext():
+                x, y = synthetic_batch(TINY, 2, seed=10 * step + i)
+                loss = engine(x, y)
+                engine.backward(loss)
+                losses.append(loss.item())
+            if i == 1:
+                engine.zero_grad()
+        engine.step()
+    state = model.state_dict()
+    return losses, {n: state[n].clone() for n, _ in model.named_parameters()}, engine
+
+
+def test_engine_zero_grad_drops_the_accumulated_gradients_as_deepspeed_does():
+    """DeepSpeed ZeRO-0's engine.zero_grad() sets every p.grad to None: the micro-batches
+    accumulated so far are dropped. ProTrain's gradients are in its chunks, where it did
+    nothing (the step applied them: silently wrong); now they are dropped, bit for bit as
+    DeepSpeed, and after the boundary's backward (its update has begun) it is refused."""
+    cfg = base_config(gradient_clipping=1.0)
+    ref = _zero_grad_run(cfg)
+    ref[2].destroy()
+    losses, weights, engine = _zero_grad_run(with_protrain(cfg, **OFFLOADED))
+    assert engine.protrain_runtime.chunks.offloaded()
+    assert losses == ref[0]
+    for name, w in ref[1].items():
+        assert torch.equal(weights[name], w), name
+    from protrain.models import synthetic_batch
+    x, y = synthetic_batch(TINY, 2, seed=99)
+    engine.backward(engine(x, y))
+    with pytest.raises(RuntimeError, match=r"engine\.zero_grad\(\) between the accumulation boundary"):
+        engine.zero_grad()
+    engine.destroy()
+
+
+def _offloaded_names(engine) -> set[str]:
+    slot_of = engine.protrain_runtime.chunks.slot_of
+    return {n for n, p in engine.module.named_parameters() if not slot_of[p][0].persistent}
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_safe_get_full_grad_is_deepspeeds_where_protrain_holds_the_gradient(bf16):
+    """``deepspeed.utils.safe_get_full_grad`` after every backward of DeepSpeed's no_sync loop
+    and after step() (scripts log gradient norms so; DeepSpeed's TestNoSyncCtxt): bit for bit
+    plain DeepSpeed ZeRO-0's under no_sync (persistent and offloaded chunks) and for persistent
+    chunks after the boundary's backward; None after step() as DeepSpeed. Refused by name only
+    for an offloaded chunk after the boundary's backward (CPU Adam has its gradients). In bf16
+    ProTrain sums in fp32 where DeepSpeed ZeRO-0 sums in bf16: equal for one micro-batch, then
+    within bf16's rounding."""
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
+    cfg = base_config(gradient_clipping=1.0, **extra)
+    want, got = [], []
+    # bf16: one step from the same weights (after a bf16 step the weights differ in bf16's
+    # last bits, and Adam's early steps amplify that).
+    ordinary, steps = (0, 1) if bf16 else (1, 2)
+    ref = _by_hand(cfg, "no_sync", ordinary, steps=steps, grads=want)
+    ref[2].destroy()
+    _, _, engine = _by_hand(with_protrain(cfg, **OFFLOADED), "no_sync", ordinary, steps=steps, grads=got)
+    offloaded = _offloaded_names(engine)
+    assert offloaded and len(offloaded) < len(got[0])
+    assert len(want) == len(got) == 4 * steps
+    for i, (w, g) in enumerate(zip(want, got)):
+        phase = i % 4                  # 0, 1: under no_sync; 2: the boundary; 3: after step()
+        for name, expected in w.items():
+            if phase == 3:
+                assert expected is None and g[name] is None, (i, name)
+            elif phase == 2 and name in offloaded:
+                assert g[name] == "refused", (i, name)
+            else:
+                assert isinstance(g[name], torch.Tensor), (i, name)
+                if bf16 and i > 0:               # summed in bf16 by DeepSpeed
+                    tol = 2 ** -5 * expected.abs().max().item()
+                    assert torch.allclose(g[name], expected, rtol=0, atol=tol), (i, name)
+                else:
+                    assert torch.equal(g[name], expected), (i, name)
+    engine.destroy()
+
+
 def _by_hand_rank(rank, world, port, out_dir):
     """One rank: DeepSpeed's no_sync loop after an ordinary step, plain ZeRO-0 then ProTrain."""
     import json
@@ -431,12 +560,34 @@ def _by_hand_rank(rank, world, port, out_dir):
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     cfg = base_config(gradient_clipping=1.0)
     got = {}
+    grads = {}
     for name, c in (("plain", cfg), ("protrain", with_protrain(cfg, **OFFLOADED))):
-        losses, weights, engine = _by_hand(c, "no_sync", 1, rank=rank)
+        grads[name] = []
+        losses, weights, engine = _by_hand(c, "no_sync", 1, rank=rank, grads=grads[name])
         got[name] = [losses, {n: w.tolist() for n, w in weights.items()}]
         got[name + "_gas"] = getattr(getattr(engine, "protrain_runtime", None), "optimizer", None) \
             and engine.protrain_runtime.optimizer.gas
+        if name == "protrain":
+            offloaded = _offloaded_names(engine)
         engine.destroy()
+    # safe_get_full_grad: the rank's own sums under no_sync, bit for bit in the first step, for
+    # persistent chunks;
+    # refused by name where ProTrain has reduced them (offloaded chunks; the boundary).
+    verdicts = []
+    for i, (w, g) in enumerate(zip(grads["plain"], grads["protrain"])):
+        phase = i % 4
+        for n, expected in w.items():
+            if phase == 3:
+                verdicts.append(expected is None and g[n] is None)
+            elif phase == 2 or n in offloaded:
+                verdicts.append(g[n] == "refused")
+            elif i < 4:
+                verdicts.append(isinstance(g[n], torch.Tensor) and torch.equal(g[n], expected))
+            else:   # after a step whose weights are DeepSpeed's up to the reduction's rounding
+                verdicts.append(isinstance(g[n], torch.Tensor)
+                                and torch.allclose(g[n], expected, rtol=1e-5, atol=1e-6))
+    got["grads_as_deepspeed"] = all(verdicts) and len(verdicts) == 8 * len(grads["plain"][0])
+    got["grads_offloaded"] = len(offloaded)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(got, f)
 
@@ -445,7 +596,9 @@ def test_accumulating_by_hand_on_two_ranks_trains_like_deepspeed(tmp_path):
     """The no_sync loop on two ranks (each its own batches): every rank re-plans with
     accumulators at the same forward (no hang), the weights stay equal over the ranks, and
     losses and weights are plain DeepSpeed ZeRO-0's up to the rounding of reducing each
-    micro-batch rather than their sum."""
+    micro-batch rather than their sum. safe_get_full_grad under no_sync: the rank's own sum,
+    bit for bit, for persistent chunks; refused by name for offloaded ones and at the
+    boundary (reduced over the ranks by then)."""
     import json
     from ranks import start_ranks
     from dpworker import free_port
@@ -453,6 +606,7 @@ def test_accumulating_by_hand_on_two_ranks_trains_like_deepspeed(tmp_path):
     got = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     for g in got:
         assert g["protrain_gas"] == 2
+        assert g["grads_as_deepspeed"] and g["grads_offloaded"] > 0
         assert g["protrain"][0] == pytest.approx(g["plain"][0], rel=1e-6, abs=1e-7)
         for name, w in g["plain"][1].items():
             assert torch.allclose(torch.tensor(g["protrain"][1][name]), torch.tensor(w), atol=1e-6), name
@@ -708,7 +862,7 @@ def test_tags_that_differ_between_ranks_follow_tag_validation(tmp_path):
 
 
 def test_deepspeeds_full_tensor_accessors_are_refused_by_name_not_none():
-    """safe_get_full_grad(p) answered None (a script's norm logger, AdaLoRA's
+    """Where ProTrain holds no such tensor: safe_get_full_grad(p) answered None (a script's norm logger, AdaLoRA's
     update_and_allocate then failed on None far from the cause); each accessor now names
     itself and the calls that give the same information. A parameter pickled meanwhile loads
     (without them), and after destroy() the parameters are DeepSpeed's again."""
@@ -721,7 +875,9 @@ def test_deepspeeds_full_tensor_accessors_are_refused_by_name_not_none():
     engine, *_ = deepspeed_init(model, with_protrain(base_config(), **OFFLOADED))
     x, y = synthetic_batch(TINY, 2, seed=0)
     engine.backward(engine(x, y))
-    p = next(model.parameters())
+    # A parameter of an offloaded chunk: after the boundary's backward CPU Adam has its gradient.
+    name = sorted(_offloaded_names(engine))[0]
+    p = dict(model.named_parameters())[name]
     calls = {"get_full_hp_grad": lambda: safe_get_full_grad(p),
              "get_full_hp_param": lambda: safe_get_full_fp32_param(p),
              "exp_avg": lambda: safe_get_full_optimizer_state(p, "exp_avg"),

@@ -70,13 +70,24 @@ def state_io_times(layout: ChunkLayout, hw: HardwareProfile, world: int, master_
             shard * staged_bytes_per_element(master_separate, speculative) / rr.nvme_write)
 
 
-def persistent_allreduce_time(layout: ChunkLayout, n_persist, hw: HardwareProfile, world: int):
-    """All-reduce of the persistent chunks' fp32 gradients at the accumulation boundary
-    (ring: 2 (world - 1) / world of the bytes each way)."""
+def allreduce_times(layout: ChunkLayout, hw: HardwareProfile, world: int) -> np.ndarray:
+    """[chunks] seconds of a persistent chunk's fp32 gradient all-reduce at the accumulation
+    boundary (ring: 2 (world - 1) / world of the bytes each way); zeros on one rank. The
+    runtime starts it as the chunk's backward ends, on the collectives' own queue."""
+    used = np.asarray(layout.used, dtype=np.float64)
     if world <= 1:
-        return np.zeros_like(np.asarray(n_persist, dtype=np.float64))
-    prefix = np.concatenate([[0], np.cumsum(layout.used)])
-    return prefix[np.asarray(n_persist)] * 4 * 2 * (world - 1) / world / _collective_bandwidth(hw)
+        return np.zeros_like(used)
+    return used * 4 * 2 * (world - 1) / world / _collective_bandwidth(hw)
+
+
+def allreduce_after_backward(layout: ChunkLayout, n_persist, hw: HardwareProfile, world: int):
+    """Seconds of the persistent chunks' all-reduces that cannot start before backward's last
+    compute: those of the chunks first used by the first part (the embedding's; their
+    backward is the last), the least the step's end waits for them - a lower bound for the
+    search (``search.bounds``)."""
+    at_end = int(np.searchsorted(np.asarray(layout.chunk_first_part), 1))
+    prefix = np.concatenate([[0], np.cumsum(allreduce_times(layout, hw, world))])
+    return prefix[np.minimum(np.asarray(n_persist), at_end)]
 
 
 def _collective_bandwidth(hw: HardwareProfile) -> float:

@@ -11,7 +11,8 @@ reverse, and the gradients' way to CPU Adam.
   SELECTIVE block recomputes its forward without attention and all-to-alls
   (PartProfile.sel_recompute_time).
 - When the first part using a chunk has finished backward, the chunk's gradient is complete:
-  non-persistent chunks go D2H, then to CPU Adam (one chunk at a time), overlapping backward -
+  a persistent chunk's all-reduce over the ranks starts (the collectives' queue), non-persistent
+  chunks go D2H, then to CPU Adam (one chunk at a time), overlapping backward -
   or, where the step needs every gradient first (clipping, fp16), their updates wait for the
   step's end (``cost.time_step_end``), except the speculating chunks', which back up their
   states and update now.
@@ -137,6 +138,13 @@ def _offload_gradient(costs: StepCosts, q: QueueState, c: int, grad_out: np.ndar
     """Chunk c's gradient is complete: where the chunk is offloaded, it goes D2H (checked
     first on a serial device whose checks are its own), then on to the CPU optimizer."""
     offl = c >= costs.npers
+    if costs.optimizer_step and costs.t_allreduce[c]:
+        # A persistent chunk's all-reduce starts as its backward ends, on the collectives'
+        # queue (the runtime's persistent_backward_done); the step's end waits for what is left.
+        start = np.maximum(q.net, q.comp)
+        end = start + costs.t_allreduce[c]
+        q.record("collective", "all_reduce", f"chunk {c}", start, end, ~offl)
+        q.net = np.where(offl, q.net, end)
     if costs.serial and not costs.checks_on_host and costs.t_check[c]:   # the "device" checks, inline
         q.record("compute", "check", f"chunk {c}", q.comp, q.comp + costs.t_check[c], offl)
         q.comp = np.where(offl, q.comp + costs.t_check[c], q.comp)

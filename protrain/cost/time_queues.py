@@ -13,7 +13,7 @@ import numpy as np
 from ..block_mode import SSD
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
-from .chunk_times import backup_times, check_times, chunk_transfer_times, state_io_times
+from .chunk_times import allreduce_times, backup_times, check_times, chunk_transfer_times, state_io_times
 from .host_share import RankRates, rank_rates
 from ..layout import ChunkLayout
 from .memory import offload_bytes, part_modes
@@ -48,6 +48,8 @@ class StepCosts:
     (``chunk_times.state_io_times``)."""
     t_check: np.ndarray
     """[chunks] verdict check of an offloaded chunk's gradients (clipping / fp16 only)."""
+    t_allreduce: np.ndarray
+    """[chunks] a persistent chunk's gradient all-reduce over the ranks (zeros on one rank)."""
     t_host_check: np.ndarray
     """``t_check`` where the checks run on the host's CPU queue, else zeros."""
     spec_from: np.ndarray | None
@@ -136,7 +138,7 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
     return StepCosts(
         profile=profile, layout=layout, hw=hw, rr=rr, world=world, modes=modes, npers=npers,
         nbuf=nbuf, nnvme=nnvme, t_up=t_up, t_down=t_down, t_adam=t_adam, t_sread=t_sread,
-        t_swrite=t_swrite, t_check=t_check,
+        t_swrite=t_swrite, t_check=t_check, t_allreduce=allreduce_times(layout, hw, world),
         t_host_check=t_host_check, spec_from=spec_from, t_backup=t_backup, t_spec=t_spec,
         saved=saved, w_time=w_time, r_time=r_time, serial=serial,
         inline=serial and not hw.cpu_adam_thread, shared=hw.copy_engines == 1, gds=gds,
@@ -164,6 +166,8 @@ class QueueState:
     (``cost.time_state_io``)."""
     cpu: np.ndarray
     """The CPU optimizer (CPU Adam, speculation backups, the host's verdict checks)."""
+    net: np.ndarray
+    """The collectives' queue: the persistent chunks' gradient all-reduces at the boundary."""
     cpu_busy: np.ndarray
     """CPU Adam and backup time issued so far."""
     check_busy: np.ndarray
@@ -188,7 +192,7 @@ class QueueState:
         n_chunks, k_plans = costs.layout.n_chunks, costs.k_plans
         zeros = np.zeros(k_plans)
         return cls(comp=zeros.copy(), h2d=zeros.copy(), d2h=zeros.copy(), ssd_w=zeros.copy(),
-                   ssd_r=zeros.copy(), drive_busy=np.zeros((2, k_plans)), cpu=zeros.copy(),
+                   ssd_r=zeros.copy(), drive_busy=np.zeros((2, k_plans)), cpu=zeros.copy(), net=zeros.copy(),
                    cpu_busy=zeros.copy(),
                    check_busy=np.zeros(k_plans), h2d_bytes=zeros.copy(), d2h_bytes=zeros.copy(),
                    up_start=np.zeros((n_chunks, k_plans)), done_at=np.zeros((n_chunks, k_plans)),

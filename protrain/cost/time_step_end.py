@@ -1,6 +1,6 @@
 """The step's end in the step-time model (``cost.time_model``): the CPU Adam updates backward
 left (clipping / fp16, and the redos of a wrong speculation), the device's Adam over the
-persistent chunks after their gradients' all-reduce (T_gpu_optim), and the iteration time -
+persistent chunks after the rest of their gradients' all-reduce (T_gpu_optim), and the iteration time -
 with ``carry_over``, the CPU Adam still running when the step ends runs on into the next
 forward, which waits only where an offloaded chunk's upload needs its update."""
 from __future__ import annotations
@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .chunk_times import persistent_allreduce_time
 from .time_queues import QueueState, StepCosts
 from .time_state_io import drive_floor, staged_turn, staged_update
 
@@ -26,11 +25,11 @@ class StepEnd:
 def simulate_step_end(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> StepEnd:
     """Run the updates left for after backward and the device's Adam; the iteration's end."""
     _deferred_updates(costs, q, bwd_end)
-    layout, npers, world = costs.layout, costs.npers, costs.world
+    layout, npers = costs.layout, costs.npers
     prefix = np.concatenate([[0], np.cumsum(layout.used)])
-    # Device tail at the boundary: all-reduce of the persistent gradients, then device Adam.
-    gpu_optim = (prefix[npers] / costs.rr.device_adam
-                 + persistent_allreduce_time(layout, npers, costs.hw, world)
+    # Device tail at the boundary: the persistent gradients' all-reduces still running when
+    # backward's compute ends (started as each chunk's backward ended), then device Adam.
+    gpu_optim = (prefix[npers] / costs.rr.device_adam + np.maximum(q.net - bwd_end, 0.0)
                  if costs.optimizer_step else np.zeros(costs.k_plans))
     if costs.inline:                  # one timeline: CPU Adam, then the "device" Adam
         device_end = np.maximum(bwd_end, q.cpu) + gpu_optim

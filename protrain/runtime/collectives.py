@@ -66,6 +66,16 @@ class DataParallel:
             dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
         return t
 
+    def all_reduce_start(self, t: torch.Tensor):
+        """Start summing ``t`` over the ranks in place; returns the collective's handle, whose
+        ``wait()`` must come before ``t`` is read or written again (None with one rank). On
+        CUDA (NCCL) the sum runs on the communicator's stream after the work queued on the
+        current stream, and ``wait()`` makes the current stream wait for it; with gloo a
+        background thread reads and writes ``t`` until ``wait()`` returns."""
+        if self.world == 1:
+            return None
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
     def rendezvous(self, what: str, timeout_s: float | None = None, fix: str = "") -> None:
         """Return once every rank of the group has called this (with the same ``what``), before a
         collective only some ranks might enter: a call made on some ranks only fails after

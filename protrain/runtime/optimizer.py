@@ -199,6 +199,11 @@ def _register_exit_hook(fn: Callable[[], None]) -> None:
         atexit.register(fn)
 
 
+class GradientNotHeld(RuntimeError):
+    """A parameter's unreduced gradient is asked for where the runtime keeps none
+    (``ChunkOptimizer.local_gradient``); the message says why."""
+
+
 class StepState(Enum):
     """Where the chunk optimizer is in its optimizer step (FSDP2's ``TrainingState``, for the
     step): which gradients it holds decides what an event may do - whether a backward can be
@@ -307,6 +312,16 @@ class ChunkOptimizer:
         """Offloaded chunks that received a gradient after their backward was declared done
         (a parameter used outside the part it was profiled in): updated in ``step`` only,
         once every gradient exists."""
+        self._reductions: dict[int, object] = {}
+        """Persistent chunks whose gradient all-reduce of this step is in flight (several ranks,
+        started as the chunk's backward ended: ``persistent_backward_done``), by index: their
+        handles, waited for in ``step``. Nothing may touch such a chunk's gradients before."""
+        self._persistent_done: set[int] = set()
+        """Persistent chunks whose backward of this boundary micro-batch is over."""
+        self._late_persistent: set[int] = set()
+        """Persistent chunks that received a gradient after their backward was over in the
+        first step of the plan (a parameter used outside its profiled part), agreed over the
+        ranks: all-reduced in ``step``, never early."""
         self.overflow = False
         self.global_grad_norm: float | None = None
         self._checks: dict[int, _ChunkCheck] = {}
@@ -385,6 +400,8 @@ class ChunkOptimizer:
                 "or set \"gradient_accumulation_steps\" in the JSON to the micro-batches per step "
                 "and call engine.backward(loss); engine.step() for each, as DeepSpeed's docs do")
         c, s = self.chunks.slot_of[p]
+        if c.persistent and c.index in self._persistent_done:
+            self._late_persistent_gradient(c, s)
         with torch.no_grad():
             if c.persistent:
                 c.grad[s.offset:s.stop].add_(g.reshape(-1))
@@ -426,6 +443,58 @@ class ChunkOptimizer:
         if self.step_state is StepState.IDLE:
             self.step_state = StepState.BACKWARD
         p.grad = None
+
+    def _late_persistent_gradient(self, c: Chunk, s) -> None:
+        """A gradient for persistent chunk ``c`` after its backward was declared over (its
+        parameter is used outside the part it was profiled in): learnt in the plan's first
+        step, whose reductions all wait for ``step``; refused once the chunk's sum is on its
+        way over the ranks (adding to it would race the collective, and a second one for
+        this rank alone would pair with nothing)."""
+        if self.first_step_of_plan:
+            self._late_persistent.add(c.index)
+        elif c.index in self._reductions:
+            raise RuntimeError(
+                f"gradient of {s.name} arrived after its persistent chunk {c.index} began its "
+                f"all-reduce over the {self.chunks.dp.world} ranks: the model uses it outside the "
+                f"part it was profiled in, and started doing so after the first step of the plan, "
+                f"so this step cannot be applied exactly. Resume from the last checkpoint (the "
+                f"first step of a plan finds such parameters and reduces their chunk in step())")
+
+    def persistent_backward_done(self, c: Chunk, boundary: bool) -> None:
+        """Every gradient of persistent chunk ``c`` for this micro-batch exists. At the
+        accumulation boundary on several ranks its sum over the ranks starts now, under the
+        rest of the backward (fp32, the sum DeepSpeed ZeRO-0 all-reduces), and ``step`` waits
+        for it; not in the plan's first step (late gradients are being learnt), nor for a
+        chunk that receives them."""
+        if not boundary or self.chunks.dp.world == 1 or c.index in self._persistent_done:
+            return
+        self._persistent_done.add(c.index)
+        if self.first_step_of_plan or c.index in self._late_persistent:
+            return
+        work = self.chunks.dp.all_reduce_start(c.grad)
+        if work is not None:
+            self._reductions[c.index] = work
+            self.stats.reductions_overlapped += 1
+
+    def wait_collectives(self) -> None:
+        """Every persistent chunk's all-reduce in flight has finished (before its gradients
+        are zeroed or its memory given back); a chunk waited for so is summed again in no
+        ``step`` - this is only called where the step's gradients are dropped."""
+        while self._reductions:
+            self._reductions.pop(next(iter(self._reductions))).wait()
+
+    def _agree_on_late_persistent(self) -> None:
+        """The plan's first step: the persistent chunks that received late gradients on any
+        rank are reduced in ``step`` on every rank (the ranks must start the same collectives
+        in the same order)."""
+        persistent = [c for c in self.chunks.chunks if c.persistent]
+        if not persistent or self.chunks.dp.world == 1:
+            return
+        flags = torch.zeros(len(self.chunks.chunks), dtype=torch.int32, device=persistent[0].grad.device)
+        for i in self._late_persistent:
+            flags[i] = 1
+        self.chunks.dp.all_reduce_(flags, op=torch.distributed.ReduceOp.MAX)
+        self._late_persistent = {i for i, f in enumerate(flags.tolist()) if f}
 
     def _host_grads(self, c: Chunk) -> torch.Tensor:
         """Where an offloaded chunk's gradients land on the host: its fp32 accumulator, else
@@ -569,9 +638,17 @@ class ChunkOptimizer:
         (they are replicated)."""
         dp = self.chunks.dp
         if dp.world > 1:
+            if self.first_step_of_plan:
+                self._agree_on_late_persistent()
             for c in self.chunks.chunks:
                 if c.persistent:
-                    dp.all_reduce_(c.grad).div_(dp.world)
+                    work = self._reductions.pop(c.index, None)
+                    if work is not None:
+                        work.wait()           # started as the chunk's backward ended
+                    else:
+                        dp.all_reduce_(c.grad)
+                    c.grad.div_(dp.world)
+            self._persistent_done.clear()
         overflow, norm = self._verdict(inv_scale)
         if self.loss_scaler is None:
             return False, norm
@@ -752,6 +829,8 @@ class ChunkOptimizer:
                 self._host_grads(c).zero_()
 
     def _reset(self) -> None:
+        self.wait_collectives()            # before their gradients are zeroed
+        self._persistent_done.clear()
         self._queued.clear()
         self._left.clear()
         self._speculations.clear()
@@ -981,6 +1060,33 @@ class ChunkOptimizer:
         if c.master is not c.data:
             c.data.copy_(c.master)
 
+    # ---- reading a gradient (DeepSpeed's safe_get_full_grad) ----------------------------------
+    def local_gradient(self, p: nn.Parameter) -> torch.Tensor | None:
+        """A copy of ``p``'s gradient summed over this rank's micro-batches of the step so far,
+        not yet reduced over the ranks (fp32, on the chunk's device), as plain DeepSpeed ZeRO-0
+        holds it in ``p.grad`` before its boundary all-reduce; None when none arrived since the
+        last step or ``zero_grad``. Raises ``GradientNotHeld`` where no such tensor exists:
+        an offloaded chunk's gradients on several ranks (reduced over them as they left the
+        device) or at the boundary (handed to CPU Adam during the backward)."""
+        if self.step_state is StepState.IDLE:
+            return None
+        c, s = self.chunks.slot_of[p]
+        if not s.has_grad:
+            return None
+        if c.persistent:
+            return c.grad[s.offset:s.stop].view(s.shape).clone()
+        if self.chunks.dp.world > 1:
+            raise GradientNotHeld(
+                f"{s.name} is in an offloaded chunk, whose gradients are reduced over the "
+                f"{self.chunks.dp.world} ranks as they leave the device (this rank keeps only its "
+                f"shard of their average)")
+        if self.boundary_backward_done or self.gas == 1 or c.grad_acc is None:
+            raise GradientNotHeld(
+                f"{s.name} is in an offloaded chunk, whose gradients of the boundary micro-batch "
+                f"are handed to CPU Adam during the backward")
+        self._wait_for_gradients()
+        return c.grad_acc[s.offset:s.stop].view(s.shape).to(self.chunks.device, copy=True)
+
     # ---- clipping and overflow ----------------------------------------------------------------
     def _grad_view(self, p: nn.Parameter) -> torch.Tensor:
         """``p``'s gradient in its chunk (zeros where none arrived, as DeepSpeed fills them)."""
@@ -1161,6 +1267,9 @@ class OverlapStats:
     """Offloaded chunk updates that ran during backward and stood (cumulative)."""
     rollbacks: int = 0
     """Speculative chunk updates undone (clipping, overflow or changed hyperparameters)."""
+    reductions_overlapped: int = 0
+    """Persistent chunks' gradient all-reduces (several ranks) started during backward, as the
+    chunk's backward ended, rather than in ``step()`` (cumulative)."""
     exposed_s: float = 0.0
     """The CPU Adam work the last step's compute did not hide: its forward's and backward's
     waits for the chunks' updates the step before carried over (a forward needs a chunk whose

@@ -132,7 +132,8 @@ class ProTrainRuntime:
             self._unbuild(before, nvme)
             raise
         self._buffer_index = {t.data_ptr(): b for b, t in enumerate(self.chunks.pool.tensors)}
-        self._persistent_ptrs = {c.data.data_ptr() for c in self.chunks.chunks if c.persistent}
+        self._persistent = [c for c in self.chunks.chunks if c.persistent]
+        self._persistent_ptrs = {c.data.data_ptr() for c in self._persistent}
         self._slot_offsets = {c.index: [s.offset for s in c.slots] for c in self.chunks.chunks}
         # Compiled before the activation modes wrap the forwards: checkpoint goes around the
         # compiled code, and the saved-tensor hooks see what the compiled graphs save.
@@ -204,6 +205,7 @@ class ProTrainRuntime:
     def close(self, to_host: bool = False, gather: bool = True) -> None:
         """Undo everything: hooks, wrapped block forwards; parameters become standalone
         tensors again with their current values (on the host with ``to_host``)."""
+        self.optimizer.wait_collectives()
         self.optimizer.worker.drain()
         self.optimizer.worker.close()
         if self.tracer is not None:
@@ -297,6 +299,8 @@ class ProTrainRuntime:
             # up. Outside one (no part boundary was crossed) only chunks that got gradients.
             if c.state == ChunkState.RESIDENT and (self._in_backward or any(s.has_grad for s in c.slots)):
                 self.optimizer.chunk_backward_done(c, boundary)
+        for c in self._persistent:
+            self.optimizer.persistent_backward_done(c, boundary)
         if self._in_backward:
             self.activations.reset()
         if boundary and self.optimizer.step_state is not StepState.IDLE:
@@ -443,6 +447,10 @@ class ProTrainRuntime:
         for c in self.chunks.offloaded():
             if c.first_part > part and c.state == ChunkState.RESIDENT:
                 self.optimizer.chunk_backward_done(c, boundary)
+        for c in self._persistent:
+            if c.first_part > part:
+                # Its gradients are complete: their all-reduce runs under the rest of backward.
+                self.optimizer.persistent_backward_done(c, boundary)
         self.activations.backward_done_with(part)
         for c in sorted(self._part_chunks[part], key=lambda c: -c.index):
             self.chunks.access(c)

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..block_mode import CKPT, SEL
 from ..config import PlannerConfig
-from ..cost.chunk_times import (backup_times, check_times, chunk_transfer_times, persistent_allreduce_time,
+from ..cost.chunk_times import (backup_times, check_times, chunk_transfer_times, allreduce_after_backward,
                                 state_io_times)
 from ..cost.host_share import rank_rates
 from ..profile.hardware import HardwareProfile
@@ -64,7 +64,7 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
     fwd_compute = sum(p.fwd_time for p in profile.parts)
     bwd_compute = sum(p.bwd_time for p in profile.parts) + acts.recompute[a_idx]
     swap_bytes = acts.swap_host[a_idx]
-    gpu = prefix[np_idx] / rr.device_adam + persistent_allreduce_time(layout, np_idx, hw, world)
+    gpu = prefix[np_idx] / rr.device_adam + allreduce_after_backward(layout, np_idx, hw, world)
     fwd_lb = np.maximum(np.maximum(fwd_compute, up_suffix[np_idx]), acts.fwd_write[a_idx])
     reup = up_suffix[np_idx] - up_suffix[np.maximum(nch - nb, np_idx)]
     ssd_in = acts.ssd[a_idx] / rr.nvme_read if rr.nvme_read > 0 else 0.0
@@ -103,7 +103,7 @@ def degree_floor(profile: ModelProfile, hw: HardwareProfile, config: PlannerConf
     prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
     fwd = np.maximum(sum(p.fwd_time for p in profile.parts), _suffix(t_up)[n_persist])
     bwd = sum(p.bwd_time for p in profile.parts)
-    gpu = prefix[n_persist] / rr.device_adam + persistent_allreduce_time(layout, n_persist, hw, world)
+    gpu = prefix[n_persist] / rr.device_adam + allreduce_after_backward(layout, n_persist, hw, world)
     cpu = _suffix(t_adam)[n_persist] + (host_checks(layout, hw, config, n_persist)
                                         if weak_cpu_bound(config, hw) else 0.0)
     return np.maximum(fwd + bwd + gpu, cpu) + (config.grad_accumulation_steps - 1) * (fwd + bwd)
