@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -26,6 +27,20 @@ def _size(text: str) -> int:
         return parse_bytes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seq(text: str) -> int | str:
+    if text == "max":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"--seq {text!r}: give the sequence length in tokens (e.g. --seq 4096), or --seq max "
+            f"for the longest that fits")
+    return n
 
 
 def _pin(text: str) -> tuple[str, str]:
@@ -57,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-heads", type=int)
     m.add_argument("--ffn-hidden", type=int)
     m.add_argument("--vocab", type=int, default=32000)
-    m.add_argument("--seq", type=int, help="sequence length (default: the preset's, else 1024)")
+    m.add_argument("--seq", type=_seq, help="sequence length (default: the preset's, else 1024); max: "
+                                            "the longest that fits (multiples of 128 x P), and its plan")
     m.add_argument("--micro-batch", type=int, default=1)
     m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     m.add_argument("--measure", action="store_true",
@@ -142,7 +158,7 @@ def _config(args) -> PlannerConfig:
 
 
 def _cmd_plan(args) -> int:
-    from .search import InfeasibleError, search
+    from .search import InfeasibleError
     t0 = time.perf_counter()
     if args.world < 1:
         print(f"protrain: error: --world {args.world}: must be at least 1", file=sys.stderr)
@@ -155,21 +171,36 @@ def _cmd_plan(args) -> int:
               f"({args.world}); give the ranks that share one host (1: a host per rank)",
               file=sys.stderr)
         return 2
+    longest = args.seq == "max"
+    if longest and args.measure:
+        print("protrain: error: --seq max with --measure: the built-in GPT is profiled at one length "
+              "and its position table bounds it; give --seq N with --measure, or plan --seq max for "
+              "--model, --hf-config or the shape flags", file=sys.stderr)
+        return 2
+    if longest:
+        args.seq = None                     # the model's own length is where the search starts
     config = _config(args)
     try:
-        profile, hw = _measured(args) if args.measure else _analytic(args)
+        if args.measure:
+            profile, hw = _measured(args)
+        else:
+            shape, hw = _analytic_model(args)
+            profile = _analytic_profile(shape, hw)
     except ValueError as e:
         print(f"protrain: error: {e}", file=sys.stderr)
         return 2
-    hw = replace(hw, ranks_per_node=args.ranks_per_node)
+    machine_hw, hw = hw, replace(hw, ranks_per_node=args.ranks_per_node)
     try:
-        if args.world > 1 or config.pins.sequence_parallel is not None:
-            from .sp.planner import search_sequence_parallel
-            plan = search_sequence_parallel(profile, hw, replace(config, data_parallel_size=args.world))
+        if longest:
+            found, best, plan = _longest(shape, machine_hw, hw, config, args.world)
         else:
-            plan = search(profile, hw, config)
+            plan = _search(profile, hw, config, args.world)
     except InfeasibleError as e:
-        print(f"protrain: no plan fits {profile.describe()} on {hw.name}:\n  {e}", file=sys.stderr)
+        what = f"{shape.name} at any sequence length" if longest else profile.describe()
+        print(f"protrain: no plan fits {what} on {hw.name}:\n  {e}", file=sys.stderr)
+        if e.seq_len_fit is not None and not longest:
+            print("  (the lengths named are estimates: --seq max plans its way to the longest that "
+                  "fits, and prints its plan)", file=sys.stderr)
         return EXIT_INFEASIBLE
     if args.save:
         plan.save(args.save)
@@ -180,12 +211,68 @@ def _cmd_plan(args) -> int:
         if profile.source == "analytic":
             print("  note: analytic profile (shapes + published peaks): an estimate; the run-time "
                   "plan uses the measured profile")
+        if longest:
+            from .sp.longest import describe
+            print(describe(found, best, hw.with_limits(device_memory=config.device_memory,
+                                                       host_memory=config.host_memory)))
         print(f"  planned in {time.perf_counter() - t0:.2f} s" + (f"; saved to {args.save}" if args.save else ""))
     return 0
 
 
+def _search(profile, hw, config: PlannerConfig, world: int):
+    """The plan ``protrain plan`` prints for ``profile``: over the sequence-parallel degrees
+    where there are several ranks or P is pinned."""
+    from .search import search
+    if world > 1 or config.pins.sequence_parallel is not None:
+        from .sp.planner import search_sequence_parallel
+        return search_sequence_parallel(profile, hw, replace(config, data_parallel_size=world))
+    return search(profile, hw, config)
+
+
+def _longest(shape, machine_hw, hw, config: PlannerConfig, world: int):
+    """``--seq max``: the longest sequence per degree the plan considers (each length planned
+    by ``_search`` with P pinned), the longest of them, and the plan at its length (P free)."""
+    from .search import InfeasibleError
+    from .sp.degree import SEQ_STEP
+    from .sp.longest import longest_over_degrees
+    from .sp.planner import candidate_degrees
+
+    def profile_at(seq: int):
+        return _analytic_profile(replace(shape, seq_len=seq), machine_hw)
+
+    def plan_at(seq: int, p: int):
+        pinned = replace(config, pins=replace(config.pins, sequence_parallel=p)) if searched else config
+        return _search(profile_at(seq), hw, pinned, world)
+
+    searched = world > 1 or config.pins.sequence_parallel is not None
+    # Every length tried for P is a multiple of 128 x P: the sequence constraint does not apply,
+    # so the degrees are those of a length every P up to the world divides.
+    every = SEQ_STEP * math.lcm(*range(1, world + 1))
+    degrees = candidate_degrees(profile_at(shape.seq_len), config, world, every) if searched else (1,)
+    limit = shape.max_positions if shape.family == "gpt2" else None     # learned positions end there
+    found, best = longest_over_degrees(plan_at, degrees, start=shape.seq_len, limit=limit)
+    if not best.seq_len:
+        e = best.next_error
+        raise InfeasibleError(f"not even {best.step} tokens fit: {e}",
+                              device_needed=e.device_needed, host_needed=e.host_needed)
+    plan = best.plan if len(degrees) == 1 else _search(profile_at(best.seq_len), hw, config, world)
+    return found, best, plan
+
+
+def _analytic_profile(shape, hw):
+    from .profile.analytic import analytic_profile
+    return analytic_profile(shape, hw)
+
+
 def _analytic(args):
-    from .profile.analytic import PRESETS, ModelShape, analytic_profile, shape_from_hf_config
+    """The analytic profile and the machine ``args`` describe."""
+    shape, hw = _analytic_model(args)
+    return _analytic_profile(shape, hw), hw
+
+
+def _analytic_model(args):
+    """The model shape and the machine ``args`` describe (``args.seq`` None: the model's)."""
+    from .profile.analytic import PRESETS, ModelShape, shape_from_hf_config
     from .profile.hardware import HardwareProfile
     from .profile.machines import DEFAULT_HOST_MEMORY, machine
     dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
@@ -219,7 +306,7 @@ def _analytic(args):
                      nvme_gds=args.gds, nvme_free_bytes=args.nvme_free or 2**40)
     if not hw.peak_flops:
         hw = replace(hw, peak_flops=machine(args.gpu).bf16_flops)
-    return analytic_profile(shape, hw), hw
+    return shape, hw
 
 
 def _measured(args):

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from protrain.allocator import choose_allocator
+
 from .apply import AppliedPlan, decides_plan, plan_activations
 from .arguments import FLAG, MegatronOptions, add_protrain_arguments, take_over_flags
 from .model import decoder_layers, parallel_sizes, unwrap
@@ -87,6 +89,7 @@ def wrap_get_model(original, get_args):
         wrap_with_ddp = kwargs.get("wrap_with_ddp", args[1] if len(args) > 1 else True)
         if not margs.protrain_auto_memory or not wrap_with_ddp:
             return original(model_provider_func, *args, **kwargs)   # inference copies: untouched
+        _start_allocator()            # before the model's parameters take the first segments
         opts = MegatronOptions.from_args(margs)
         overridden = take_over_flags(margs)
         # Context parallelism without Transformer Engine's attention: Megatron's local
@@ -97,6 +100,14 @@ def wrap_get_model(original, get_args):
         return model
     get_model._protrain = True
     return get_model
+
+
+def _start_allocator() -> None:
+    """Expandable segments for CUDA's allocator unless the user set it (protrain.allocator);
+    rank 0 says which."""
+    line = choose_allocator()
+    if line and _rank() == 0:
+        print(line, flush=True)
 
 
 def apply_to_megatron_lm(model, args, opts: MegatronOptions, overridden=(), *,

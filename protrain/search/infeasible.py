@@ -12,11 +12,15 @@ class InfeasibleError(RuntimeError):
     """No plan fits. The message says what would fit and what to change."""
 
     def __init__(self, message: str, *, device_needed: int | None = None,
-                 host_needed: int | None = None, micro_batch_fit: int | None = None):
+                 host_needed: int | None = None, micro_batch_fit: int | None = None,
+                 seq_len_fit: int | None = None):
         super().__init__(message)
         self.device_needed = device_needed
         self.host_needed = host_needed
         self.micro_batch_fit = micro_batch_fit
+        self.seq_len_fit = seq_len_fit
+        """The sequence length the activations would fit at, scaled linearly from this one's
+        (an estimate; ``protrain plan --seq max`` plans its way to the exact one)."""
 
 
 def check_budgets(total_params: int, largest_param: int, param_bytes: int,

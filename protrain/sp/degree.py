@@ -17,6 +17,12 @@ from dataclasses import dataclass
 
 from ..config import ConfigError
 
+SEQ_STEP = 128
+"""The granule of the sequence lengths the planner names (``protrain plan --seq max``, the
+"about N tokens fit" of a degree that does not fit): a multiple of 128 tokens per rank, times P
+(times ``seq_multiple``), so every length named is one P divides and each rank holds a multiple
+of 128 tokens - the tile of flash-attention kernels and the lengths people train at."""
+
 
 @dataclass(frozen=True, slots=True)
 class SPShape:
@@ -69,6 +75,12 @@ def broken_constraints(degree: int, shape: SPShape) -> list[str]:
         out.append(f"{k} must divide the sequence length ({shape.seq_len} tokens)" if m == 1 else
                    f"{m} x {k} must divide the sequence length ({shape.seq_len} tokens)")
     return out
+
+
+def seq_step(degree: int, shape: SPShape | None = None) -> int:
+    """The granule of the sequence lengths named for ``degree``: ``SEQ_STEP`` tokens per rank
+    (per chunk of a rank's share, with Megatron's load-balanced split)."""
+    return SEQ_STEP * max(degree, 1) * (shape.seq_multiple if shape is not None else 1)
 
 
 def valid_degrees(shape: SPShape) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..search import InfeasibleError, search, search_floor
 from ..units import fmt_bytes, fmt_seconds
-from .degree import SPShape, broken_constraints, check_degree, valid_degrees
+from .degree import SPShape, broken_constraints, check_degree, seq_step, valid_degrees
 from .scaling import alltoall_bandwidth, scale_profile
 
 
@@ -113,16 +113,37 @@ def search_sequence_parallel(profile: ModelProfile, hw: HardwareProfile,
     if not plans:
         last = failures[max(failures)]
         k = (shape.knob if shape else "P")
+        fits = [n for p, e in failures.items() if (n := fitting_length(e, p, shape))]
         raise InfeasibleError(f"no {'context' if k == 'CP' else 'sequence'}-parallel degree fits: "
                               + "; ".join(why) + "."
                               + ("" if len(failures) == 1 else f" With {k}={max(failures)}: {last}"),
                               device_needed=last.device_needed, host_needed=last.host_needed,
-                              micro_batch_fit=last.micro_batch_fit)
+                              micro_batch_fit=last.micro_batch_fit, seq_len_fit=max(fits, default=None))
     plan = plans[chosen]
     pinned = plan.pinned + (("sequence_parallel",) if config.pins.sequence_parallel is not None else ())
     return replace(plan, knobs=replace(plan.knobs, sequence_parallel=chosen), pinned=tuple(sorted(pinned)),
                    notes=plan.notes + tuple(why),
                    search_seconds=sum(x.search_seconds for x in plans.values()))
+
+
+def fitting_length(error: InfeasibleError, degree: int, shape: SPShape | None = None) -> int | None:
+    """The sequence length ``error`` (a degree's search that did not fit the device) says its
+    activations would fit at, rounded down to the degree's granule (``seq_step``): 0 where not
+    even one granule fits, None where it gives none (the host or the model states bind)."""
+    if error.seq_len_fit is None:
+        return None
+    step = seq_step(degree, shape)
+    return error.seq_len_fit // step * step
+
+
+def _fits_up_to(error: InfeasibleError, degree: int, shape: SPShape) -> str:
+    """The longest sequence a degree that does not fit would fit, for its line (``protrain
+    plan --seq max`` plans its way to the exact one)."""
+    n = fitting_length(error, degree, shape)
+    if n is None:
+        return ""
+    return (f" (sequences up to about {n} tokens fit)" if n else
+            f" (not even {seq_step(degree, shape)} tokens fit)")
 
 
 def _rival(plans: dict[int, Plan], floor: float, tolerance: float) -> int | None:
@@ -167,7 +188,7 @@ def _reasons(degrees, plans, failures, a2a, shape: SPShape, unsupported, best: i
             e = failures[p]
             need = f"needs {fmt_bytes(e.device_needed)} of device memory" if e.device_needed else \
                 f"needs {fmt_bytes(e.host_needed)} of host memory" if e.host_needed else str(e).split(";")[0]
-            out.append(f"{k}={p} does not fit: {need}")
+            out.append(f"{k}={p} does not fit: {need}" + _fits_up_to(e, p, shape))
             continue
         pr = plans[p].prediction
         line = (f"{k}={p}: step {fmt_seconds(pr.step_time)}, peak {fmt_bytes(pr.peak_device_bytes)}, "
