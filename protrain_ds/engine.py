@@ -37,6 +37,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from protrain.allocator import choose_allocator
 from protrain.batch_shape import BatchShape, batch_dims, model_max_seq_len
 from protrain.config import ConfigError
 from protrain.plan import Plan
@@ -112,6 +113,9 @@ class ProTrainEngine(DeepSpeedEngine):
         """The script accumulates gradients by hand with \"gradient_accumulation_steps\": 1
         (``no_sync()`` and its kin, seen at a forward on some rank): plans from then on hold
         accumulators (accumulation.py)."""
+        # Expandable segments before DeepSpeed allocates on the device (long sequences
+        # fragment the caching allocator); None on CPU or where the user set it.
+        self._protrain_allocator = choose_allocator()
         super().__init__(*args, dont_change_device=True, **kwargs)
         # DeepSpeed moves the whole module to the device. ProTrain places the parameters itself
         # (in chunks) and moves the buffers as DeepSpeed would: a model built on the host keeps
@@ -153,6 +157,8 @@ class ProTrainEngine(DeepSpeedEngine):
                      "forward pass"]
             if overridden:
                 lines.append("ProTrain: the plan replaces these DeepSpeed settings: " + ", ".join(overridden))
+            if self._protrain_allocator:
+                lines.append(self._protrain_allocator)
             print("\n".join(lines), flush=True)
 
     def _protrain_preflight(self) -> None:

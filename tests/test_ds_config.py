@@ -290,3 +290,24 @@ def test_max_seq_len_auto_without_a_maximum_in_the_model_config_is_refused_at_in
     with pytest.raises(ConfigError, match=r'protrain.max_seq_len = "auto": the model\'s config gives no '
                                           r'maximum length.*as a number of tokens'):
         init(cfg, NoConfig())
+
+
+def test_the_allocator_choice_is_made_before_deepspeed_allocates_and_printed(monkeypatch, capsys):
+    """protrain/allocator.py's choice runs in the engine's start-up, before DeepSpeed's own
+    __init__ touches the device, and its line is printed with the plan's start-up lines."""
+    from protrain_ds import engine as engine_mod
+    order = []
+    monkeypatch.setattr(engine_mod, "choose_allocator",
+                        lambda: order.append("allocator") or "ProTrain: CUDA allocator (test line)")
+    import functools
+    init_ds = deepspeed.DeepSpeedEngine.__init__
+
+    @functools.wraps(init_ds)            # the contract check reads the signature
+    def ds_init(self, *a, **k):
+        order.append("deepspeed")
+        init_ds(self, *a, **k)
+    monkeypatch.setattr(deepspeed.DeepSpeedEngine, "__init__", ds_init)
+    engine, *_ = init(with_protrain(base_config(), verbosity=1))
+    assert order == ["allocator", "deepspeed"]
+    assert "ProTrain: CUDA allocator (test line)" in capsys.readouterr().out
+    engine.destroy()
