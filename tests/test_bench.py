@@ -85,3 +85,19 @@ def test_nvme_states_names_the_libaio_install_when_async_io_does_not_build(monke
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
     with pytest.raises(SystemExit, match=r"apt-get install -y libaio-dev"):
         nvme_states.require_async_io()
+
+
+def test_plan_floor_divides_each_plan_by_a_floor_it_cannot_beat():
+    """bench/plan_floor.py's smoke (issue 37): four cases planned as `protrain plan` plans them;
+    the floor is computed apart from the cost model's scheduling, so a predicted iteration
+    below it would mean the model prices some work at less than the hardware can do."""
+    sys.path.insert(0, str(BENCH))
+    import plan_floor
+    result = plan_floor.run(plan_floor.QUICK, None)
+    assert result["feasible"] == len(plan_floor.QUICK)
+    for r in result["rows"]:
+        assert r["ratio"] >= 1.0, r
+        assert r["floor_s"] == max(r["terms_s"].values()) > 0
+        assert r["binding"] in r["terms_s"]
+    # each resource the grid is about shows up: compute-bound and CPU-Adam-bound cases
+    assert {"device compute", "CPU Adam"} <= {r["binding"] for r in result["rows"]}

@@ -1,0 +1,148 @@
+"""How far the chosen plans' predicted iteration is above the hardware's floor (issue 37).
+
+For each case of a grid of ``protrain plan`` runs (H100 preset, Llama presets 7B-70B,
+micro-batch, sequence length, with and without a drive), the plan's predicted iteration is
+divided by its floor: the largest of
+
+- device compute: every part's forward and backward plus the recompute the plan's block
+  modes add, and the device Adam over the persistent chunks (at the machine's rate);
+- each PCIe direction: the plan's bytes per iteration over the machine's bandwidth;
+- CPU Adam: the offloaded chunks' parameters (this rank's shard) at the machine's rate,
+  nothing else (no backup, no check, no verdict);
+- the drive: each direction's bytes (activations, optimizer states) over its bandwidth.
+
+The floor is computed here from the plan's own figures (its knobs, block modes, bytes moved)
+and the profile's per-part times, by code independent of the cost model's scheduling: only a
+plan that overlaps everything perfectly reaches it. A ratio well above 1 says where the plans
+the planner can express (or the model's pricing) leave time on the table; the binding resource
+says which. Planning only (CPU; no GPU needed).
+
+    python bench/plan_floor.py                       # the full grid, a table, bench/results/plan_floor.json
+    python bench/plan_floor.py --quick               # four cases (the CI smoke, tests/test_bench.py)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MODELS = ("llama2-7b", "llama3-8b", "llama2-13b", "llama2-70b")
+MICRO_BATCHES = (1, 2, 4, 8)
+SEQS = (2048, 4096, 8192)
+DRIVES = (None, 12.0)           # no drive; a 12 GB/s NVMe drive (compatibility mode)
+GPU = "h100-80gb"
+HOST = "1TiB"
+QUICK = [("llama2-7b", 4, 8192, None), ("llama2-7b", 1, 2048, None),
+         ("llama2-13b", 2, 4096, 12.0), ("llama2-70b", 1, 4096, 12.0)]
+
+
+def plan_case(model: str, mb: int, seq: int, drive: float | None) -> dict | None:
+    """The plan ``protrain plan`` prints for the case, as its JSON; None when nothing fits."""
+    from protrain import cli
+    argv = ["plan", "--model", model, "--micro-batch", str(mb), "--seq", str(seq), "--gpu", GPU,
+            "--host-memory", HOST, "--json"]
+    if drive:
+        argv += ["--nvme", str(drive), "--nvme-free", "8TiB"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(argv)
+    if rc != 0:
+        return None
+    return json.loads(out.getvalue())
+
+
+def floor_of(model: str, mb: int, seq: int, drive: float | None, plan: dict) -> dict:
+    """The floor's terms (seconds) for the plan, and the binding one."""
+    from protrain.block_mode import CKPT, SEL, BlockMode
+    from protrain.profile.analytic import PRESETS, analytic_profile
+    from protrain.profile.machines import DEFAULT_HOST_MEMORY, machine
+    hw = machine(GPU).profile(host_memory=DEFAULT_HOST_MEMORY)
+    shape = replace(PRESETS[model], micro_batch=mb, seq_len=seq)
+    profile = analytic_profile(shape, hw)
+    modes = [BlockMode(m).code for m in plan["block_modes"]]
+    blocks = profile.blocks
+    recompute = sum(b.fwd_time for b, m in zip(blocks, modes) if m == CKPT) + \
+        sum(b.sel_recompute_time for b, m in zip(blocks, modes) if m == SEL)
+    compute = sum(p.fwd_time + p.bwd_time for p in profile.parts) + recompute
+    chunks, knobs, pred = plan["chunks"], plan["knobs"], plan["prediction"]
+    persistent = min(chunks["total_numel"], knobs["n_persist"] * chunks["chunk_numel"])
+    offloaded = chunks["total_numel"] - persistent
+    compute += persistent / hw.gpu_adam_rate
+    terms = {
+        "device compute": compute,
+        "H2D": pred["h2d_bytes"] / hw.h2d_bandwidth,
+        "D2H": pred["d2h_bytes"] / hw.d2h_bandwidth,
+        "CPU Adam": offloaded / hw.cpu_adam_rate,
+    }
+    if drive:
+        bw = drive * 1e9
+        state_each_way = pred.get("nvme_state_io_bytes", 0) / 2
+        act = pred.get("ssd_bytes", 0)
+        terms["drive"] = (act + state_each_way) / bw
+    binding = max(terms, key=terms.get)
+    return {"terms": terms, "floor": terms[binding], "binding": binding}
+
+
+def run(cases, out: Path | None) -> dict:
+    rows = []
+    t0 = time.perf_counter()
+    for model, mb, seq, drive in cases:
+        plan = plan_case(model, mb, seq, drive)
+        if plan is None:
+            continue
+        f = floor_of(model, mb, seq, drive, plan)
+        it = plan["prediction"]["iter_time"]
+        rows.append({"model": model, "micro_batch": mb, "seq": seq, "drive_gbps": drive,
+                     "predicted_s": it, "floor_s": f["floor"], "ratio": it / f["floor"],
+                     "binding": f["binding"], "terms_s": f["terms"],
+                     "knobs": plan["knobs"]})
+    ratios = [r["ratio"] for r in rows]
+    result = {"command": "python " + " ".join(sys.argv), "gpu": GPU, "host_memory": HOST,
+              "cases": len(cases), "feasible": len(rows),
+              "median_ratio": statistics.median(ratios) if ratios else None,
+              "max_ratio": max(ratios) if ratios else None,
+              "seconds": time.perf_counter() - t0, "rows": rows}
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def print_table(result: dict) -> None:
+    print(f"{'model':<11} {'mb':>2} {'seq':>5} {'drive':>5} {'predicted':>10} {'floor':>9} "
+          f"{'ratio':>6}  binding")
+    for r in result["rows"]:
+        d = f"{r['drive_gbps']:.0f}" if r["drive_gbps"] else "-"
+        print(f"{r['model']:<11} {r['micro_batch']:>2} {r['seq']:>5} {d:>5} "
+              f"{r['predicted_s']:>9.3f}s {r['floor_s']:>8.3f}s {r['ratio']:>6.3f}  {r['binding']}")
+    if result["rows"]:
+        print(f"{result['feasible']} feasible of {result['cases']} cases: predicted / floor median "
+              f"{result['median_ratio']:.3f}, max {result['max_ratio']:.3f} "
+              f"({result['seconds']:.0f} s of planning)")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="four cases (CI's smoke)")
+    ap.add_argument("--save", default=None, help="JSON path (default bench/results/plan_floor.json; "
+                                                 "--quick: none)")
+    args = ap.parse_args(argv)
+    cases = QUICK if args.quick else list(itertools.product(MODELS, MICRO_BATCHES, SEQS, DRIVES))
+    out = Path(args.save) if args.save else (None if args.quick else
+                                             Path(__file__).parent / "results" / "plan_floor.json")
+    result = run(cases, out)
+    print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
