@@ -63,6 +63,7 @@ def plan_case(model: str, mb: int, seq: int, drive: float | None) -> dict | None
 def floor_of(model: str, mb: int, seq: int, drive: float | None, plan: dict) -> dict:
     """The floor's terms (seconds) for the plan, and the binding one."""
     from protrain.block_mode import CKPT, SEL, BlockMode
+    from protrain.layout import build_layout
     from protrain.profile.analytic import PRESETS, analytic_profile
     from protrain.profile.machines import DEFAULT_HOST_MEMORY, machine
     hw = machine(GPU).profile(host_memory=DEFAULT_HOST_MEMORY)
@@ -73,9 +74,10 @@ def floor_of(model: str, mb: int, seq: int, drive: float | None, plan: dict) -> 
     recompute = sum(b.fwd_time for b, m in zip(blocks, modes) if m == CKPT) + \
         sum(b.sel_recompute_time for b, m in zip(blocks, modes) if m == SEL)
     compute = sum(p.fwd_time + p.bwd_time for p in profile.parts) + recompute
-    chunks, knobs, pred = plan["chunks"], plan["knobs"], plan["prediction"]
-    persistent = min(chunks["total_numel"], knobs["n_persist"] * chunks["chunk_numel"])
-    offloaded = chunks["total_numel"] - persistent
+    knobs, pred = plan["knobs"], plan["prediction"]
+    # The chunks' parameters as the plan's layout packs them (a chunk is rarely full).
+    used = build_layout(profile, plan["chunks"]["chunk_numel"]).used
+    persistent, offloaded = sum(used[:knobs["n_persist"]]), sum(used[knobs["n_persist"]:])
     compute += persistent / hw.gpu_adam_rate
     terms = {
         "device compute": compute,
