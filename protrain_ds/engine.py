@@ -200,17 +200,7 @@ class ProTrainEngine(DeepSpeedEngine):
         applied them, silently). After the boundary's backward the step's update has begun
         (CPU Adam runs during backward), so there it is refused by name."""
         super().zero_grad()
-        runtime = self.protrain_runtime
-        if runtime is None:
-            return
-        if runtime.optimizer.boundary_backward_done:
-            raise RuntimeError(
-                "ProTrain: engine.zero_grad() between the accumulation boundary's backward and "
-                "engine.step(): ProTrain applies the step's update from that backward on (CPU Adam "
-                "runs under it), so its gradients cannot be dropped any more and this step "
-                "cannot be skipped exactly. To skip a batch (a NaN loss), test the loss before "
-                "engine.backward(loss); resume from the last checkpoint now")
-        runtime.optimizer.zero_grad()
+        self.optimizer.zero_grad()
 
     def clip_fp32_gradients(self):
         """Clipping happens in ProTrainOptimizer.step, where the gradients are (in chunks)."""

@@ -174,8 +174,19 @@ class ProTrainOptimizer(ZeROOptimizer):
         return NoZero3Hooks()
 
     def zero_grad(self, set_to_none: bool = True):
-        if self.runtime is not None:
-            self.runtime.optimizer.zero_grad()
+        """Drop the gradients accumulated since the last step (DeepSpeed calls it after every
+        step, when there are none; a script between micro-batches, as ZeRO-0's drops every
+        ``p.grad``). After the boundary's backward it is refused: the step's update has begun."""
+        if self.runtime is None:
+            return
+        if self.runtime.optimizer.boundary_backward_done:
+            raise RuntimeError(
+                "ProTrain: zero_grad() (the engine's or its optimizer's) between the accumulation "
+                "boundary's backward and engine.step(): ProTrain applies the step's update from "
+                "that backward on (CPU Adam runs under it), so its gradients cannot be dropped any "
+                "more and this step cannot be skipped exactly. To skip a batch (a NaN loss), test "
+                "the loss before engine.backward(loss); resume from the last checkpoint now")
+        self.runtime.optimizer.zero_grad()
 
     @property
     def cur_scale(self):

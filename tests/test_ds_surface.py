@@ -504,8 +504,11 @@ def test_engine_zero_grad_drops_the_accumulated_gradients_as_deepspeed_does():
     from protrain.models import synthetic_batch
     x, y = synthetic_batch(TINY, 2, seed=99)
     engine.backward(engine(x, y))
-    with pytest.raises(RuntimeError, match=r"engine\.zero_grad\(\) between the accumulation boundary"):
-        engine.zero_grad()
+    for zero_grad in (engine.zero_grad, engine.optimizer.zero_grad):
+        with pytest.raises(RuntimeError, match=r"zero_grad\(\) \(the engine's or its optimizer's\) between the accumulation boundary"):
+            zero_grad()
+    engine.step()
+    engine.zero_grad()                  # after the step: nothing to drop, as DeepSpeed
     engine.destroy()
 
 
