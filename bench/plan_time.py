@@ -14,11 +14,14 @@ with clipping, 256 GiB of host memory (its states need 854 GiB) and a 12 GB/s dr
 free in compatibility mode - the search puts most chunks' optimizer states on the drive
 (n_nvme); and the same on 8 ranks of one node with 1 TiB of host memory, where the planner
 also picks the sequence-parallel degree (``search_sequence_parallel``: a search per degree
-its floor does not rule out). Writes bench/results/plan_time.json: for each case the blocks,
+its floor does not rule out); and issue 37's, each with a drive: llama2-70b with 1 TiB (3.2 M
+candidates), a 206B shape (96 blocks of 12288) with 512 GiB, llama2-13b (``STATES_ON_DRIVE``).
+Writes bench/results/plan_time.json: for each case the blocks,
 the feasible candidates, how many the search simulated, and the best of 3 wall times of
 ``search`` (``search_sequence_parallel`` on 8 ranks). ``--baseline DIR``: each row is also
 timed with the protrain of checkout DIR (``baseline_seconds``): the two in turns, each run in
-a fresh process, the best of 3 of each, and the plans checked equal.
+a fresh process, the best of 3 of each, and the plans checked equal (knobs, time, speculating
+chunks, candidates and simulations, runner-ups, notes).
 """
 from __future__ import annotations
 
@@ -46,12 +49,17 @@ CLIP = {"off": PlannerConfig(), "on": PlannerConfig(cpu_optim_overlap=False, cpu
 STATES_ON_DRIVE = [
     "--model llama2-70b --micro-batch 1 --seq 4096 --gpu h100-80gb --host-memory 256GiB --nvme 12 --nvme-free 4TiB",
     "--model llama2-70b --micro-batch 1 --seq 4096 --gpu h100-80gb --host-memory 1TiB --nvme 12 --nvme-free 4TiB "
-    "--world 8 --ranks-per-node 8"]
+    "--world 8 --ranks-per-node 8",
+    "--model llama2-70b --micro-batch 1 --seq 4096 --gpu h100-80gb --host-memory 1TiB --nvme 12 --nvme-free 4TiB",
+    "--layers 96 --hidden 12288 --heads 96 --micro-batch 1 --gpu h100-80gb --host-memory 512GiB --nvme 12 "
+    "--nvme-free 16TiB",
+    "--model llama2-13b --micro-batch 1 --gpu h100-80gb --nvme 12 --nvme-free 4TiB"]
 """Issue 27's cases, as ``protrain plan`` arguments (planned as the command plans them,
 gradient clipping on by its default): one rank with 256 GiB of host memory (its states need
 854 GiB), and 8 ranks of one node sharing 1 TiB, where the planner also picks the
 sequence-parallel degree (``search_sequence_parallel``: a search per degree its floor does
-not rule out)."""
+not rule out). Then issue 37's (search time, each with a drive): llama2-70b with 1 TiB (3.2 M
+candidates), a 206B shape (96 blocks of 12288) with 512 GiB, and llama2-13b."""
 
 
 def _timed(plan_it, reps: int):
@@ -77,7 +85,14 @@ def _row(name: str, mb: int, host_gib: int, ssd: str, clip: str, reps: int = 3) 
     return dict(model=name, ssd=ssd, clip=clip, blocks=prof.n_blocks, micro_batch=mb, host_gib=host_gib,
                 candidates=plan.candidates_total, simulated=plan.candidates_evaluated, seconds=best,
                 knobs=plan.knobs.as_tuple(), n_speculate=plan.n_speculate, n_nvme=plan.knobs.n_nvme,
-                host_bytes=plan.prediction.host_bytes, step_time=plan.prediction.step_time)
+                host_bytes=plan.prediction.host_bytes, step_time=plan.prediction.step_time, **_decided(plan))
+
+
+def _decided(plan) -> dict:
+    """What else the plan says of the search, for the comparison with a baseline: its
+    runner-ups (knobs, time) and notes."""
+    return dict(runner_ups=[[list(a.knobs.as_tuple()), a.iter_time] for a in plan.alternatives],
+                notes=list(plan.notes))
 
 
 def _cli_row(arguments: str, reps: int = 3) -> dict:
@@ -98,12 +113,12 @@ def _cli_row(arguments: str, reps: int = 3) -> dict:
     print(f"protrain plan {arguments}: {plan.candidates_total} feasible, {plan.candidates_evaluated} "
           f"simulated, {best:.2f} s, n_nvme {plan.knobs.n_nvme}, P={plan.knobs.sequence_parallel}",
           file=sys.stderr)
-    return dict(model=args.model, ssd="gds" if args.gds else "compat", clip="on", blocks=prof.n_blocks,
+    return dict(model=args.model or f"{args.layers} x {args.hidden}", ssd="gds" if args.gds else "compat", clip="on", blocks=prof.n_blocks,
                 micro_batch=args.micro_batch, host_gib=hw.host_memory // GiB, seq=args.seq, world=args.world,
                 plan=arguments, candidates=plan.candidates_total, simulated=plan.candidates_evaluated,
                 seconds=best, knobs=plan.knobs.as_tuple(), sequence_parallel=plan.knobs.sequence_parallel,
                 n_speculate=plan.n_speculate, n_nvme=plan.knobs.n_nvme,
-                host_bytes=plan.prediction.host_bytes, step_time=plan.prediction.step_time)
+                host_bytes=plan.prediction.host_bytes, step_time=plan.prediction.step_time, **_decided(plan))
 
 
 def _in_process(row: list, tree: str) -> dict:
@@ -123,7 +138,7 @@ def _beside(row: list, baseline: str) -> dict:
     here = str(Path(__file__).resolve().parents[1])
     runs = [(_in_process(row, baseline), _in_process(row, here)) for _ in range(3)]
     base, new = (min((r[k] for r in runs), key=lambda x: x["seconds"]) for k in (0, 1))
-    same = ("knobs", "step_time", "n_speculate", "candidates")
+    same = ("knobs", "step_time", "n_speculate", "candidates", "simulated", "runner_ups", "notes")
     if any(base[k] != new[k] for k in same):
         raise SystemExit(f"{row}: the baseline's plan differs: {base} against {new}")
     commit = subprocess.run(["git", "-C", baseline, "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -601,3 +601,55 @@ def test_with_room_to_spare_the_plan_moves_nothing(copy_engines):
         assert "hedged" in plan.explain() and "error band" in plan.explain()
     else:
         assert moved == 0 and fastest.knobs == plan.knobs and not plan.notes
+
+
+@pytest.mark.parametrize("pins", [{}, dict(n_swap=1), dict(n_checkpoint=1), dict(n_selective=2)])
+def test_activation_counts_are_the_documented_space(pins):
+    """The configurations enumerated without their full cross product (issue 37: the 70B's took
+    a third of a second) are exactly the documented space, in its order: every (n_checkpoint,
+    n_swap, n_ssd, n_selective) within the blocks, kept / checkpointed / selective never all
+    three present unless one of them is pinned."""
+    from protrain.search import space
+    shape = replace(SMALL, n_layers=5, family="llama", vocab=1024)
+    hw = small_hw(**SSD["gds"])
+    prof = analytic_profile(shape, hw)
+    assert prof.has_selective
+    n, n_ssd = prof.n_blocks, max_ssd_blocks(prof, hw)
+    got = space.activation_counts(prof, PlannerConfig(pins=KnobPins(**pins)), hw)
+    want = [(c, s, d, sel) for d in range(min(n, n_ssd) + 1) for c in range(n + 1) for sel in range(n + 1)
+            for s in range(n + 1)
+            if c + s + d + sel <= n and all(pins.get(k, v) == v for k, v in
+                                            dict(n_checkpoint=c, n_swap=s, n_selective=sel).items())
+            and (sel == 0 or c == 0 or c + s + d + sel == n or "n_checkpoint" in pins or "n_selective" in pins)]
+    assert [tuple(r) for r in got] == want
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("ssd, spec", [("none", False), ("gds", True), ("compat", True)])
+def test_a_grid_in_blocks_is_the_grid_in_one(case, ssd, spec, monkeypatch):
+    """candidate_grid computes its points a block of configurations at a time (space._BLOCK):
+    every column and what it gathers for the diagnosis equal the grid computed in one block,
+    bit for bit."""
+    from protrain.search import space
+    shape, dev, host, sizes = CASES[case]
+    hw = small_hw(device_memory=dev, host_memory=host, **SSD[ssd])
+    prof = analytic_profile(shape, hw)
+    config = PlannerConfig(chunk_sizes=sizes, cpu_optim_overlap=not spec, cpu_optim_speculative=spec)
+    budget = hw.device_memory / (1 + config.memory_margin)
+    acts = space.activation_configs(prof, config, hw)
+    grids = {}
+    for block in (10**9, 7, 1):
+        monkeypatch.setattr(space, "_BLOCK", block)
+        stats = {}
+        grids[block] = ([space.candidate_grid(prof, hw, config, acts, cap, budget, stats)
+                         for cap in chunk_capacities(prof, sizes)], stats)
+    (one, one_stats), checked = grids.pop(10**9), 0
+    for blocked, stats in grids.values():
+        assert stats == one_stats
+        for g, h in zip(one, blocked):
+            for name in ("a", "n_persist", "n_buffer", "n_buffer_min", "peak", "host", "lower_bound", "fwd_lb",
+                         "dev_lb", "tail_lb", "moved", "n_nvme"):
+                x, y = getattr(g, name), getattr(h, name)
+                assert x.dtype == y.dtype and np.array_equal(x, y), name
+                checked += len(x)
+    assert checked

@@ -203,26 +203,33 @@ class SpeculatingIterationBound:
         self.n_off = nch - np.asarray(n_persist)
         self.adam = self.adam_top[self.n_off]
         self.backward, self.checks = backward, checks
-        self.n_nvme = np.asarray(n_nvme)
+        self.n_nvme = np.broadcast_to(np.asarray(n_nvme), np.shape(self.n_off))
         self.backup_shift = self.backup_top[self.n_nvme]
         self.wait_top = drive_wait_top(profile, layout, hw, config)
         self.wait = self.wait_top[self.n_nvme]
         lead = first_gradient(profile, layout) + (t_down[-1] if nch else 0.0)
         self.lead = np.where(self.n_off > 0, lead, 0.0)
+        # What every count's chain shares, summed in _chain's order (the same floats).
+        self._base = self.lead + self.adam + self.wait + self.checks
+        self._offloading = self.n_off > 0
+        self._last = np.maximum(self.n_off - 1, 0)
 
-    def _uploads(self, s):
+    def _uploads(self, s, rows=...):
         """Uploads from the chunk the CPU updates last to the end (none without offloading)."""
-        return np.where(self.n_off > 0, self.up_next[np.minimum(s, np.maximum(self.n_off - 1, 0))], 0.0)
+        return np.where(self._offloading[rows], self.up_next[np.minimum(s, self._last[rows])], 0.0)
 
-    def _chain(self, s, backups):
-        return self.lead + self.adam + self.wait + self.checks + backups + self._uploads(s)
+    def _chain(self, s, backups, rows=...):
+        return self._base[rows] + backups + self._uploads(s, rows)
 
-    def at(self, s):
-        waits = self.wait - self.wait_top[np.minimum(s, self.n_nvme)]
-        after = np.where(s < self.n_off, self.backward + self.adam + waits - self.adam_top[s] + self.up_next[s],
-                         self.backward)
-        backups = self.backup_top[s] - self.backup_top[np.minimum(s, self.n_nvme)]
-        return np.maximum(self._chain(s, backups), after)
+    def at(self, s, rows=...):
+        """The bound with the top ``s`` offloaded chunks speculating (of plans ``rows``)."""
+        n_off, n_nvme, wait = self.n_off[rows], self.n_nvme[rows], self.wait[rows]
+        backward = np.broadcast_to(self.backward, np.shape(self.n_off))[rows]
+        waits = wait - self.wait_top[np.minimum(s, n_nvme)]
+        after = np.where(s < n_off, backward + self.adam[rows] + waits - self.adam_top[s] + self.up_next[s],
+                         backward)
+        backups = self.backup_top[s] - self.backup_top[np.minimum(s, n_nvme)]
+        return np.maximum(self._chain(s, backups, rows), after)
 
     def least(self, s_max):
         # s < n_off: after(s) >= backward + adam - fall[s], fall nondecreasing; chain(s) >= it
@@ -234,16 +241,20 @@ class SpeculatingIterationBound:
         rise = self.up_next + fall
         goal = self.backward - self.checks - self.lead - self.wait
         s_cross = np.searchsorted(rise, goal, side="left")
-        s_cross = np.where(s_cross <= self.n_nvme, s_cross,
-                           np.searchsorted(self.backup_top + self.up_next + fall, goal + self.backup_shift,
-                                           side="left"))
-        best = np.full(np.shape(s_lim), np.inf)
+        beyond = np.flatnonzero(s_cross > self.n_nvme)
+        s_cross[beyond] = np.searchsorted(self.backup_top + self.up_next + fall,
+                                          goal[beyond] + self.backup_shift[beyond], side="left")
+        hi = np.maximum(s_lim, 0)
+        ahead = self.backward + self.adam
+        v = []
         for s in (s_cross - 1, s_cross):
-            s = np.clip(s, 0, np.maximum(s_lim, 0))
-            v = np.maximum(self._chain(s, np.maximum(self.backup_top[s] - self.backup_shift, 0.0)),
-                           self.backward + self.adam - fall[s])
-            best = np.where(s_lim >= 0, np.minimum(best, v), best)
-        return np.where(s_max >= self.n_off, np.minimum(best, self.at(self.n_off)), best)
+            s = np.minimum(np.maximum(s, 0), hi)
+            v.append(np.maximum(self._chain(s, np.maximum(self.backup_top[s] - self.backup_shift, 0.0)),
+                                ahead - fall[s]))
+        best = np.where(s_lim >= 0, np.minimum(v[0], v[1]), np.inf)
+        every = np.flatnonzero(np.broadcast_to(s_max >= self.n_off, best.shape))
+        best[every] = np.minimum(best[every], self.at(self.n_off[every], every))
+        return best
 
 
 def backward_compute(profile: ModelProfile, codes: np.ndarray) -> np.ndarray:

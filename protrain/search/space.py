@@ -113,8 +113,11 @@ def activation_counts(profile: ModelProfile, config: PlannerConfig, hw: Hardware
         ns = np.full(len(nd), pins.n_swap)
     else:
         room = n - nd - nc - nl + 1                       # n_swap in 0..room-1
-        rep = np.repeat(np.arange(len(nd)), room)
-        ns = np.arange(len(rep)) - np.repeat(np.cumsum(room) - room, room)
+        # With both recompute kinds, only the n_swap that keeps no block (the filter below).
+        every = (nl == 0) | (nc == 0) | (pins.n_selective is not None) | (pins.n_checkpoint is not None)
+        count = np.where(every, room, 1)
+        rep = np.repeat(np.arange(len(nd)), count)
+        ns = np.arange(len(rep)) - np.repeat(np.cumsum(count) - count - np.where(every, 0, room - 1), count)
         nd, nc, nl = nd[rep], nc[rep], nl[rep]
     keep = n - nd - nc - nl - ns
     ok = (keep >= 0) & ((nl == 0) | (nc == 0) | (keep == 0) | (pins.n_selective is not None)
@@ -179,8 +182,10 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
     ssd, swap_host = csum[nd], csum[nd + ns] - csum[nd]
     # SSD and SWAP free the device alike and leave the same blocks to recompute: walk each
     # (n_checkpoint, n_selective, n_offloaded) once, in batches (long models have many).
-    triples, back = np.unique(np.stack([nc, ns + nd, nl], axis=1), axis=0, return_inverse=True)
+    # (one sort of an integer key: the rows of np.unique(axis=0), in its order)
+    keys, back = np.unique((nc * (n + 1) + ns + nd) * (n + 1) + nl, return_inverse=True)
     back = back.reshape(-1)
+    triples = np.stack([keys // (n + 1) ** 2, keys // (n + 1) % (n + 1), keys % (n + 1)], axis=1)
     fwd = np.array([b.fwd_time for b in profile.blocks])
     sel_t = np.array([b.sel_recompute_time for b in profile.blocks])
     peak = np.empty(len(triples), dtype=np.int64)
@@ -205,10 +210,30 @@ def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerCo
     ``stats`` gathers what the nearest misses needed (``host_needed``, ``buffers_needed``)
     over the chunk sizes, for the diagnosis when nothing fits."""
     layout = build_layout(profile, chunk_numel)
+    fits, nps = _fitting_configs(profile, hw, config, acts, layout, budget)
+    # In blocks of configurations (each with every n_persist), in the grid's order: every
+    # column is elementwise over the points, and a block's temporaries stay in the cache.
+    step = max(1, _BLOCK // len(nps))
+    seen = dict(any_buffers=False, least_buffers=1 << 30)
+    blocks = [_grid_block(profile, hw, config, acts, layout, budget, stats, seen, fits[lo:lo + step], nps)
+              for lo in range(0, max(len(fits), 1), step)]
+    if config.pins.n_buffer is not None and seen["least_buffers"] < 1 << 30 and not seen["any_buffers"]:
+        stats["buffers_needed"] = min(stats.get("buffers_needed", 1 << 30), seen["least_buffers"])
+    return CandidateGrid(layout, *(np.concatenate([b[k] for b in blocks]) for k in range(12)))
+
+
+_BLOCK = 1 << 16
+"""Points of a candidate grid computed together (``candidate_grid``)."""
+
+
+def _grid_block(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
+                seen: dict, fits: np.ndarray, nps: np.ndarray) -> tuple:
+    """The columns of ``CandidateGrid`` (after the layout) for the points of configurations
+    ``fits`` that fit."""
     a_idx, np_idx, nb, nbmin, peak, host, nv = _fitting_points(profile, hw, config, acts, layout, budget,
-                                                               stats)
-    lb, fwd_lb, dev_lb, tail_lb = step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nb,
-                                                   host, nv)
+                                                               stats, seen, fits, nps)
+    bound = step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nb, host, nv)
+    lb, fwd_lb, dev_lb, tail_lb = (np.broadcast_to(x, np.shape(a_idx)) for x in bound)
     # Bytes per micro-step: offloaded chunks up in forward and their gradients down; chunks
     # not among the last n_buffer up again in backward; swapped and NVMe activations out
     # and back in (cost.time_model counts the same); per step, the states on the drive read
@@ -217,8 +242,7 @@ def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerCo
     moved = config.grad_accumulation_steps * (
         2.0 * (ub[layout.n_chunks] - ub[np_idx]) + reupload_bytes(layout, profile, config, np_idx, nb) +
         2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx])) + _state_io_top(profile, config, layout)[nv]
-    return CandidateGrid(layout, a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, dev_lb, tail_lb,
-                         moved, nv)
+    return a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, dev_lb, tail_lb, moved, nv
 
 
 def model_state_bytes(profile: ModelProfile, config: PlannerConfig, layout) -> tuple[np.ndarray, np.ndarray]:
@@ -262,38 +286,48 @@ def _persistent_counts(profile: ModelProfile, config: PlannerConfig, layout, per
     return np.arange(lo, max(lo, min(hi, nch)) + 1)
 
 
-def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict):
+def _fitting_configs(profile, hw, config, acts: ActivationConfigs, layout, budget: float):
+    """(activation configurations, n_persist counts) whose points may fit: the configurations
+    that fit next to the fewest persistent chunks and on the drive (exact: more chunks or
+    buffers only add; long sequences leave few)."""
+    persist = model_state_bytes(profile, config, layout)[0]
+    nps = _persistent_counts(profile, config, layout, persist, budget)
+    drive_room = nvme_free_share(hw) / (1.0 + config.memory_margin)
+    return np.flatnonzero((acts.act_peak + persist[nps[0]] <= budget) & (acts.ssd <= drive_room)), nps
+
+
+def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
+                    seen: dict, fits: np.ndarray, nps: np.ndarray):
     """(activation configuration, n_persist, n_buffer, least n_buffer, device peak, host
-    bytes, n_nvme) of the points that fit, each with the most buffers that fit and the fewest
-    chunks with states on the drive that fit the host (``_drive_states``)."""
+    bytes, n_nvme) of the points of configurations ``fits`` x ``nps`` that fit, each with the
+    most buffers that fit and the fewest chunks with states on the drive that fit the host
+    (``_drive_states``). ``seen`` gathers over the blocks of a grid whether any point has a
+    pinned n_buffer's least buffers, and the fewest any needs."""
     pins = config.pins
     nch = layout.n_chunks
     persist, host_state = model_state_bytes(profile, config, layout)
     buf = buffer_numel(layout, config.data_parallel_size) * planned_state_bytes(profile, config).buffer
     scratch = norm_scratch(profile, config, layout)
-    nps = _persistent_counts(profile, config, layout, persist, budget)
     drive_room = nvme_free_share(hw) / (1.0 + config.memory_margin)
-    # Activation configurations that fit next to the fewest persistent chunks and on the drive
-    # (exact: more chunks or buffers only add); long sequences leave few.
-    fits = np.flatnonzero((acts.act_peak + persist[nps[0]] <= budget) & (acts.ssd <= drive_room))
     a_idx, np_idx = (x.ravel() for x in np.meshgrid(fits, nps, indexing="ij"))
     rem = budget - acts.act_peak[a_idx] - persist[np_idx] - scratch[np_idx]
     nbmin = layout.min_buffers_table()[np_idx]
     if pins.n_buffer is not None:
         nb = np.full_like(np_idx, pins.n_buffer)
     else:
-        nb = np.clip(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0, nch - np_idx)
+        nb = np.minimum(np.maximum(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0), nch - np_idx)
     peak = acts.act_peak[a_idx] + persist[np_idx] + nb * buf + scratch[np_idx]
-    if pins.n_buffer is not None and len(nbmin) and not (nb >= nbmin).any():
-        stats["buffers_needed"] = min(stats.get("buffers_needed", 1 << 30), int(nbmin.min()))
+    if pins.n_buffer is not None and len(nbmin):
+        seen["any_buffers"] |= bool((nb >= nbmin).any())
+        seen["least_buffers"] = min(seen["least_buffers"], int(nbmin.min()))
     # Buffers beyond the offloaded chunks would hold nothing (a pinned n_buffer then caps
     # n_persist); at least the chunks one part spans are needed.
-    dev_ok = (peak <= budget) & (nb >= nbmin) & (nb <= nch - np_idx)
-    a_idx, np_idx, nb, nbmin, peak = (x[dev_ok] for x in (a_idx, np_idx, nb, nbmin, peak))
+    dev_ok = np.flatnonzero((peak <= budget) & (nb >= nbmin) & (nb <= nch - np_idx))
+    a_idx, np_idx, nb, nbmin, peak = (x.take(dev_ok) for x in (a_idx, np_idx, nb, nbmin, peak))
     host = host_state[np_idx] + acts.swap_host[a_idx]
     nv, host, drive = _drive_states(profile, hw, config, layout, np_idx, host, acts.ssd[a_idx], stats)
     ok = (host <= hw.host_memory) & (nv <= nch - np_idx) & (drive <= drive_room)
-    return tuple(x[ok] for x in (a_idx, np_idx, nb, nbmin, peak, host, nv))
+    return tuple(x.take(np.flatnonzero(ok)) for x in (a_idx, np_idx, nb, nbmin, peak, host, nv))
 
 
 def _state_io_top(profile, config, layout) -> np.ndarray:
