@@ -82,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     h = p.add_argument_group("machine")
     h.add_argument("--gpu", default="h100-80gb", help=f"named GPU: {', '.join(MACHINES)} (default h100-80gb)")
     h.add_argument("--hardware", metavar="PATH", help="a hardware profile saved by `protrain probe --save`")
-    h.add_argument("--host-memory", type=_size, help="host memory for offloaded states (default 128GiB "
-                                                     "for named GPUs, measured otherwise)")
+    h.add_argument("--host-memory", type=_size,
+                   help="the node's host memory for offloaded states and swapped activations, as "
+                        "`free` shows it: each of its --ranks-per-node ranks plans for its share "
+                        "(default 128GiB for named GPUs, measured otherwise)")
     h.add_argument("--device-memory", type=_size, help="cap the device memory the plan may use")
     h.add_argument("--cpu-adam-rate", type=float, help="CPU Adam parameters/s (named GPUs assume 1e9)")
     h.add_argument("--nvme", type=float, metavar="GB/s",
@@ -96,9 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks of the launch (one GPU each): model states are sharded over them and "
                         "the planner chooses the Ulysses sequence-parallel degree P among them")
     h.add_argument("--ranks-per-node", type=int, metavar="N",
-                   help="ranks sharing one host (its cores and memory bus): CPU Adam and the host "
-                        "passes of each rank run at 1/N of the host's rates (default: --world, at "
-                        "most 8 - an 8-GPU node)")
+                   help="ranks sharing one host (its cores, memory bus and memory): CPU Adam and "
+                        "the host passes of each rank run at 1/N of the host's rates, and each "
+                        "rank plans for 1/N of --host-memory (default: --world, at most 8 - an "
+                        "8-GPU node)")
     s = p.add_argument_group("search")
     s.add_argument("--pin", type=_pin, action="append", default=[], metavar="KNOB=VALUE",
                    help=f"fix a knob ({', '.join(KNOB_NAMES)}); repeatable")
@@ -393,7 +396,7 @@ def _cmd_list(args) -> int:
     for mch in MACHINES.values():
         print(f"  {mch.name:<15} {fmt_bytes(mch.device_memory):>10}, {mch.bf16_flops / 1e12:.0f} "
               f"TFLOP/s bf16, PCIe {mch.pcie_bandwidth / 1e9:.0f} GB/s")
-    print(f"  (host memory defaults to {fmt_bytes(128 * GiB)}; set --host-memory)")
+    print(f"  (host memory defaults to {fmt_bytes(128 * GiB)} per node; set --host-memory)")
     return 0
 
 

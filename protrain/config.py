@@ -65,10 +65,12 @@ class PlannerConfig:
     device_memory: int | None = None
     """Device bytes the plan may use. None: the measured (or named machine's) capacity."""
     host_memory: int | None = None
-    """Host bytes the plan may use for offloaded model states and swapped activations.
-    None: what the machine has available, less ``host_reserve``."""
+    """The node's host bytes for offloaded model states and swapped activations
+    (``HardwareProfile.host_memory``, what ``free`` shows): each of the node's ranks plans for
+    1/ranks_per_node of it. None: this rank's share of what the host can give, less
+    ``host_reserve`` (``session.host_budget``)."""
     host_reserve: float = 0.10
-    """Share of the available host memory left alone for the data loader, the OS and the
+    """Share of this rank's host memory left alone for the data loader, the OS and the
     framework when host_memory is not set."""
     memory_margin: float = 0.10
     """Allocator fragmentation margin: a plan fits when its predicted peak times (1 + margin)

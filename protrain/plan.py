@@ -13,6 +13,14 @@ from .timeline import Timeline
 from .units import fmt_bytes, fmt_seconds
 
 
+def host_budget_text(share: int, node: int | None, ranks_per_node: int) -> str:
+    """A rank's host budget in words: ``4.0 GiB per rank (the node's 32.0 GiB / 8 ranks)``;
+    the bytes alone with one rank per node, or where the node's figure is unknown (None)."""
+    if ranks_per_node <= 1 or node is None:
+        return fmt_bytes(share)
+    return f"{fmt_bytes(share)} per rank (the node's {fmt_bytes(node)} / {ranks_per_node} ranks)"
+
+
 @dataclass(frozen=True, slots=True)
 class Knobs:
     """ProTrain's knobs, with SSDTrain's NVMe tier and AutoSP's two (sequence parallelism and
@@ -153,6 +161,8 @@ class Plan(JsonValue):
     device_memory: int
     """Device budget the plan was checked against."""
     host_memory: int
+    """Host budget the plan was checked against: this rank's share of the node's host memory
+    (``node_host_memory`` // ``ranks_per_node``), as ``device_memory`` is this rank's device."""
     memory_margin: float
     param_bytes: int
     profile_source: str
@@ -191,6 +201,10 @@ class Plan(JsonValue):
     """Ranks sharing the host the plan was made for (``HardwareProfile.ranks_per_node``): its
     CPU Adam and host passes are priced at 1/ranks_per_node of the node's rates. 1 in plan
     files written before it was recorded."""
+    node_host_memory: int | None = None
+    """The node's host memory ``host_memory`` is a share of (``HardwareProfile.host_memory``:
+    ``protrain plan --host-memory``, ``protrain.host_memory``). None in plan files written
+    before it was recorded: their ``host_memory`` is still what they were checked against."""
 
     def differs_from(self, *, n_blocks: int, param_bytes: int, micro_batch: int | None,
                      seq_len: int | None) -> str | None:
@@ -308,7 +322,8 @@ class Plan(JsonValue):
             + (f" + clipping norm scratch {fmt_bytes(p.norm_scratch_bytes)}" if p.norm_scratch_bytes else "")
             + f", at {p.peak_at}); with {self.memory_margin:.0%} margin "
             f"{fmt_bytes(p.peak_device_bytes * (1 + self.memory_margin))} of {fmt_bytes(budget)}")
-        out.append(f"  host memory {fmt_bytes(p.host_bytes)} of {fmt_bytes(self.host_memory)} "
+        out.append(f"  host memory {fmt_bytes(p.host_bytes)} of "
+                   f"{host_budget_text(self.host_memory, self.node_host_memory, self.ranks_per_node)} "
                    f"(swapped activations {fmt_bytes(p.swap_host_bytes)}); per iteration H2D "
                    f"{fmt_bytes(p.h2d_bytes)}, D2H {fmt_bytes(p.d2h_bytes)}")
         if self.alternatives:

@@ -105,7 +105,9 @@ def plan_activations(model: nn.Module | Sequence[nn.Module], sample: Sample | No
     ``sample`` is profiled once (forward + backward, weights untouched) unless a ``profile`` is
     given. ``states`` are the model-state bytes Megatron keeps per rank (default: this rank's
     parameters with Megatron's mixed-precision Adam, not distributed). ``device_memory``
-    defaults to the device's capacity; ``pins`` may fix n_checkpoint / n_swap / n_ssd.
+    defaults to the device's capacity; ``host_memory`` is the node's, each of its ranks plans
+    for its share (default: this rank's share of what the host can give); ``pins`` may fix
+    n_checkpoint / n_swap / n_ssd.
     ``in_flight_microbatches`` > 1 (pipeline parallelism) multiplies the activation memory and
     rules out swap / NVMe. NVMe layers write their saved tensors under ``ssd_path`` (storages
     under ``ssd_min_bytes`` stay on the device; ``ssd_verify`` checksums what is read back).
@@ -269,9 +271,9 @@ class _MegatronSteps:
         local = _ranks_per_node()
         if local > 1:
             # Every rank on this host swaps to the same memory and writes to the same drive,
-            # and shares its cores and memory bus (cost.host_share).
-            hw = replace(hw, host_memory=hw.host_memory // local,
-                         nvme_free_bytes=hw.nvme_free_bytes // local, ranks_per_node=local)
+            # and shares its cores and memory bus: the search gives each rank 1/local of the
+            # node's figures (cost.host_share).
+            hw = replace(hw, ranks_per_node=local)
             self.notes.append(f"host memory and NVMe space shared by {local} ranks on this host")
         return hw
 

@@ -37,7 +37,8 @@ def add_protrain_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--protrain-device-memory", default=None, metavar="SIZE",
                    help="device memory the plan may use per rank, e.g. 70GiB (default: the GPU's)")
     g.add_argument("--protrain-host-memory", default=None, metavar="SIZE",
-                   help="host memory for swapped activations per rank (default: what is free)")
+                   help="the node's host memory for swapped activations, shared by its ranks: "
+                        "each plans for 1/ranks-per-node of it (default: what is free)")
     g.add_argument("--protrain-memory-margin", type=float, default=0.10, metavar="FRACTION",
                    help="headroom kept above the predicted peak (default 0.10)")
     g.add_argument("--protrain-ssd-path", default=None, metavar="DIR",

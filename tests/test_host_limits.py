@@ -352,3 +352,55 @@ def test_the_default_budget_is_what_the_runtime_may_pin_and_the_fixes_name_only_
     pinned = replace(config, pins=KnobPins(n_nvme=3), speculate_chunks=None)
     with pytest.raises(InfeasibleError, match=r"unpin n_nvme, pinned to 3"):
         admit(big, limits, pinned, ssd_path=str(tmp_path))
+
+
+def test_protrain_host_memory_is_the_nodes_shared_by_its_ranks(tmp_path, capsys):
+    """Issue 37, item 6: the runtime's budget with 4 ranks on a node. Without the key each rank
+    plans for its share of what the node can give (less the reserve); ``protrain.host_memory``
+    is the node's, as ``protrain plan --host-memory`` and the machine line: each rank plans
+    for a quarter of it. The start-up line names the node's figure and the rank's; a key set
+    above what the node can give is refused naming both, with the node's figure to set."""
+    from protrain.config import PlannerConfig
+    from protrain.runtime.collectives import DataParallel
+    from protrain.search import InfeasibleError, search
+    from protrain.session.host_budget import default_budget
+    from protrain.session.ranks import PlanRanks
+    from protrain.session.session import PlanningSession, PlanningSteps
+    prof, hw, _ = _speculating_small(GiB, drive=False)
+    hw = replace(hw, ranks_per_node=4)
+    limits = read_host_limits(fake_host(tmp_path / "h", total=64 * GiB, available=32 * GiB), ranks_per_node=4)
+    assert limits.share == 8 * GiB
+    steps = PlanningSteps(load=lambda planner, target: None, measure=lambda batch: prof,
+                          machine=lambda: hw, search=lambda p, h, c, t: search(p, h, c),
+                          word=lambda failure: failure.own, host=lambda: limits)
+
+    def first(config):
+        return PlanningSession(PlanRanks(DataParallel()), steps, plan_file=None).first_plan(
+            config, None, None, verbosity=1, probe=lambda: None)
+    config = PlannerConfig(chunk_sizes=(1 * MiB,))
+    plan = first(config)
+    budget = default_budget(limits, config.host_reserve)
+    assert plan.host_memory == budget == int(8 * GiB * 0.9) and plan.node_host_memory == 4 * budget
+    out = capsys.readouterr().out
+    assert (f"host budget {fmt_bytes(budget)} per rank ({fmt_bytes(4 * budget)} for the node's 4 ranks): "
+            f"this rank's 8.0 GiB less the 10% host_reserve") in out, out
+    assert f"of {fmt_bytes(budget)} per rank (the node's {fmt_bytes(4 * budget)} / 4 ranks)" in out
+
+    plan = first(replace(config, host_memory=20 * GiB))           # the node's 20 GiB: 5 GiB each
+    assert plan.host_memory == 5 * GiB and plan.node_host_memory == 20 * GiB
+    assert plan.prediction.host_bytes <= 5 * GiB
+    out = capsys.readouterr().out
+    assert ("host budget 20.0 GiB for the node (protrain.host_memory): 5.0 GiB for each of the "
+            "node's 4 ranks; this rank can have 8.0 GiB") in out, out
+
+    # The node's 64 GiB: 16 GiB a rank, more than the 8 GiB each can have. A plan that takes
+    # more than its share is refused before anything is pinned.
+    big = replace(plan, prediction=replace(plan.prediction, host_bytes=9 * GiB))
+    with pytest.raises(InfeasibleError) as e:
+        PlanningSession(PlanRanks(DataParallel()), replace(steps, search=lambda p, h, c, t: big),
+                        plan_file=None).decide(replace(config, host_memory=64 * GiB), None)
+    msg = str(e.value)
+    for words in ("this rank can have 8.0 GiB", "this rank's share (4 ranks on the node) 8.0 GiB",
+                  f"set protrain.host_memory to at most {fmt_bytes(4 * budget)} (the node's host "
+                  f"memory, {fmt_bytes(budget)} for each of its 4 ranks; it is 64.0 GiB, 16.0 GiB each)"):
+        assert words in msg, (words, msg)

@@ -20,6 +20,7 @@ from protrain.plan import Plan
 from protrain.runtime import host_threads
 from protrain.runtime.node import NodeShare, from_launcher, node_share
 from protrain.search import search
+from protrain.units import fmt_bytes
 
 
 def _layout(profile):
@@ -67,9 +68,12 @@ def test_the_plan_records_ranks_per_node_and_old_plan_files_load():
     assert "host shared by 4 ranks per node" in plan.explain().splitlines()[1]    # the machine line
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["ranks_per_node"] == 4 and Plan.from_dict(data) == plan
-    del data["ranks_per_node"]                      # a plan file written before the field
+    node = slow_link().host_memory                  # the node's; each of its 4 ranks plans for a quarter
+    assert data["node_host_memory"] == node and data["host_memory"] == node // 4
+    del data["ranks_per_node"], data["node_host_memory"]     # a plan file written before the fields
     old = Plan.from_dict(data)
-    assert old.ranks_per_node == 1 and old.knobs == plan.knobs
+    assert old.ranks_per_node == 1 and old.knobs == plan.knobs and old.node_host_memory is None
+    assert f"of {fmt_bytes(plan.host_memory)} (swapped" in old.explain()   # what it was checked against
     one = search(profile, slow_link())
     assert one.ranks_per_node == 1 and "ranks per node" not in one.explain()
 
@@ -242,3 +246,74 @@ def test_the_first_steps_host_check_runs_on_the_ranks_share_of_the_cores(monkeyp
         host_threads.set_thread_count(before)
     assert seen and all(n == share and share > 1 for n, share in seen), seen
     assert after == 1                                     # the training thread's count is put back
+
+
+# Issue 37, item 6: --host-memory is the node's, as the machine line prints it; each of the
+# node's ranks plans for its share. llama2-7b, micro-batch 32 x 4096 tokens on H200s: with
+# the node's 32 GiB taken as each rank's, the plan held 16.7 GiB per rank (134 GiB a node).
+LONG_7B = ["plan", "--model", "llama2-7b", "--gpu", "h200", "--micro-batch", "32", "--seq", "4096",
+           "--world", "8"]
+
+
+def _plan_json(capsys, *args) -> dict:
+    from protrain.cli import main
+    assert main(list(args) + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_host_memory_is_the_nodes_and_each_rank_plans_for_its_share(capsys):
+    from protrain.cli import main
+    node = 32 * 2**30
+    eight = _plan_json(capsys, *LONG_7B, "--ranks-per-node", "8", "--host-memory", "32GiB")
+    assert eight["prediction"]["host_bytes"] <= node // 8
+    assert eight["host_memory"] == node // 8 and eight["node_host_memory"] == node
+    assert "host 32.0 GiB" in eight["machine"]
+    # The node's 32 GiB as every rank's (what the planner did before): it takes more than 4 GiB,
+    # so the share above is what bound the plan.
+    whole = _plan_json(capsys, *LONG_7B, "--ranks-per-node", "8", "--host-memory", "256GiB")
+    assert whole["prediction"]["host_bytes"] > node // 8
+    # A node per rank: the rank has the node's 32 GiB and uses more than an eighth of it.
+    one = _plan_json(capsys, *LONG_7B, "--ranks-per-node", "1", "--host-memory", "32GiB")
+    assert one["host_memory"] == one["node_host_memory"] == node
+    assert node // 8 < one["prediction"]["host_bytes"] <= node
+    assert main(LONG_7B + ["--ranks-per-node", "8", "--host-memory", "32GiB"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("  host memory"))
+    assert " of 4.0 GiB per rank (the node's 32.0 GiB / 8 ranks) " in row, row
+
+
+def test_a_model_that_fits_a_node_per_rank_but_not_eight_ranks_a_node_names_the_share(capsys):
+    from protrain.cli import main
+    cmd = ["plan", "--model", "llama2-13b", "--world", "8", "--host-memory", "32GiB"]
+    assert main(cmd + ["--ranks-per-node", "1"]) == 0
+    capsys.readouterr()
+    assert main(cmd + ["--ranks-per-node", "8"]) == 3
+    err = capsys.readouterr().err
+    for words in ("host memory too small", "but 4.0 GiB per rank (the node's 32.0 GiB / 8 ranks) is available",
+                  "the node's 8 ranks need", "put fewer ranks on each node", "GiB of host memory per rank"):
+        assert words in err, (words, err)
+
+
+def test_one_rank_per_node_plans_as_when_host_memory_was_each_ranks(monkeypatch, capsys):
+    """With a rank per node the share is the node's figure: the plans are those of the search
+    comparing each rank's host bytes with ``host_memory`` itself (as it did before the share),
+    field for field; with 8 ranks a node they are not (the comparison is patched)."""
+    import importlib
+    users = ["protrain.search.policy", "protrain.search.space", "protrain.search.evaluation",
+             "protrain.search.diagnosis", "protrain.sp.longest"]
+    cases = [["--model", "llama2-7b", "--micro-batch", "4"],
+             ["--model", "llama3-8b", "--host-memory", "160GiB"],
+             ["--model", "gpt2-1.5b", "--gpu", "rtx3090", "--micro-batch", "8"],
+             LONG_7B[1:] + ["--ranks-per-node", "8", "--host-memory", "32GiB"]]
+
+    def plans() -> list[dict]:
+        out = [_plan_json(capsys, "plan", *c) for c in cases]
+        for p in out:
+            del p["search_seconds"]
+        return out
+    share = plans()
+    for name in users:
+        monkeypatch.setattr(importlib.import_module(name), "host_memory_share", lambda hw: hw.host_memory)
+    whole = plans()
+    assert share[:-1] == whole[:-1]
+    assert share[-1]["knobs"] != whole[-1]["knobs"]

@@ -67,9 +67,13 @@ def test_seq_max_with_ranks_takes_the_longest_over_the_degrees(capsys):
 
 
 def test_infeasible_message_names_the_longest_sequence_under_every_degree(capsys):
-    _, out, _ = _plan(capsys, "--seq", "max", "--world", "4")
+    # 16 GiB of host memory for each of the 4 ranks on the node (--host-memory is the node's).
+    # With 4 GiB each the leanest plan at 262144 tokens is another, and the linear estimate
+    # for P=1 lands 3 granules short (15744 for 16128): an estimate, as the message says.
+    node = ("--world", "4", "--host-memory", "64GiB")
+    _, out, _ = _plan(capsys, "--seq", "max", *node)
     _, per, _ = _longest(out)
-    rc, _, err = _plan(capsys, "--world", "4", "--seq", "262144")
+    rc, _, err = _plan(capsys, *node, "--seq", "262144")
     assert rc == 3 and "no sequence-parallel degree fits" in err
     named = {int(p): int(n) for p, n in
              re.findall(r"P=(\d+) does not fit: needs [^;]*? \(sequences up to about (\d+) tokens fit\)", err)}

@@ -114,8 +114,9 @@ def test_ample_host_keeps_states_on_host_and_a_pin_is_honoured_and_priced():
 
 def test_eight_ranks_per_node_share_the_drive():
     """llama2-7b over 8 ranks of one node whose host holds too little: states go to the drive,
-    whose bandwidth and space the 8 ranks share (more drive time per rank than one rank alone)."""
-    hw = replace(machine("h100-80gb").profile(host_memory=2 * GiB), nvme_write_bandwidth=12e9,
+    whose bandwidth and space the 8 ranks share (more drive time per rank than one rank alone).
+    The node's 16 GiB of host memory: 2 GiB for each rank."""
+    hw = replace(machine("h100-80gb").profile(host_memory=16 * GiB), nvme_write_bandwidth=12e9,
                  nvme_read_bandwidth=12e9, nvme_free_bytes=1 << 40, ranks_per_node=8)
     prof = analytic_profile(replace(PRESETS["llama2-7b"], micro_batch=1, seq_len=4096), hw)
     config = PlannerConfig(data_parallel_size=8, cpu_optim_overlap=False, cpu_optim_speculative=True,

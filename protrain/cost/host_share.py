@@ -76,3 +76,10 @@ def rank_rates(hw: HardwareProfile) -> RankRates:
 def nvme_free_share(hw: HardwareProfile) -> float:
     """Bytes of the drive's free space one of the node's ranks may fill."""
     return hw.nvme_free_bytes / max(1, hw.ranks_per_node)
+
+
+def host_memory_share(hw: HardwareProfile) -> int:
+    """Host bytes one of the node's ranks may plan for: ``hw.host_memory`` is the node's
+    (``protrain plan --host-memory``, ``protrain.host_memory``), and its ranks' states and
+    swapped activations share it."""
+    return hw.host_memory // max(1, hw.ranks_per_node)

@@ -26,7 +26,9 @@ class HardwareProfile(JsonValue):
     """Bytes of device memory the framework can allocate (total less what the CUDA context and
     other processes hold)."""
     host_memory: int
-    """Bytes of host memory available for pinned model states and swapped activations."""
+    """Bytes of the node's host memory available for pinned model states and swapped
+    activations; each of its ``ranks_per_node`` ranks plans for its share
+    (``cost.host_share.host_memory_share``)."""
     h2d_bandwidth: float
     """Host-to-device copy bandwidth from pinned memory, bytes/s."""
     d2h_bandwidth: float

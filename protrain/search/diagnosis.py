@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 
 from ..config import ALL, KNOB_NAMES, KnobPins, PlannerConfig
+from ..cost.host_share import host_memory_share
 from ..cost.memory import buffer_numel
 from ..layout import build_layout
 from ..plan import Knobs, Plan
@@ -17,7 +18,7 @@ from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..units import fmt_bytes
 from .candidates import ActivationConfigs
-from .evaluation import drive_space_message, evaluate
+from .evaluation import drive_space_message, evaluate, host_text
 from .infeasible import InfeasibleError
 from .policy import drive_states_possible, norm_scratch, planned_state_bytes
 from .space import candidate_capacities, model_state_bytes
@@ -44,7 +45,7 @@ def _binding_resource(profile, hw, config: PlannerConfig, stats: dict) -> Infeas
     """The drive or the host memory, where one of them rules out every point that fit the
     device (``stats``: what the nearest misses needed), with its fix; None: no point fit the
     device."""
-    if "host_needed" in stats and stats["host_needed"] <= hw.host_memory and "drive_needed" in stats:
+    if "host_needed" in stats and stats["host_needed"] <= host_memory_share(hw) and "drive_needed" in stats:
         need = int(stats["drive_needed"])
         return InfeasibleError(drive_space_message(hw, config, need, what="the plan that needs the least drive"))
     if "host_needed" in stats:
@@ -57,12 +58,14 @@ def _binding_resource(profile, hw, config: PlannerConfig, stats: dict) -> Infeas
 def _host_message(profile, hw, config: PlannerConfig, need: int, backups: int = 0) -> str:
     """Host memory too small: what the states need, and what to do - the drive among it.
     ``backups``: of ``need``, the speculation backups a pinned ``speculate_chunks`` holds (the
-    first thing to change where the rest fits: the planner speculates within the budget)."""
+    first thing to change where the rest fits: the planner speculates within the budget).
+    ``need`` is per rank, against the rank's share of the node's host memory."""
     spec = (f"{fmt_bytes(backups)} of it the speculation backups (12 bytes per parameter) of the "
             f"chunks speculate_chunks={config.speculate_chunks} makes speculate" if backups else "")
-    if backups and need - backups <= hw.host_memory:
+    have = host_text(hw)
+    if backups and need - backups <= host_memory_share(hw):
         return (f"host memory too small: the plan that needs the least host memory needs "
-                f"{fmt_bytes(need)}, {spec}, but {fmt_bytes(hw.host_memory)} is available. Pin "
+                f"{fmt_bytes(need)}, {spec}, but {have} is available. Pin "
                 f"speculate_chunks lower, or leave it on auto (the planner speculates with the "
                 f"chunks whose backups fit the host memory left)")
     spec = f" ({spec}: pin speculate_chunks lower, or leave it on auto)" if backups else ""
@@ -71,18 +74,28 @@ def _host_message(profile, hw, config: PlannerConfig, need: int, backups: int = 
         return (f"host memory too small: even with every offloaded chunk's optimizer states on the "
                 f"drive, the offloaded parameters and gradients ({sb.host - sb.nvme} bytes per "
                 f"offloaded parameter) and the staging ring need at least {fmt_bytes(need)} of host "
-                f"memory{spec}, but {fmt_bytes(hw.host_memory)} is available. Add host memory (or raise "
-                f"protrain.host_memory / --host-memory if the machine has more), shard the states "
+                f"memory{spec}, but {have} is available. {_more_host(hw, need)}, shard the states "
                 f"over more data-parallel ranks, or train a smaller model.")
     drive = ("" if drive_states_possible(config, hw) or config.model_states_fixed is not None else
              f" Or set ssd_path (protrain.ssd_path; protrain plan --nvme GB/s) to put optimizer states "
              f"({sb.nvme} bytes per parameter) on the drive.")
     return (f"host memory too small: the offloaded model states "
             f"({sb.host} bytes per offloaded parameter) "
-            f"need at least {fmt_bytes(need)} of host memory{spec}, but {fmt_bytes(hw.host_memory)} is "
-            f"available. Add host memory (or raise protrain.host_memory / --host-memory if the "
-            f"machine has more), shard the states over more data-parallel ranks, or train a "
-            f"smaller model.{drive}")
+            f"need at least {fmt_bytes(need)} of host memory{spec}, but {have} is "
+            f"available. {_more_host(hw, need)}, shard the states over more data-parallel ranks, "
+            f"or train a smaller model.{drive}")
+
+
+def _more_host(hw, need: int) -> str:
+    """The first fix of a host memory too small for ``need`` bytes per rank: more of it, for
+    the node's ranks together where several share it."""
+    rpn = max(1, hw.ranks_per_node)
+    more = ("Add host memory (or raise protrain.host_memory / --host-memory, the node's host "
+            "memory, if the machine has more)")
+    if rpn <= 1:
+        return more
+    return (f"{more}: the node's {rpn} ranks need {fmt_bytes(need * rpn)} together; or put fewer "
+            f"ranks on each node")
 
 
 def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: Search) -> InfeasibleError | None:
@@ -161,9 +174,9 @@ def _device_diagnosis(profile, hw, config: PlannerConfig, budget: float, acts, c
     """The device memory the leanest plan needs, and the micro-batch or sequence length that
     would fit the device."""
     margin = config.memory_margin
-    need, states = _leanest(profile, config, acts, caps, hw.host_memory)
+    need, states = _leanest(profile, config, acts, caps, host_memory_share(hw))
     device_needed = int(np.ceil(need * (1 + margin)))
-    msg = (f"device memory too small: the leanest plan that fits {fmt_bytes(hw.host_memory)} of "
+    msg = (f"device memory too small: the leanest plan that fits {host_text(hw)} of "
            f"host memory (blocks checkpointed or swapped, as many chunks offloaded as the host "
            f"takes) peaks at {fmt_bytes(need)}, so it needs {fmt_bytes(device_needed)} with the "
            f"{margin:.0%} margin, but {fmt_bytes(hw.device_memory)} is available.")

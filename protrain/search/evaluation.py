@@ -14,11 +14,11 @@ from ..cost.memory import MemoryPrediction, offload_bytes, predict_memory
 from ..cost.predicted_timeline import predicted_timeline
 from ..cost.time_model import simulate
 from ..layout import build_layout
-from ..plan import ChunkSummary, Knobs, Plan, Prediction
+from ..plan import ChunkSummary, Knobs, Plan, Prediction, host_budget_text
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..state_tier import NVME_STATE_SLOTS
-from ..cost.host_share import nvme_free_share
+from ..cost.host_share import host_memory_share, nvme_free_share
 from ..units import fmt_bytes
 from .bounds import SpeculatingIterationBound, backward_bound, backward_compute, host_checks
 from .candidates import ActivationConfigs, CandidateGrid
@@ -150,7 +150,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         chunks=ChunkSummary(n_chunks=layout.n_chunks, chunk_numel=layout.chunk_numel,
                             total_numel=layout.total_numel, min_persist=layout.min_persist),
         prediction=pred, model=profile.describe(), machine=hw.describe(),
-        device_memory=hw.device_memory, host_memory=hw.host_memory,
+        device_memory=hw.device_memory, host_memory=host_memory_share(hw), node_host_memory=hw.host_memory,
         memory_margin=config.memory_margin, param_bytes=profile.param_bytes,
         profile_source=profile.source, pinned=tuple(sorted(config.pins.pinned())),
         alternatives=tuple(alternatives), search_seconds=search_seconds,
@@ -268,7 +268,8 @@ def drive_space_message(hw: HardwareProfile, config: PlannerConfig, need: int, *
 
 
 def _check_fit(hw: HardwareProfile, config: PlannerConfig, knobs: Knobs, mem: MemoryPrediction) -> None:
-    """Refuse a plan that does not fit the device (with the margin), the host or the drive."""
+    """Refuse a plan that does not fit the device (with the margin), this rank's share of the
+    node's host memory or of the drive."""
     need = mem.peak_device_bytes * (1 + config.memory_margin)
     drive = mem.ssd_bytes + mem.nvme_state_bytes
     if drive and drive * (1 + config.memory_margin) > nvme_free_share(hw):
@@ -276,9 +277,15 @@ def _check_fit(hw: HardwareProfile, config: PlannerConfig, knobs: Knobs, mem: Me
             raise InfeasibleError(f"plan {knobs} writes {fmt_bytes(mem.ssd_bytes)} of activations "
                                   f"to NVMe but the SSD path has {fmt_bytes(hw.nvme_free_bytes)} free")
         raise InfeasibleError(drive_space_message(hw, config, drive, what=f"plan {knobs}"))
-    if need > hw.device_memory or mem.host_bytes > hw.host_memory:
+    if need > hw.device_memory or mem.host_bytes > host_memory_share(hw):
         raise InfeasibleError(
             f"plan {knobs} needs {fmt_bytes(need)} device (with margin) and "
-            f"{fmt_bytes(mem.host_bytes)} host, but {fmt_bytes(hw.device_memory)} device and "
-            f"{fmt_bytes(hw.host_memory)} host are available",
+            f"{fmt_bytes(mem.host_bytes)} host memory, but {fmt_bytes(hw.device_memory)} device and "
+            f"{host_text(hw)} host memory are available",
             device_needed=int(need), host_needed=mem.host_bytes)
+
+
+def host_text(hw: HardwareProfile) -> str:
+    """The host memory a rank may plan for, in words: its share of the node's where several
+    ranks share it (``plan.host_budget_text``)."""
+    return host_budget_text(host_memory_share(hw), hw.host_memory, hw.ranks_per_node)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import PlannerConfig
+from ..cost.host_share import host_memory_share
 from ..cost.memory import StateBytes, norm_scratch_bytes, state_bytes
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
@@ -80,15 +81,15 @@ def pinned_speculation(layout, config: PlannerConfig, n_persist) -> np.ndarray:
 def speculation_max(layout, hw: HardwareProfile, config: PlannerConfig, n_persist, host_bytes, n_nvme=0):
     """The most offloaded chunks a plan may speculate with (``evaluation.boundary_times`` picks
     among none, these, and a count in between): the pin, else those whose backups fit the host
-    memory left (the ``n_nvme`` chunks with states on the drive need none); none without
-    speculation."""
+    memory left of this rank's share (the ``n_nvme`` chunks with states on the drive need
+    none); none without speculation."""
     n_off = layout.n_chunks - np.asarray(n_persist)
     if not speculates(config):
         return np.zeros_like(n_off)
     if config.speculate_chunks is not None:
         return np.minimum(config.speculate_chunks, n_off)
     top = backup_from_top(layout, config.data_parallel_size)
-    room = hw.host_memory - np.asarray(host_bytes, dtype=np.int64)
+    room = host_memory_share(hw) - np.asarray(host_bytes, dtype=np.int64)
     k = np.asarray(n_nvme)
     fit = np.maximum(np.searchsorted(top, room + top[k], side="right") - 1, k)
     return np.minimum(n_off, fit).clip(min=0)

@@ -3,9 +3,12 @@ before any rank builds it.
 
 The budget a search gets is this rank's share of what the host can give (``runtime.host_limits``:
 MemAvailable and the memory cgroup, divided among the node's ranks), less
-``PlannerConfig.host_reserve`` for the data loader, the OS and the framework;
-``protrain.host_memory`` replaces it. With ``ssd_path`` set the search then moves optimizer
-states to the drive (``Knobs.n_nvme``) rather than past the budget.
+``PlannerConfig.host_reserve`` for the data loader, the OS and the framework.
+``protrain.host_memory`` replaces it with the node's host memory, as ``protrain plan
+--host-memory`` and the plan's machine line give it: each rank plans for 1/ranks_per_node of
+it (``cost.host_share.host_memory_share``). The machine the search gets carries the node's
+figure too (this rank's budget times the node's ranks). With ``ssd_path`` set the search then
+moves optimizer states to the drive (``Knobs.n_nvme``) rather than past the budget.
 
 A plan, searched or loaded from a plan file, is admitted by the deciding rank:
 
@@ -35,21 +38,35 @@ def default_budget(limits: HostLimits, reserve: float) -> int:
 
 
 def with_host_budget(hw: HardwareProfile, limits: HostLimits, planner: PlannerConfig) -> HardwareProfile:
-    """``hw`` with this rank's default host budget (the search replaces it with
-    ``planner.host_memory`` where that is set)."""
-    return replace(hw, host_memory=default_budget(limits, planner.host_reserve))
+    """``hw`` with the node's default host budget: this rank's times the ranks ``hw`` shares
+    its host with, so that the search's share of it is this rank's budget exactly (the search
+    replaces it with ``planner.host_memory``, the node's, where that is set)."""
+    return replace(hw, host_memory=default_budget(limits, planner.host_reserve) * max(1, hw.ranks_per_node))
+
+
+def rank_budget(planner: PlannerConfig, limits: HostLimits) -> int | None:
+    """This rank's part of ``protrain.host_memory`` (the node's), or None where it is not set."""
+    if planner.host_memory is None:
+        return None
+    return planner.host_memory // max(1, limits.ranks_per_node)
 
 
 def describe_budget(limits: HostLimits, planner: PlannerConfig) -> str:
-    """Where the host budget comes from, in one line."""
+    """Where the host budget comes from, in one line: the node's figure and this rank's share
+    where several ranks share the node."""
+    rpn = max(1, limits.ranks_per_node)
     if planner.host_memory is not None:
-        return (f"host budget {fmt_bytes(planner.host_memory)} (protrain.host_memory); this rank "
-                f"can have {fmt_bytes(limits.share)}: {limits.describe()}")
+        each = (f": {fmt_bytes(rank_budget(planner, limits))} for each of the node's {rpn} ranks"
+                if rpn > 1 else "")
+        return (f"host budget {fmt_bytes(planner.host_memory)} for the node (protrain.host_memory)"
+                f"{each}; this rank can have {fmt_bytes(limits.share)}: {limits.describe()}")
     budget = default_budget(limits, planner.host_reserve)
     kept = (f"the {planner.host_reserve:.0%} host_reserve" if budget < limits.pinnable else
             f"the {fmt_bytes(limits.share - budget)} the pinning guard keeps free (more than the "
             f"{planner.host_reserve:.0%} host_reserve)")
-    return f"host budget {fmt_bytes(budget)}: this rank's {fmt_bytes(limits.share)} less {kept}; {limits.describe()}"
+    node = f" per rank ({fmt_bytes(budget * rpn)} for the node's {rpn} ranks)" if rpn > 1 else ""
+    return (f"host budget {fmt_bytes(budget)}{node}: this rank's {fmt_bytes(limits.share)} "
+            f"less {kept}; {limits.describe()}")
 
 
 def admit(plan: Plan, limits: HostLimits, planner: PlannerConfig, *,
@@ -81,13 +98,18 @@ def admit(plan: Plan, limits: HostLimits, planner: PlannerConfig, *,
 def _fixes(plan: Plan, limits: HostLimits, planner: PlannerConfig, *, ssd_path: str | None) -> str:
     """What would make the plan fit, most direct first."""
     budget = default_budget(limits, planner.host_reserve)
+    rpn = max(1, limits.ranks_per_node)
     fixes = []
-    if planner.host_memory is not None and planner.host_memory > budget:
-        fixes.append(f"set protrain.host_memory to at most {fmt_bytes(budget)} (it is "
-                     f"{fmt_bytes(planner.host_memory)}), or remove it: the default is this budget")
+    if planner.host_memory is not None and rank_budget(planner, limits) > budget:
+        it = (f"the node's host memory, {fmt_bytes(budget)} for each of its {rpn} ranks; it is "
+              f"{fmt_bytes(planner.host_memory)}, {fmt_bytes(rank_budget(planner, limits))} each"
+              if rpn > 1 else f"it is {fmt_bytes(planner.host_memory)}")
+        fixes.append(f"set protrain.host_memory to at most {fmt_bytes(budget * rpn)} ({it}), or "
+                     f"remove it: the default is this budget")
     elif plan.host_memory > budget:
         fixes.append(f"plan again (the plan was made for {fmt_bytes(plan.host_memory)} of host "
-                     f"memory; delete the plan file, the default budget here is {fmt_bytes(budget)})")
+                     f"memory per rank; delete the plan file, the default budget here is "
+                     f"{fmt_bytes(budget)} per rank)")
     # Only knobs the user pinned are worth unpinning: the planner fits the others already.
     if planner.speculate_chunks is not None and plan.n_speculate:
         fixes.append(f"pin speculate_chunks lower or leave it on auto (it is {planner.speculate_chunks}: "

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..cost.host_share import host_memory_share
 from ..plan import Plan
 from ..profile.hardware import HardwareProfile
 from ..search import InfeasibleError
@@ -117,10 +118,13 @@ def binding(error: InfeasibleError, hw: HardwareProfile) -> str:
         return (f"device memory binds (the leanest plan needs {fmt_bytes(error.device_needed)} with "
                 f"the margin, {fmt_bytes(error.device_needed - hw.device_memory)} more than the "
                 f"{fmt_bytes(hw.device_memory)} there is)")
-    if error.host_needed and error.host_needed > hw.host_memory:
-        return (f"host memory binds (the plan needs {fmt_bytes(error.host_needed)}, "
-                f"{fmt_bytes(error.host_needed - hw.host_memory)} more than the "
-                f"{fmt_bytes(hw.host_memory)} there is)")
+    share = host_memory_share(hw)
+    if error.host_needed and error.host_needed > share:
+        rpn = max(1, hw.ranks_per_node)
+        each = (f" per rank, {fmt_bytes(error.host_needed - share)} more than the {fmt_bytes(share)} "
+                f"each of the node's {rpn} ranks has of its {fmt_bytes(hw.host_memory)}" if rpn > 1 else
+                f", {fmt_bytes(error.host_needed - share)} more than the {fmt_bytes(share)} there is")
+        return f"host memory binds (the plan needs {fmt_bytes(error.host_needed)}{each})"
     return str(error).split(". ")[0]
 
 

@@ -186,8 +186,9 @@ def _reasons(degrees, plans, failures, a2a, shape: SPShape, unsupported, best: i
             continue
         if p in failures:
             e = failures[p]
-            need = f"needs {fmt_bytes(e.device_needed)} of device memory" if e.device_needed else \
-                f"needs {fmt_bytes(e.host_needed)} of host memory" if e.host_needed else str(e).split(";")[0]
+            need = (f"needs {fmt_bytes(e.device_needed)} of device memory" if e.device_needed else
+                    f"needs {fmt_bytes(e.host_needed)} of host memory per rank" if e.host_needed else
+                    str(e).split(";")[0])
             out.append(f"{k}={p} does not fit: {need}" + _fits_up_to(e, p, shape))
             continue
         pr = plans[p].prediction
