@@ -10,7 +10,7 @@ import numpy as np
 from ..block_mode import CKPT, SEL, layout_codes
 from ..config import ALL, PlannerConfig
 from ..cost.chunk_times import state_io_times
-from ..cost.host_share import nvme_free_share, rank_rates
+from ..cost.host_share import host_memory_share, nvme_free_share, rank_rates
 from ..cost.memory import activation_walk, buffer_numel, nvme_file_top, nvme_state_top, offload_bytes, staging_bytes
 from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
@@ -57,7 +57,7 @@ def least_state_drive_time(profile: ModelProfile, config: PlannerConfig, hw: Har
         np_hi = int(_persistent_counts(profile, config, layout, persist, budget)[-1])
         top = _state_top(profile, config, layout)
         ring = int(staging_bytes(layout, planned_state_bytes(profile, config), config.data_parallel_size, 1))
-        excess = host_state[np_hi] - hw.host_memory
+        excess = host_state[np_hi] - host_memory_share(hw)
         k = (config.pins.n_nvme if config.pins.n_nvme is not None else
              0 if excess <= 0 else int(np.searchsorted(top, excess + ring, side="left")))
         if k <= layout.n_chunks - np_hi:
@@ -326,7 +326,7 @@ def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget
     a_idx, np_idx, nb, nbmin, peak = (x.take(dev_ok) for x in (a_idx, np_idx, nb, nbmin, peak))
     host = host_state[np_idx] + acts.swap_host[a_idx]
     nv, host, drive = _drive_states(profile, hw, config, layout, np_idx, host, acts.ssd[a_idx], stats)
-    ok = (host <= hw.host_memory) & (nv <= nch - np_idx) & (drive <= drive_room)
+    ok = (host <= host_memory_share(hw)) & (nv <= nch - np_idx) & (drive <= drive_room)
     return tuple(x.take(np.flatnonzero(ok)) for x in (a_idx, np_idx, nb, nbmin, peak, host, nv))
 
 
@@ -378,7 +378,7 @@ def _drive_states(profile, hw, config, layout, np_idx, host, ssd, stats: dict):
     if pin is not None:
         nv = np.full_like(np_idx, pin)
     elif drive_states_possible(config, hw):
-        nv = _fewest_on_drive(host + backups[spec] - hw.host_memory, top, ring, backups, spec)
+        nv = _fewest_on_drive(host + backups[spec] - host_memory_share(hw), top, ring, backups, spec)
     else:
         nv = np.zeros_like(np_idx)
     # Beyond the offloaded chunks (refused by the caller) the host is the least it can be.
@@ -389,7 +389,7 @@ def _drive_states(profile, hw, config, layout, np_idx, host, ssd, stats: dict):
         i = int(host.argmin())
         stats["host_needed"], stats["host_backups"] = host[i], held_backups[i]
     drive = ssd + nvme_file_top(layout, sb, world)[nv_c]
-    fit = (host <= hw.host_memory) & (nv <= layout.n_chunks - np_idx)
+    fit = (host <= host_memory_share(hw)) & (nv <= layout.n_chunks - np_idx)
     if fit.any() and (drive[fit] > 0).any():
         need = drive[fit].min()
         stats["drive_needed"] = min(stats.get("drive_needed", need), need)
