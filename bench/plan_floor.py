@@ -41,7 +41,7 @@ SEQS = (2048, 4096, 8192)
 DRIVES = (None, 12.0)           # no drive; a 12 GB/s NVMe drive (compatibility mode)
 GPU = "h100-80gb"
 HOST = "1TiB"
-QUICK = [("llama2-7b", 4, 8192, None), ("llama2-7b", 1, 2048, None),
+QUICK = [("llama2-7b", 4, 8192, None), ("llama2-13b", 8, 8192, None),
          ("llama2-13b", 2, 4096, 12.0), ("llama2-70b", 1, 4096, 12.0)]
 
 

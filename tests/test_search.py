@@ -146,13 +146,37 @@ def test_search_equals_brute_force(case, gas, overlap, world, ssd):
     assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
 
 
+def test_a_host_copy_figure_lets_more_chunks_speculate_and_the_search_still_equals_brute_force():
+    """Issue 37 item 1: the presets carry a host copy figure (machines.DEFAULT_HOST_COPY_BANDWIDTH),
+    so a speculation's backup costs its copy, not a second update: more chunks speculate, the
+    step is faster, and the search still finds what brute force finds."""
+    from protrain.profile.machines import DEFAULT_HOST_COPY_BANDWIDTH
+    config = PlannerConfig(chunk_sizes=(1 * MiB, 2 * MiB), cpu_optim_overlap=False, cpu_optim_speculative=True,
+                           gradient_clipping=True)
+    got = {}
+    for copy in (0.0, DEFAULT_HOST_COPY_BANDWIDTH):
+        hw = small_hw(device_memory=15 * GiB // 100, host_memory=4 * GiB, grad_check_rate=3e9,
+                      host_copy_bandwidth=copy)
+        assert hw.host_copy_bandwidth == copy
+        prof = analytic_profile(replace(SMALL, micro_batch=16), hw)
+        plan = search(prof, hw, config)
+        ref = brute_force(prof, hw, config)
+        assert plan.prediction.step_time == pytest.approx(ref[0], rel=1e-12) and plan.knobs.as_tuple() == ref[2]
+        got[copy] = plan
+    slow, fast = got[0.0], got[DEFAULT_HOST_COPY_BANDWIDTH]
+    assert fast.n_speculate > slow.n_speculate
+    assert fast.prediction.step_time < slow.prediction.step_time
+    assert machine("h100-80gb").profile().host_copy_bandwidth == DEFAULT_HOST_COPY_BANDWIDTH
+
+
 @pytest.mark.parametrize("dev, host, n_speculate", [(15 * GiB // 100, 4 * GiB, 3), (20 * GiB // 100, 4 * GiB, 1),
                                                     (15 * GiB // 100, 47 * MiB, 1)])
 def test_search_with_speculating_chunks_equals_brute_force(dev, host, n_speculate):
     """Clipping on: each point's time is the one with its best speculating count, given the
     host memory its backups find left (47 MiB: room for one) - the ranking is the prediction;
-    each point's peak has the clipping norm's fp32 scratch in it."""
-    hw = small_hw(device_memory=dev, host_memory=host, grad_check_rate=3e9)
+    each point's peak has the clipping norm's fp32 scratch in it. Without a host copy figure
+    (a backup priced as long as its update)."""
+    hw = small_hw(device_memory=dev, host_memory=host, grad_check_rate=3e9, host_copy_bandwidth=0.0)
     prof = analytic_profile(replace(SMALL, micro_batch=16), hw)
     config = PlannerConfig(chunk_sizes=(1 * MiB, 2 * MiB), cpu_optim_overlap=False, cpu_optim_speculative=True,
                            gradient_clipping=True)

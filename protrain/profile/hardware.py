@@ -114,6 +114,7 @@ class HardwareProfile(JsonValue):
                    f"around it)" if self.cpu_adam_kernel_rate else "")
                 + (f" + {self.host_update_overhead * 1e6:.0f} us per chunk update"
                    if self.host_update_overhead else "")
+                + (f", host copy {self.host_copy_bandwidth / 1e9:.0f} GB/s" if self.host_copy_bandwidth else "")
                 + (f"; host shared by {self.ranks_per_node} ranks per node: CPU Adam "
                    f"{self.cpu_adam_rate / self.ranks_per_node / 1e9:.3f} Gparam/s per rank"
                    if self.ranks_per_node > 1 else ""))

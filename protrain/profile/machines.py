@@ -24,6 +24,13 @@ DEFAULT_CPU_ADAM_RATE = 1.0e9
 """Assumed DeepSpeedCPUAdam throughput (parameters/s) of a server host; measure yours with
 ``protrain probe``."""
 DEFAULT_HOST_MEMORY = 128 * GiB
+DEFAULT_HOST_COPY_BANDWIDTH = 50e9
+"""Assumed bytes/s of a host-to-host copy (``copy_`` between fp32 tensors: a speculative
+update's backup of master, exp_avg and exp_avg_sq) on a server host - a few threads' streaming
+copy, about a quarter of one socket's DDR5 bandwidth; measure yours with ``protrain probe``.
+Without it a backup was priced as long as the update itself (the ratio on this project's 2-core
+VM, whose copies run at 10-16 GB/s beside 1.3-1.7 Gparam/s of CPU Adam), which kept the
+published plans from speculating where a server's backups are cheap (issue 37 item 1)."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,8 @@ class Machine:
     collective_bandwidth: float = 0.0   # achievable all-gather bus bandwidth between GPUs
 
     def profile(self, *, host_memory: int = DEFAULT_HOST_MEMORY,
-                cpu_adam_rate: float = DEFAULT_CPU_ADAM_RATE, cpu_cores: int = 64) -> HardwareProfile:
+                cpu_adam_rate: float = DEFAULT_CPU_ADAM_RATE, cpu_cores: int = 64,
+                host_copy_bandwidth: float = DEFAULT_HOST_COPY_BANDWIDTH) -> HardwareProfile:
         return HardwareProfile(
             name=self.name, source="published", device_type="cuda",
             device_memory=self.device_memory - CONTEXT_RESERVE, host_memory=host_memory,
@@ -44,7 +52,7 @@ class Machine:
             d2h_bandwidth=self.pcie_bandwidth * PCIE_EFFICIENCY,
             gpu_adam_rate=self.hbm_bandwidth * HBM_EFFICIENCY / ADAM_BYTES_PER_PARAM,
             cpu_adam_rate=cpu_adam_rate, peak_flops=self.bf16_flops, cpu_cores=cpu_cores,
-            collective_bandwidth=self.collective_bandwidth)
+            collective_bandwidth=self.collective_bandwidth, host_copy_bandwidth=host_copy_bandwidth)
 
 
 _GEN3, _GEN4, _GEN5 = 16e9, 32e9, 64e9
