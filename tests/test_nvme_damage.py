@@ -210,3 +210,38 @@ def test_damage_in_training_is_found_by_default_and_the_last_good_checkpoint_res
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     assert steps(resumed, 3, 3) == undamaged
     resumed.destroy()
+
+
+def test_sync_waits_for_the_write_backs_of_the_states_on_the_drive(tmp_path, monkeypatch):
+    """``optimizer.sync()`` (``engine.protrain_sync()``, before anyone reads the state file) used
+    to return once CPU Adam's tasks had queued their chunks' write-backs: on a slow drive (CI's)
+    a write landed after it, over what a reader - the damage test above - had put there. With
+    every write held back 0.2 s, no write-back is in flight after sync."""
+    import time
+
+    import deepspeed
+    from dstrain import UNTIED, base_config, with_protrain
+    from protrain.models import GPT, synthetic_batch
+    from protrain.runtime.storage import PosixStore
+    from test_nvme_states import N_NVME, PINS
+    slow = PosixStore._write
+
+    def _write(self, *a, **k):
+        time.sleep(0.2)
+        return slow(self, *a, **k)
+
+    monkeypatch.setattr(PosixStore, "_write", _write)
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    cfg = with_protrain(base_config(), **PINS, n_nvme=N_NVME, ssd_path=str(ssd))
+    torch.manual_seed(0)
+    model = GPT(UNTIED)
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    x, y = synthetic_batch(UNTIED, 2, seed=0)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.protrain_sync()
+    nv = engine.protrain_runtime.chunks.nvme
+    in_flight = [i for i, p in nv._places.items() for w in p.written if w is not None and not w.done()]
+    assert in_flight == [], f"chunks {in_flight}: write-backs still running after sync"
+    engine.destroy()

@@ -804,8 +804,14 @@ class ChunkOptimizer:
         return waited
 
     def sync(self) -> None:
-        """Wait for every pending host update (before reading or writing host states)."""
+        """Wait for every pending host update (before reading or writing host states), and
+        for the write-backs of the states on NVMe those updates started: the worker's task
+        ends when it has queued its chunk's write, which the store finishes later - a reader
+        of the state file (a test's damage, an export) must find the write landed, not
+        racing it."""
         self.worker.drain()
+        if self.nvme is not None:
+            self.nvme.drain()
 
     def _reset_chunk(self, c: Chunk) -> None:
         if c.persistent:
