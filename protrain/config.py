@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from .units import MiB, parse_bytes
 
 KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "n_ssd",
-              "n_selective", "sequence_parallel", "n_nvme")
+              "n_selective", "sequence_parallel", "n_nvme", "head_tile")
 MAX_COUNT = 2**31 - 1
 """Largest count a setting takes (chunks, blocks, steps, ranks): the search holds them in int64
 arrays and multiplies them by sizes."""
@@ -53,6 +53,9 @@ class KnobPins:
     n_nvme: int | None = None
     """Number of offloaded chunks whose optimizer states live on NVMe (the last ones; needs an
     SSD path)."""
+    head_tile: int | None = None
+    """Tokens per tile of the head and loss (0: the model's own head, whole logits); None: the
+    planner tiles where that lets a faster plan fit (protrain.search.head)."""
 
     def pinned(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in KNOB_NAMES if getattr(self, k) is not None}

@@ -78,6 +78,30 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+IGNORE_INDEX = -100
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None,
+                   num_items_in_batch=None, ignore_index: int = IGNORE_INDEX,
+                   shift_labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """Hugging Face's ``ForCausalLMLoss`` (transformers.loss.loss_utils), the GPT's loss:
+    logits upcast to fp32, ``labels`` shifted left by one (or ``shift_labels`` as given),
+    cross-entropy averaged over the targets that are not ``ignore_index`` - summed and divided
+    by ``num_items_in_batch`` where given."""
+    logits = logits.float()
+    vocab_size = vocab_size or logits.size(-1)
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits.view(-1, vocab_size), shift_labels.reshape(-1).to(logits.device),
+                           ignore_index=ignore_index, reduction=reduction)
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -118,7 +142,11 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return self.loss_function(logits=logits, vocab_size=self.config.vocab_size, shift_labels=targets)
+
+    # Hugging Face's name and signature: the tiled head (protrain.runtime.tiled_head) replaces
+    # it, with the head's forward, while a training forward runs under a plan that tiles.
+    loss_function = staticmethod(causal_lm_loss)
 
 
 def synthetic_batch(cfg: GPTConfig, micro_batch: int, seq_len: int | None = None, *,

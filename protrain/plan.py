@@ -52,8 +52,14 @@ class Knobs:
     ones (``protrain.state_tier.nvme_chunk_ids``). Their parameters and gradients stay in host
     memory; CPU Adam streams their states through a ring of pinned staging buffers."""
 
+    head_tile: int = 0
+    """Tokens per tile of the head and loss (protrain.runtime.tiled_head: logits and
+    cross-entropy a tile at a time, recomputed per tile in backward); 0: the model's own head,
+    whole logits. Chosen around the inner search, as P is (protrain.search.head)."""
+
     def as_tuple(self) -> tuple[int, ...]:
-        """The knobs the inner search chooses, in its tie-break order (P is chosen outside)."""
+        """The knobs the inner search chooses, in its tie-break order (P and the head's tile
+        are chosen outside)."""
         return (self.chunk_size, self.n_persist, self.n_buffer, self.n_swap, self.n_checkpoint,
                 self.n_ssd, self.n_selective)
 
@@ -293,6 +299,12 @@ class Plan(JsonValue):
             rows.append(("sequence_parallel", f"{k.sequence_parallel}{pin('sequence_parallel')}",
                          f"each sequence split over {k.sequence_parallel} rank(s) (Ulysses)",
                          "DS sequence_parallel_size"))
+        if k.head_tile or "head_tile" in self.pinned:
+            rows.append(("head_tile", f"{k.head_tile}{pin('head_tile')}",
+                         f"head and loss over tiles of {k.head_tile} tokens, recomputed in backward "
+                         f"(training outputs carry logits=None)"
+                         if k.head_tile else "the model's own head (whole logits)",
+                         "DS TiledFusedLogitsLoss / ALST's tiled logits+loss (by hand)"))
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
         w2 = max(len(r[2]) for r in rows)

@@ -264,7 +264,7 @@ class ProTrainEngine(DeepSpeedEngine):
         # What redoing this micro-batch after an out-of-memory error needs.
         self._protrain_redo = (inputs, kwargs, _rng_state())
         try:
-            with self.protrain_runtime.forward_context():
+            with self.protrain_runtime.forward_context(inputs, kwargs):
                 return super().forward(*inputs, **kwargs)
         except torch.OutOfMemoryError as e:
             failure = _without_traceback(e)
@@ -831,6 +831,7 @@ class ProTrainEngine(DeepSpeedEngine):
             self.module, blocks, inputs, kwargs, shape=batch_dims(inputs, kwargs), device=self.device,
             cache=self._protrain_cache, loss_of=lambda out: self.optimizer.scale_if_loss(_loss_of(out) / gas),
             length=length or cfg.profile_seq_len, progress=cfg.progress and self.global_rank == 0,
+            head_tiling=cfg.planner.pins.head_tile != 0,
             eager=lambda: protrain_compile.eager_profiling(self.protrain_compile))
 
     def _hardware(self, refresh: bool = False):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import register_output_backward_hooks
 
+from protrain.runtime.tiled_head import is_hf_causal_lm
 from protrain.sp.batch import PADDING_MASK, BatchExchange, ShardedLoss, shard
 from protrain.sp.ulysses import SequenceParallelError, UlyssesSwitch, new_groups, ulysses_blocks
 
@@ -55,12 +56,6 @@ def model_takes(module, name: str) -> bool:
         inner = wrapped()
         return inner is not module and model_takes(inner, name)
     return False
-
-
-def is_hf_causal_lm(module) -> bool:
-    """A Hugging Face causal LM: its loss shifts ``labels`` itself (and takes shift_labels)."""
-    return getattr(module, "loss_type", None) == "ForCausalLM" or (
-        type(module).__name__.endswith("ForCausalLM") and hasattr(module, "loss_function"))
 
 
 def unsupported_reason(module) -> str | None:
@@ -137,7 +132,7 @@ class SequenceParallelForward:
             if train and self.use_cache and "use_cache" not in k:
                 k["use_cache"] = False      # a KV cache grows again when a block recomputes
             loss_mode = ShardedLoss(self.group)
-            with runtime.forward_context(), loss_mode:
+            with runtime.forward_context(a, k), loss_mode:
                 out = DeepSpeedEngine.forward(eng, *a, **k)
             if loss_mode.calls == 0:
                 raise SequenceParallelError(

@@ -19,7 +19,9 @@ from protrain.cost.time_model import simulate
 from protrain.layout import build_layout
 from protrain.profile.analytic import PRESETS, analytic_profile
 from protrain.profile.machines import machine
-from protrain.search import InfeasibleError, search
+from protrain.search import InfeasibleError
+# The inner search (the head's tile is chosen around it: tests/test_tiled_head.py).
+from protrain.search.loop import search
 from protrain.state_tier import FIELD_ALIGN, NVME_STATE_SLOTS, STAGING_SLOTS
 from protrain.units import GiB, MiB, fmt_bytes
 from conftest import chain_profile, slow_link

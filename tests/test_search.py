@@ -13,8 +13,10 @@ from protrain.cost.memory import (norm_scratch_bytes, nvme_state_top, predict_me
 from protrain.cost.time_model import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
 from protrain.profile.machines import machine
-from protrain.search import (InfeasibleError, bytes_moved, evaluate, hedged_key, max_ssd_blocks, plan_key,
-                             search)
+from protrain.search import InfeasibleError, bytes_moved, evaluate, hedged_key, max_ssd_blocks, plan_key
+# The inner search (every knob but the head's tile, which the outer loop chooses around it:
+# tests/test_tiled_head.py), against brute force over the same knobs.
+from protrain.search.loop import search
 from protrain.search.evaluation import boundary_times
 from protrain.search.policy import planned_state_bytes
 from protrain.units import GiB, MiB

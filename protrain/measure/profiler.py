@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..profile.blocks import find_blocks
-from ..profile.model_profile import ModelProfile, OpRecord, ParamRecord, PartProfile
+from ..profile.model_profile import HeadProfile, ModelProfile, OpRecord, ParamRecord, PartProfile
 from ..runtime.boundaries import BlockOrderError, part_boundaries, position_names, tensors_in, version
 from ..runtime.buffers import ModuleState
 from ..runtime.meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
@@ -196,8 +196,12 @@ class _Clock:
 def profile_model(model: nn.Module, step: StepFn, *, blocks: Sequence[nn.Module] | None = None,
                   device: torch.device | str | None = None, stream_params: bool | None = None,
                   name: str | None = None, micro_batch: int | None = None,
-                  seq_len: int | None = None, progress: bool = True) -> ModelProfile:
+                  seq_len: int | None = None, progress: bool = True,
+                  head_tiling: bool = False) -> ModelProfile:
     """Profile one training iteration of ``model``.
+
+    ``head_tiling``: also measure the post part with the head and loss over tiles
+    (``ModelProfile.head``; two more memory passes), where the model's head can be tiled.
 
     ``step(model)`` must run the forward pass on a fixed batch and return the scalar loss; the
     profiler calls ``backward`` itself. ``blocks`` defaults to the repeated children of the
@@ -229,7 +233,8 @@ def profile_model(model: nn.Module, step: StepFn, *, blocks: Sequence[nn.Module]
     tracer = _Tracer(model, step, blocks, params, device, stream_params, progress)
     try:
         with _eager(), torch.inference_mode(False), torch.enable_grad():
-            return tracer.run(name=name or type(model).__name__, micro_batch=micro_batch, seq_len=seq_len)
+            return tracer.run(name=name or type(model).__name__, micro_batch=micro_batch, seq_len=seq_len,
+                              head_tiling=head_tiling)
     finally:
         tracer.restore()
 
@@ -289,11 +294,17 @@ class _Tracer:
         if self.meter is not None:
             self.meter.exclude(nbytes)
 
-    def run(self, *, name, micro_batch, seq_len) -> ModelProfile:
+    def run(self, *, name, micro_batch, seq_len, head_tiling: bool = False) -> ModelProfile:
         from tqdm.auto import tqdm
+        from ..runtime.tiled_head import HeadTiling
+        tokens = (micro_batch or 0) * (seq_len or 0)
+        head_unsupported = HeadTiling.unsupported(self.model) if head_tiling else ""
+        if head_tiling and not head_unsupported and tokens < 4:
+            head_unsupported = "the profiled batch's shape is unknown or under 4 tokens"
+        measure_head = head_tiling and not head_unsupported
         # Warm-up is hooked when streaming (the model cannot run without), and so is its
         # one plain pass: the streaming hooks alone, its uploads timed and taken out.
-        hooked_passes = 4 if self.stream else 2
+        hooked_passes = (4 if self.stream else 2) + (2 if measure_head else 0)
         self.bar = tqdm(total=hooked_passes * 2 * len(self.blocks), desc="protrain: profiling",
                         unit="block", disable=not self.progress, leave=False)
         stats = [_PartStats() for _ in range(self.n_parts)]
@@ -322,6 +333,10 @@ class _Tracer:
             self.bar.set_postfix_str("memory")
             kept = KeptBytes(lambda: self.state)
             ops, order, uses = self._memory_pass(stats, kept)
+            tiled = []
+            if measure_head:
+                self.bar.set_postfix_str("tiled head")
+                tiled, head_unsupported = self._tiled_head_passes(tokens)
         finally:
             self.bar.close()
         hooked = sum(s.fwd_time + s.bwd_time for s in stats)
@@ -351,7 +366,28 @@ class _Tracer:
             name=name, source="measured", device=str(self.device),
             param_bytes=self.params[0].element_size(), params=tuple(records), parts=tuple(parts),
             micro_batch=micro_batch, seq_len=seq_len, hooked_slowdown=slowdown, ops=tuple(ops),
-            heads=attention.heads, kv_heads=attention.kv_heads, inplace_blocks=self.inplace_blocks)
+            heads=attention.heads, kv_heads=attention.kv_heads, inplace_blocks=self.inplace_blocks,
+            head=_head_profile(stats[-1], tiled, tokens, parts[-1].fwd_time) if tiled else None,
+            head_unsupported=head_unsupported or "")
+
+    def _tiled_head_passes(self, tokens: int) -> tuple[list, str]:
+        """The post part's statistics from memory passes with the head and loss over tiles of
+        half and a quarter of the batch's tokens: [(tile, stats), ...], or [] and why the head
+        cannot be tiled after all (the model transforms its logits, computes no loss, ...)."""
+        from ..runtime.tiled_head import HeadTiling, TiledHeadError
+        out = []
+        for tile in (-(-tokens // 2), -(-tokens // 4)):
+            stats = [_PartStats() for _ in range(self.n_parts)]
+            tiling = HeadTiling(self.model, tile)
+            try:
+                with tiling.active():
+                    self._memory_pass(stats)
+            except TiledHeadError as e:
+                return [], str(e)
+            if tiling.forwards == 0:
+                return [], "the profiled step computed no loss through the model's loss function"
+            out.append((tile, stats[-1]))
+        return out, ""
 
     def _in_call_order(self, calls: "_CallOrder") -> None:
         """Put the blocks in the order the warm-up ran them (the part boundaries, and the
@@ -612,6 +648,31 @@ class _Tracer:
                 placed.insert(at, i)
         return [ParamRecord(name=names.get(self.params[i], f"param{i}"), numel=self.params[i].numel(),
                             parts=parts_of(i)) for i in placed]
+
+
+def _head_profile(untiled: "_PartStats", tiled: list, tokens: int, head_fwd_time: float) -> HeadProfile:
+    """HeadProfile from the post part untiled and at two tile lengths: per figure, the change
+    per token of one tile (the difference between the two tilings) and per token of the batch
+    (what remains of the difference to the untiled head). The recompute in backward is priced
+    as the post part's forward (its norm included: a slight over-estimate)."""
+    (t1, a), (t2, b) = tiled
+
+    def fwd(s):
+        return max(s.fwd_peak, s.fwd_start)
+
+    def bwd(s):
+        return max(s.bwd_peak, s.bwd_start)
+
+    fwd_tile = max(fwd(a) - fwd(b), 0) / (t1 - t2)
+    bwd_tile = max(bwd(a) - bwd(b), 0) / (t1 - t2)
+    return HeadProfile(
+        saved_per_token=(a.saved_bytes - untiled.saved_bytes) / tokens,
+        fwd_peak_per_token=(fwd(a) - fwd_tile * t1 - fwd(untiled)) / tokens,
+        fwd_peak_per_tile_token=fwd_tile,
+        bwd_start_per_token=(a.bwd_start - untiled.bwd_start) / tokens,
+        bwd_peak_per_token=(bwd(a) - bwd_tile * t1 - bwd(untiled)) / tokens,
+        bwd_peak_per_tile_token=bwd_tile,
+        bwd_time_per_token=head_fwd_time / tokens)
 
 
 def storage_bytes(t: torch.Tensor) -> int:

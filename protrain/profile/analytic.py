@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from .hardware import HardwareProfile
-from .model_profile import ModelProfile, ParamRecord, PartProfile
+from .model_profile import HeadProfile, ModelProfile, ParamRecord, PartProfile
 
 MATMUL_EFFICIENCY = 0.5
 """Share of the published peak FLOP/s that training matmuls reach (typical large-model MFU)."""
@@ -215,10 +215,20 @@ def analytic_profile(shape: ModelShape, hw: HardwareProfile) -> ModelProfile:
         out.append(replace(part, bwd_start=live_bwd, bwd_peak=peak))
         live_bwd = nxt
     parts = list(reversed(out))
+    # The head and loss over tiles (protrain.runtime.tiled_head): the whole logits' terms
+    # above go; a tile's forward holds its logits, their fp32 copy and log_softmax's output,
+    # its backward those and the two vocab-wide gradients; the weight's gradient is summed
+    # over the tiles in one tensor.
+    up = 4 if a != 4 else 0                           # the fp32 copy of 16-bit logits
+    head = HeadProfile(
+        saved_per_token=-4 * v, fwd_peak_per_token=-(8 + a) * v, fwd_peak_per_tile_token=(a + up + 4) * v,
+        bwd_start_per_token=-8 * v, bwd_peak_per_token=-(12 + a) * v,
+        bwd_peak_per_tile_token=(a + up + 12 + (a if a != 4 else 0)) * v,
+        bwd_time_per_token=2 * h * v / rate, bwd_peak_fixed=v * h * a)
     return ModelProfile(name=shape.name, source="analytic", device="analytic",
                         param_bytes=shape.dtype_bytes, params=tuple(params), parts=tuple(parts),
                         micro_batch=b, seq_len=s, heads=shape.heads,
-                        kv_heads=shape.kv_heads or shape.heads)
+                        kv_heads=shape.kv_heads or shape.heads, head=head)
 
 
 _BLOCKS_PREFIX = {"gpt2": "transformer.h", "llama": "model.layers"}

@@ -38,7 +38,8 @@ log = logging.getLogger("protrain")
 
 # The profiler's own code, relative to the protrain package: what it measures changes with it.
 _PROFILER_FILES = ("measure/profiler.py", "measure/attention.py", "runtime/meter.py",
-                   "profile/model_profile.py", "profile/blocks.py", "profile/cache.py")
+                   "profile/model_profile.py", "profile/blocks.py", "profile/cache.py",
+                   "runtime/tiled_head.py")
 _PACKAGE = Path(__file__).parent.parent
 _SCALARS = (bool, int, float, str, type(None))
 
@@ -57,13 +58,13 @@ class ProfileCache:
         self.key_name = key_name
 
     def path(self, module: nn.Module, inputs, kwargs, device: torch.device,
-             length: int | None = None, blocks=None) -> Path | None:
+             length: int | None = None, blocks=None, head_tiling: bool = False) -> Path | None:
         """Where the profile of ``module`` on this batch lives (``length``: the profiled prefix
         of the sequence, when shorter than the batch's; ``blocks``: the modules profiled as
         blocks, when given)."""
         if self.directory is None:
             return None
-        key = cache_key(module, inputs, kwargs, device, length, blocks)
+        key = cache_key(module, inputs, kwargs, device, length, blocks, head_tiling)
         return self.directory / f"profile-{key}.json"
 
     def load(self, path: Path | None) -> ModelProfile | None:
@@ -85,10 +86,11 @@ class ProfileCache:
 
 
 def cache_key(module: nn.Module, inputs, kwargs, device: torch.device,
-              length: int | None = None, blocks=None) -> str:
+              length: int | None = None, blocks=None, head_tiling: bool = False) -> str:
     names = {m: n for n, m in module.named_modules()}
     ident = {
         "profiled_length": length,
+        "head_tiling": head_tiling,
         "blocks": None if blocks is None else [names.get(b, "?") for b in blocks],
         "model": f"{type(module).__module__}.{type(module).__qualname__}",
         "code": _code_fingerprint(module),

@@ -118,6 +118,36 @@ class OpRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class HeadProfile:
+    """How the post part's figures change when the head and loss run over tiles of ``t``
+    tokens (protrain.runtime.tiled_head), for a micro-batch of N tokens per rank: each figure
+    moves by ``*_per_token`` x N (the whole logits no longer made or saved: negative) plus
+    ``*_per_tile_token`` x min(t, N) (one tile's logits and their gradients). Per token, so
+    the figures hold at any batch shape and sequence-parallel share. Measured from two memory
+    passes at two tile lengths (protrain.measure.profiler), or derived from the shape
+    (analytic profiles)."""
+
+    saved_per_token: float
+    """Change of the post's saved bytes per token."""
+    fwd_peak_per_token: float
+    """Change of its forward peak per token (the untiled logits' transient gone)."""
+    fwd_peak_per_tile_token: float
+    """Its forward peak per token of one tile."""
+    bwd_start_per_token: float
+    """Change of the live bytes when its backward starts, per token."""
+    bwd_peak_per_token: float
+    """Change of its backward peak per token."""
+    bwd_peak_per_tile_token: float
+    """Its backward peak per token of one tile (the recomputed tile and its gradients)."""
+    bwd_time_per_token: float
+    """Backward's extra time per token: each tile's logits are recomputed (one more forward
+    of the head)."""
+    bwd_peak_fixed: float = 0.0
+    """Bytes the tiled backward adds whatever the tokens: the weight gradient summed over the
+    tiles (analytic profiles; a measured profile has it inside ``bwd_peak_per_token``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ModelProfile(JsonValue):
     """Everything the cost models need to know about the model and its batch."""
 
@@ -153,6 +183,21 @@ class ModelProfile(JsonValue):
     """Blocks that changed an input in place in forward (``x.add_(...)`` on what they were
     given): a recompute would run from the changed input, so none of the model's blocks is
     checkpointed (CKPT or SELECTIVE)."""
+    head: HeadProfile | None = None
+    """The post part with its head and loss tiled (``HeadProfile``); None where the model's
+    head cannot be tiled (``head_unsupported`` says why) or was not measured."""
+    head_unsupported: str = ""
+    """Why the head cannot be tiled (empty: it can, or it was not asked)."""
+    head_tile: int = 0
+    """Tokens per tile of the head these figures are for (``with_head_tile``); 0: the
+    model's own head, as measured."""
+
+    @property
+    def tokens(self) -> int | None:
+        """Tokens of one micro-batch per rank (None where the batch shape is unknown)."""
+        if not self.micro_batch or not self.seq_len:
+            return None
+        return -(-self.micro_batch * self.seq_len // self.sequence_parallel)
 
     # ---- derived views -------------------------------------------------------------------
     @property

@@ -28,4 +28,30 @@ def scale_figures(profile: ModelProfile, *, memory: float = 1.0, time: float = 1
                           attn_fwd_time=p.attn_fwd_time * time, attn_bwd_time=p.attn_bwd_time * time,
                           attn_io_bytes=int(round(p.attn_io_bytes * io)))
                   for p in profile.parts)
-    return replace(profile, parts=parts, ops=())
+    # A pipeline stage or tensor-parallel share (Megatron) computes its loss outside the model:
+    # no tiled head there.
+    return replace(profile, parts=parts, ops=(), head=None)
+
+
+def with_head_tile(profile: ModelProfile, tile: int) -> ModelProfile:
+    """``profile`` with its head and loss over tiles of ``tile`` tokens (0: the model's own
+    head): the post part's figures moved as ``profile.head`` says (model_profile.HeadProfile)."""
+    if tile == profile.head_tile:
+        return profile
+    if profile.head_tile:
+        raise ValueError(f"with_head_tile: the profile is already tiled ({profile.head_tile} tokens)")
+    h, n = profile.head, profile.tokens
+    if h is None or n is None:
+        raise ValueError("with_head_tile: the profile has no tiled head "
+                         f"({profile.head_unsupported or 'not measured, or no batch shape'})")
+    t = min(tile, n)
+    post = profile.parts[-1]
+    b = lambda per_token, per_tile=0.0: int(round(per_token * n + per_tile * t))  # noqa: E731
+    tiled = replace(post, saved_bytes=max(post.saved_bytes + b(h.saved_per_token), 0),
+                    fwd_peak=max(post.fwd_peak + b(h.fwd_peak_per_token, h.fwd_peak_per_tile_token), post.fwd_start),
+                    bwd_start=max(post.bwd_start + b(h.bwd_start_per_token), 0),
+                    bwd_peak=post.bwd_peak + b(h.bwd_peak_per_token, h.bwd_peak_per_tile_token)
+                    + int(h.bwd_peak_fixed),
+                    bwd_time=post.bwd_time + h.bwd_time_per_token * n)
+    tiled = replace(tiled, bwd_peak=max(tiled.bwd_peak, tiled.bwd_start))
+    return replace(profile, parts=profile.parts[:-1] + (tiled,), head_tile=tile, ops=())

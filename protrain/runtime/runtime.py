@@ -51,6 +51,7 @@ from .options import OptimizerSetup, RuntimeOptions
 from .outside import OutsideForwards, path_to_blocks
 from .states import RuntimeState, assemble, export_pieces, import_pieces, redistribute
 from .streams import Streams
+from .tiled_head import HeadTiling
 from .trainable import TrainableChange, TrainableWatch
 
 
@@ -96,6 +97,9 @@ class ProTrainRuntime:
         self.n_parts = len(self.blocks) + 2
         self.streams = Streams(device)
         params, group_of = _planned_params(model, param_names, setup)
+        self.head_tiling = HeadTiling(model, plan.knobs.head_tile) if plan.knobs.head_tile else None
+        """The plan's tiled head and loss (tiled_head.py), entered by training forwards with
+        labels (``forward_context``); None: the model's own head."""
         self.trainable = TrainableWatch(model)
         """The requires_grad flags the chunks are built for (checked at every training forward
         and backward: trainable.py)."""
@@ -226,8 +230,10 @@ class ProTrainRuntime:
         self.activations.wrap_blocks()
 
     @contextmanager
-    def forward_context(self):
-        """Wrap one forward pass (the model's forward, and the loss if computed outside)."""
+    def forward_context(self, args=(), kwargs=None):
+        """Wrap one forward pass (the model's forward, and the loss if computed outside).
+        ``args`` / ``kwargs``: the model's inputs, which say whether a training forward
+        computes its loss from labels (then the plan's tiled head computes it)."""
         self._begin_forward()
         self._forward_depth += 1
         try:
@@ -236,6 +242,10 @@ class ProTrainRuntime:
                     self.accounting.begin()
                 if self._needs_saved_hooks:
                     stack.enter_context(self.activations.hooks())
+                tiling = self.head_tiling
+                if tiling is not None and torch.is_grad_enabled() and self.model.training and \
+                        tiling.wants(args, kwargs or {}):
+                    stack.enter_context(tiling.active())
                 yield
         finally:
             self._forward_depth -= 1

@@ -1,7 +1,8 @@
 """Search: the fastest plan that fits the device and host budgets, and an actionable error
 when none does.
 
-    loop         search(): the fastest time in bound order, the hedge band, the fewest buffers, the winner
+    head         search(): the head's tile around the inner search (as P is, in protrain.sp)
+    loop         the inner search: the fastest time in bound order, the hedge band, the fewest buffers, the winner
     space        the candidate space: activation configurations, per chunk size the points that fit
     candidates   the values the candidate space is made of (ActivationConfigs, CandidateGrid)
     bounds       lower bounds on the step time that order and prune the candidates
@@ -12,7 +13,8 @@ when none does.
 """
 from .evaluation import bytes_moved, evaluate
 from .infeasible import InfeasibleError, check_budgets
-from .loop import hedged_key, plan_key, search
+from .head import search
+from .loop import hedged_key, plan_key
 from .space import max_ssd_blocks, search_floor
 
 __all__ = ["InfeasibleError", "bytes_moved", "check_budgets", "evaluate", "hedged_key", "max_ssd_blocks",

@@ -116,6 +116,7 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
     fixed = {k: v for k, v in pins.items() if k != "sequence_parallel"}
     fixed.setdefault("n_selective", 0)
     fixed.setdefault("n_nvme", 0)
+    fixed["head_tile"] = profile.head_tile        # chosen around this search (search/head.py)
     if len(fixed) == len(KNOB_NAMES) - 1:
         # Every knob fixed: say which constraint that one plan breaks.
         if pins["n_persist"] == ALL:     # "all": the chunk count of the pinned chunk size

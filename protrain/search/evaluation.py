@@ -17,6 +17,7 @@ from ..layout import build_layout
 from ..plan import ChunkSummary, Knobs, Plan, Prediction, host_budget_text
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
+from ..profile.transforms import with_head_tile
 from ..state_tier import NVME_STATE_SLOTS
 from ..cost.host_share import host_memory_share, nvme_free_share
 from ..units import fmt_bytes
@@ -129,6 +130,14 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     replaces ProTrain's block layout for the same counts (a framework that can only checkpoint
     the first blocks natively, as Megatron's ``--recompute-method block``)."""
     config = config or PlannerConfig()
+    if knobs.head_tile != profile.head_tile:
+        if profile.head_tile or profile.head is None:
+            raise InfeasibleError(
+                f"head_tile={knobs.head_tile}: the profile's head "
+                + (f"is tiled at {profile.head_tile} tokens" if profile.head_tile else
+                   f"cannot be tiled ({profile.head_unsupported or 'not measured'})")
+                + "; use head_tile=0" + ("" if profile.head_tile else " (the model's own head)"))
+        profile = with_head_tile(profile, knobs.head_tile)
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     layout = build_layout(profile, knobs.chunk_size // profile.param_bytes)
     modes = _checked_block_modes(profile, layout, knobs, block_modes)

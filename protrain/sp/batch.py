@@ -31,6 +31,7 @@ import hashlib
 import inspect
 import math
 import pickle
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -231,6 +232,21 @@ def _rebuild(layout, tensor):
     return layout
 
 
+_SHARDED_LOSS: ContextVar["ShardedLoss | None"] = ContextVar("protrain_sharded_loss", default=None)
+
+
+def group_count(count: torch.Tensor) -> torch.Tensor:
+    """The denominator of a mean over valid targets: ``count`` (this rank's), or under an
+    active ``ShardedLoss`` the whole group's (fp64) - for a loss that sums itself and divides
+    (the tiled head, protrain.runtime.tiled_head), as the mean ``ShardedLoss`` rewrites does."""
+    mode = _SHARDED_LOSS.get()
+    if mode is None:
+        return count
+    count = count.to(torch.float64)
+    dist.all_reduce(count, group=mode.group)
+    return count
+
+
 class ShardedLoss(TorchFunctionMode):
     """While active, a mean cross-entropy is this rank's sum over the whole group's count of
     valid targets (see the module docstring)."""
@@ -239,6 +255,15 @@ class ShardedLoss(TorchFunctionMode):
         super().__init__()
         self.group = group
         self.calls = 0
+        self._token = None
+
+    def __enter__(self):
+        self._token = _SHARDED_LOSS.set(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _SHARDED_LOSS.reset(self._token)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
