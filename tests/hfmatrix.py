@@ -180,6 +180,9 @@ def train(case: dict, out_dir: str) -> dict:
         "steps": [h["step"] for h in trainer.state.log_history if "loss" in h],
         "eval": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
         "modes": "".join(m.letter for m in plan.block_modes) if plan else None,
+        "head_tile": plan.knobs.head_tile if plan else None,
+        "tiled_forwards": engine.protrain_runtime.head_tiling.forwards
+        if plan and engine.protrain_runtime.head_tiling else 0,
         "offloaded": len(engine.protrain_runtime.chunks.offloaded()) if plan else None,
         "trainable": len(plan.params) if plan else None,
         "idle_experts": idle() if idle else None,

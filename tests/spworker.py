@@ -292,7 +292,9 @@ def _train(rank, world, spec, recorder, out_dir) -> dict:
         rt = engine.protrain_runtime
         result.update(sp=plan.knobs.sequence_parallel, modes="".join(m.letter for m in plan.block_modes),
                       knobs=list(plan.knobs.as_tuple()), notes=list(plan.notes),
-                      offloaded=len(rt.chunks.offloaded()), explain=plan.explain())
+                      offloaded=len(rt.chunks.offloaded()), explain=plan.explain(),
+                      head_tile=plan.knobs.head_tile,
+                      tiled_forwards=rt.head_tiling.forwards if rt.head_tiling is not None else 0)
         if rt.accounting is not None:
             result.update(activation_peak=rt.accounting.activation_peak,
                           predicted_activation_peak=plan.prediction.activation_peak_bytes,

@@ -311,7 +311,10 @@ def test_a_pinned_speculate_chunks_is_planned_within_the_host_budget():
     holds. With a drive the search moves more chunks' states there (they speculate without a
     backup) until the plan fits; without one the refusal names the pin and its fix - not a
     plan printed as "host memory X of Y" with X > Y."""
-    from protrain.search import InfeasibleError, search
+    # The inner search: a tiled head frees enough device memory to keep more chunks there,
+    # which is not what is tested.
+    from protrain.search import InfeasibleError
+    from protrain.search.loop import search
     prof, hw, config = _speculating_small(40 * MiB, drive=True)
     plan = search(prof, hw, config)
     assert plan.n_speculate == plan.chunks.n_chunks - plan.knobs.n_persist > 0 and plan.knobs.n_nvme > 0

@@ -42,6 +42,9 @@ def two(tmp_path_factory, ckpt_dir):
         # a block's saved tensors on the SSD tier, the same samples as "gqa"
         _run("ssd", 2, 2, 2, protrain=dict(OFFLOADED, sequence_parallel=2, n_ssd=1, n_checkpoint=0,
                                            n_swap=0, n_selective=0, ssd_path=ssd, ssd_min_bytes=0)),
+        # the head and loss over tiles (tests/test_tiled_head.py), the same samples as "gqa"
+        _run("tiled", 2, 2, 2, protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_selective=1,
+                                             n_swap=0, head_tile=8)),
         # the Hugging Face Trainer with the "protrain" key in its DeepSpeed JSON
         _run("trainer", 2, 4, 3, trainer=True,
              protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_swap=0, n_selective=0)),
@@ -92,13 +95,15 @@ def _same_training(runs, reference, gas=1):
             assert err <= 1e-5, (step, name, float(err))
 
 
-@pytest.mark.parametrize("case", ["gqa", "mha", "ssd"])
+@pytest.mark.parametrize("case", ["gqa", "mha", "ssd", "tiled"])
 def test_two_ranks_train_like_one_rank_on_the_same_samples(two, ref, case):
     runs = two[case]
     assert all(r["sp"] == 2 for r in runs)
     assert runs[0]["offloaded"] > 0
-    assert runs[0]["modes"] == {"gqa": "CA", "mha": "SN", "ssd": "DN"}[case]
-    _same_training(runs, ref["gqa" if case == "ssd" else case], gas=2 if case == "mha" else 1)
+    assert runs[0]["modes"] == {"gqa": "CA", "mha": "SN", "ssd": "DN", "tiled": "CA"}[case]
+    if case == "tiled":       # each rank's 16 tokens in tiles of 8, the mean over the group's count
+        assert all(r["head_tile"] == 8 and r["tiled_forwards"] == 4 for r in runs), runs[0]["tiled_forwards"]
+    _same_training(runs, ref["gqa" if case in ("ssd", "tiled") else case], gas=2 if case == "mha" else 1)
     if case == "gqa":        # evaluation forwards (no_grad, eval mode) give each rank its loss
         got = [r["eval"] for r in runs]
         assert [x for g in got for x in g] == pytest.approx(ref[case][0]["eval"], rel=1e-5)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dstrain  # noqa: F401  (the single-rank distributed environment)
 from dstrain import TINY, UNTIED, base_config, train, with_protrain
 from test_ds_engine import deepspeed_run
 
@@ -203,3 +204,23 @@ def test_a_config_pin_reaches_the_plan_and_zero_keeps_the_models_own_head():
     with pytest.raises(ConfigError, match="head_tile"):
         train(with_protrain(base_config(), head_tile=-1), TINY, 1)
     assert json.dumps(with_protrain(base_config(), head_tile=16))      # a JSON setting
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_hf_trainer_trains_a_tiled_llama_like_plain_deepspeed(tmp_path, lora):
+    """An unchanged Trainer script (tests/hfmatrix.py) with head_tile in the section: every
+    training forward tiled (32 tokens in tiles of 8), losses within 1e-6 of plain DeepSpeed's,
+    evaluation (the model's own head) within rounding of it; PEFT LoRA's wrapper tiles the
+    base model's head."""
+    import hfmatrix
+    if lora:
+        pytest.importorskip("peft")
+    case = dict(arch="llama", eval=True, eval_steps=3, lora=lora, protrain_section={"head_tile": 8})
+    pt = hfmatrix.train(dict(case, protrain=True, name="protrain"), str(tmp_path))
+    ds = hfmatrix.train(dict(case, protrain=False, name="deepspeed"), str(tmp_path))
+    assert pt["engine"] == "ProTrainEngine" and pt["head_tile"] == 8 and pt["tiled_forwards"] == 6
+    assert len(pt["losses"]) == 6 and len(pt["eval"]) == 2
+    for a, b in zip(pt["losses"] + pt["eval"], ds["losses"] + ds["eval"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (pt["losses"], ds["losses"], pt["eval"], ds["eval"])
+    for n, w in ds["weights"].items():
+        assert torch.allclose(pt["weights"][n], w, rtol=1e-4, atol=1e-5), n

@@ -134,7 +134,9 @@ def find_head(model: nn.Module) -> tuple[nn.Module | None, str]:
     """The module whose forward computes the head and the loss (``model`` or a module inside
     it: PEFT's wrappers), and what kind of model it is - or None and why it cannot be tiled."""
     from ..models import GPT, causal_lm_loss
-    owners = [m for m in model.modules() if isinstance(getattr(m, "lm_head", None), nn.Module)]
+    # The module that registers lm_head as its own child: a wrapper that forwards attribute
+    # reads (PEFT's PeftModel) is not the one whose forward calls it.
+    owners = [m for m in model.modules() if isinstance(m._modules.get("lm_head"), nn.Module)]
     if not owners:
         return None, "the model has no lm_head (only Hugging Face causal LMs and the built-in GPT are tiled)"
     owner = owners[0]
