@@ -1,6 +1,6 @@
 """BlockMode: what happens to one transformer block's saved activations, and the layout rule
-that turns the counts the search picks (n_ssd, n_swap, n_checkpoint, n_selective) into
-per-block modes."""
+that turns the counts the search picks (n_ssd, n_swap, n_checkpoint, n_selective) and where
+the checkpointed blocks keep their inputs (``ckpt_input``) into per-block modes."""
 from __future__ import annotations
 
 import enum
@@ -22,6 +22,12 @@ class BlockMode(str, enum.Enum):
     operator's outputs and the sequence-parallel all-to-all outputs; recompute everything else
     (projections, norms, MLP) at the start of the block's backward. Attention (s^2 FLOPs) and
     collectives are never re-run (protrain.runtime.selective)."""
+    CKPT_HOST = "ckpt_host"
+    """CKPT with the block input in pinned host memory: copied off the device on the offload
+    queue in forward (the copy is all the block keeps), fetched back one block ahead of the
+    block's backward, then recomputed from it. The layout's CKPT blocks under
+    ``ckpt_input="host"`` (Hugging Face's ``gradient_checkpointing_kwargs={"offload": True}``,
+    axolotl's ``activation_offloading``, ALST)."""
 
     @property
     def code(self) -> int:
@@ -29,24 +35,38 @@ class BlockMode(str, enum.Enum):
 
     @property
     def letter(self) -> str:
-        return {"none": "N", "ckpt": "C", "swap": "S", "ssd": "D", "selective": "A"}[self.value]
+        return {"none": "N", "ckpt": "C", "swap": "S", "ssd": "D", "selective": "A",
+                "ckpt_host": "H"}[self.value]
 
 
 _CODES = {BlockMode.NONE: 0, BlockMode.CKPT: 1, BlockMode.SWAP: 2, BlockMode.SSD: 3,
-          BlockMode.SELECTIVE: 4}
-NONE, CKPT, SWAP, SSD, SEL = 0, 1, 2, 3, 4  # integer codes used by the vectorized cost models
-RECOMPUTED = (CKPT, SEL)
+          BlockMode.SELECTIVE: 4, BlockMode.CKPT_HOST: 5}
+NONE, CKPT, SWAP, SSD, SEL, CKPT_HOST = 0, 1, 2, 3, 4, 5  # integer codes of the vectorized cost models
+RECOMPUTED = (CKPT, SEL, CKPT_HOST)
 """Codes of the modes that recompute (part of) the block in backward."""
+FULL_RECOMPUTE = (CKPT, CKPT_HOST)
+"""Codes of the modes that recompute the block's whole forward in backward."""
+CKPT_INPUTS = ("device", "host")
+"""Where the checkpointed (CKPT) blocks keep their inputs: ``Knobs.ckpt_input``."""
+
+
+def full_recompute(codes):
+    """Where ``codes`` (an array of mode codes) recompute the whole block's forward."""
+    import numpy as np
+    return np.isin(codes, FULL_RECOMPUTE)
 
 
 def layout_block_modes(n_blocks: int, n_swap: int, n_checkpoint: int,
-                       n_ssd: int = 0, n_selective: int = 0) -> tuple[BlockMode, ...]:
+                       n_ssd: int = 0, n_selective: int = 0,
+                       ckpt_input: str = "device") -> tuple[BlockMode, ...]:
     """ProTrain's block layout, with SSDTrain's tier in front: offload early (the copies hide
     behind the later blocks' compute and are needed last in backward) - first the SSD blocks
     (the slowest path gets the most time), then the swapped ones -, recompute interleaved
     over the remaining blocks (recompute spread out, prefetches overlap it; of the recomputed
     blocks the full checkpoints come first, then the selective ones), and keep the last blocks
-    (freed first in backward, so keeping them costs the least)."""
+    (freed first in backward, so keeping them costs the least). With ``ckpt_input="host"`` the
+    full checkpoints keep their inputs in host memory (CKPT_HOST)."""
+    ckpt = _ckpt_mode(ckpt_input)
     counts = (n_swap, n_checkpoint, n_ssd, n_selective)
     if min(counts) < 0 or sum(counts) > n_blocks:
         raise ValueError(f"n_ssd={n_ssd} + n_swap={n_swap} + n_checkpoint={n_checkpoint} + "
@@ -61,8 +81,14 @@ def layout_block_modes(n_blocks: int, n_swap: int, n_checkpoint: int,
     rest = n_blocks - first
     n_rec = n_checkpoint + n_selective
     for k in range(n_rec):
-        modes[first + (k * rest) // n_rec] = BlockMode.CKPT if k < n_checkpoint else BlockMode.SELECTIVE
+        modes[first + (k * rest) // n_rec] = ckpt if k < n_checkpoint else BlockMode.SELECTIVE
     return tuple(modes)
+
+
+def _ckpt_mode(ckpt_input: str) -> BlockMode:
+    if ckpt_input not in CKPT_INPUTS:
+        raise ValueError(f"ckpt_input={ckpt_input!r}: one of {', '.join(CKPT_INPUTS)}")
+    return BlockMode.CKPT_HOST if ckpt_input == "host" else BlockMode.CKPT
 
 
 def same_counts(a, b) -> bool:
@@ -71,14 +97,22 @@ def same_counts(a, b) -> bool:
     return sorted(m.code for m in a) == sorted(m.code for m in b)
 
 
+def ckpt_input_of(modes) -> str:
+    """Where the checkpointed blocks of ``modes`` keep their inputs (a plan's modes hold one
+    kind of full checkpoint)."""
+    return "host" if any(m == BlockMode.CKPT_HOST for m in modes) else "device"
+
+
 def modes_string(modes) -> str:
     """Compact form for logs: 'DSSCNCN...'."""
     return "".join(m.letter for m in modes)
 
 
-def layout_codes(n_blocks: int, n_swap, n_checkpoint, n_ssd, n_selective=None) -> "np.ndarray":
+def layout_codes(n_blocks: int, n_swap, n_checkpoint, n_ssd, n_selective=None,
+                 ckpt_input: str = "device") -> "np.ndarray":
     """``layout_block_modes`` for many (n_swap, n_checkpoint, n_ssd, n_selective) at once, as a
     [K, n_blocks] int8 matrix of mode codes (the search builds tens of thousands)."""
+    ckpt = _ckpt_mode(ckpt_input).code
     import numpy as np
     if n_selective is None:
         n_selective = np.zeros(len(np.atleast_1d(n_swap)), dtype=np.int64)
@@ -95,6 +129,6 @@ def layout_codes(n_blocks: int, n_swap, n_checkpoint, n_ssd, n_selective=None) -
         return np.minimum(nr, -((-(x + 1) * nr) // np.maximum(rest, 1)))
     k = upto(jr)                                      # recompute slots up to and including jr
     is_rec = (jr >= 0) & (k - upto(jr - 1) > 0) & (nr > 0)
-    codes[is_rec & (k - 1 < nc)] = CKPT
+    codes[is_rec & (k - 1 < nc)] = ckpt
     codes[is_rec & (k - 1 >= nc)] = SEL
     return codes

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 def _config(args) -> PlannerConfig:
     d: dict = dict(args.pin)
     for k in KNOB_NAMES[1:] + ("speculate_chunks",):
-        if k in d and not (k == "n_persist" and d[k] == "all"):
+        if k in d and k != "ckpt_input" and not (k == "n_persist" and d[k] == "all"):
             try:
                 d[k] = int(d[k])
             except ValueError:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from .units import MiB, parse_bytes
 
 KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "n_ssd",
-              "n_selective", "sequence_parallel", "n_nvme", "head_tile")
+              "n_selective", "sequence_parallel", "n_nvme", "head_tile", "ckpt_input")
 MAX_COUNT = 2**31 - 1
 """Largest count a setting takes (chunks, blocks, steps, ranks): the search holds them in int64
 arrays and multiplies them by sizes."""
@@ -56,6 +56,11 @@ class KnobPins:
     head_tile: int | None = None
     """Tokens per tile of the head and loss (0: the model's own head, whole logits); None: the
     planner tiles where that lets a faster plan fit (protrain.search.head)."""
+    ckpt_input: str | None = None
+    """Where the checkpointed blocks keep their inputs: ``"device"`` (torch checkpoint's way) or
+    ``"host"`` (pinned host memory, copied back one block ahead of the block's backward; HF's
+    ``gradient_checkpointing_kwargs={"offload": True}``); None: the planner moves them where
+    that lets a faster plan fit (protrain.search.ckpt_input)."""
 
     def pinned(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in KNOB_NAMES if getattr(self, k) is not None}
@@ -199,6 +204,13 @@ def _pins_from_dict(data: Mapping[str, Any], where: str) -> KnobPins:
             kwargs[key] = v
         elif key == "n_persist" and v == ALL:
             kwargs[key] = ALL
+        elif key == "ckpt_input":
+            from .block_mode import CKPT_INPUTS
+            if v not in CKPT_INPUTS:
+                raise ConfigError(f"{where}.{key} = {v!r}: must be \"device\" (the checkpointed blocks "
+                                  f"keep their inputs on the device), \"host\" (in pinned host memory) "
+                                  f"or \"auto\" to let the planner choose")
+            kwargs[key] = v
         else:
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
                 also = ', "all" (every chunk on the device)' if key == "n_persist" else ""

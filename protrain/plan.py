@@ -57,6 +57,11 @@ class Knobs:
     cross-entropy a tile at a time, recomputed per tile in backward); 0: the model's own head,
     whole logits. Chosen around the inner search, as P is (protrain.search.head)."""
 
+    ckpt_input: str = "device"
+    """Where the ``n_checkpoint`` blocks keep their inputs until their backward: ``"device"``,
+    or ``"host"`` (BlockMode.CKPT_HOST: pinned host memory, fetched back one block ahead).
+    Chosen around the inner search (protrain.search.ckpt_input)."""
+
     def as_tuple(self) -> tuple[int, ...]:
         """The knobs the inner search chooses, in its tie-break order (P and the head's tile
         are chosen outside)."""
@@ -186,6 +191,8 @@ class Plan(JsonValue):
     block_saved_bytes: tuple[int, ...] = ()
     """Bytes each block copies off the device when offloaded: what it saves for backward,
     including storages an earlier block saved first (sizes the host arenas of swapped blocks)."""
+    block_input_bytes: tuple[int, ...] = ()
+    """Bytes of each block's input (sizes the host arenas of the CKPT_HOST blocks' inputs)."""
     n_speculate: int = 0
     """Offloaded chunks (the last in execution order) whose CPU Adam update runs speculatively
     during backward under gradient clipping / fp16 loss scaling (PlannerConfig
@@ -239,7 +246,7 @@ class Plan(JsonValue):
         # Usually ProTrain's layout rule; a framework adapter may re-arrange the same counts
         # (Megatron's native recompute checkpoints the first blocks).
         if not same_counts(self.block_modes, layout_block_modes(n, k.n_swap, k.n_checkpoint, k.n_ssd,
-                                                                k.n_selective)):
+                                                                k.n_selective, k.ckpt_input)):
             raise ValueError(f"Plan.block_modes {modes_string(self.block_modes)} do not hold "
                              f"n_ssd={k.n_ssd}, n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint}, "
                              f"n_selective={k.n_selective} blocks")
@@ -269,6 +276,12 @@ class Plan(JsonValue):
             ("n_checkpoint", f"{k.n_checkpoint}{pin('n_checkpoint')}",
              f"{k.n_checkpoint}/{n_blocks} blocks recomputed",
              "DS activation_checkpointing; Megatron --recompute-granularity/-method/-num-layers"),
+            *([("ckpt_input", f"{k.ckpt_input}{pin('ckpt_input')}",
+                f"the {k.n_checkpoint} checkpointed blocks keep their inputs "
+                + ("in pinned host memory, fetched back one block ahead of their backward"
+                   if k.ckpt_input == "host" else "on the device"),
+                "HF gradient_checkpointing_kwargs offload; DS cpu_checkpointing")]
+              if k.ckpt_input == "host" or "ckpt_input" in self.pinned else []),
             ("n_swap", f"{k.n_swap}{pin('n_swap')}", f"{k.n_swap}/{n_blocks} blocks swapped to host",
              "Megatron --cpu-offloading(-num-layers); no DeepSpeed equivalent"),
         ]
@@ -314,7 +327,7 @@ class Plan(JsonValue):
                    else f"; host shared by {self.ranks_per_node} ranks per node"),
                f"  {'knob':<{w0}}  {'value':<{w1}}  {'meaning':<{w2}}  replaces"]
         out += [f"  {a:<{w0}}  {b:<{w1}}  {m:<{w2}}  {r}" for a, b, m, r in rows]
-        out.append(f"  block modes (N keep, C checkpoint, S swap, D NVMe, A selective): "
+        out.append(f"  block modes (N keep, C checkpoint, H checkpoint from host, S swap, D NVMe, A selective): "
                    f"{modes_string(self.block_modes)}")
         budget = self.device_memory
         if p.grad_accumulation_steps > 1:

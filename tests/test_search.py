@@ -5,7 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from protrain.block_mode import layout_block_modes, layout_codes
+from protrain.block_mode import BlockMode, layout_block_modes, layout_codes
 from protrain.config import KnobPins, PlannerConfig
 from protrain.layout import build_layout, chunk_capacities
 from protrain.cost.memory import (norm_scratch_bytes, nvme_state_top, predict_memory, ssd_bytes, state_bytes,
@@ -86,7 +86,7 @@ def _brute_force(profile, hw, config, states_on_drive=False):
                     if min(n - nc - nd - nl - ns, nc, nl) > 0 and pins.n_selective is None \
                             and pins.n_checkpoint is None:
                         continue
-                    modes = layout_block_modes(n, ns, nc, nd, nl)
+                    modes = layout_block_modes(n, ns, nc, nd, nl, pins.ckpt_input or "device")
                     for nv in range(nch - np_ + 1) if states_on_drive else (0,):
                         mem = predict_memory(profile, layout, np_, nb, modes, sb, world, int(scratch[np_]),
                                              n_nvme=nv)
@@ -146,6 +146,24 @@ def test_search_equals_brute_force(case, gas, overlap, world, ssd):
     ref = brute_force(prof, hw, config)
     got = (plan.prediction.step_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())
     assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
+
+
+@pytest.mark.parametrize("case", [0, 1, 3, 4])
+@pytest.mark.parametrize("gas, overlap, ssd", [(1, True, "none"), (2, False, "compat")])
+def test_search_with_the_checkpointed_inputs_on_the_host_equals_brute_force(case, gas, overlap, ssd):
+    """ckpt_input pinned to "host" (the outer loop's inner search): every checkpointed block a
+    CKPT_HOST block, and the search still finds what brute force finds."""
+    shape, dev, host, sizes = CASES[case]
+    hw = small_hw(device_memory=dev, host_memory=host, **SSD[ssd])
+    prof = analytic_profile(shape, hw)
+    config = PlannerConfig(chunk_sizes=sizes, grad_accumulation_steps=gas, cpu_optim_overlap=overlap,
+                           pins=KnobPins(ckpt_input="host"))
+    plan = search(prof, hw, config)
+    ref = brute_force(prof, hw, config)
+    got = (plan.prediction.step_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())
+    assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
+    assert plan.knobs.ckpt_input == "host"
+    assert all(m != BlockMode.CKPT for m in plan.block_modes)
 
 
 def test_a_host_copy_figure_lets_more_chunks_speculate_and_the_search_still_equals_brute_force():

@@ -42,9 +42,10 @@ def two(tmp_path_factory, ckpt_dir):
         # a block's saved tensors on the SSD tier, the same samples as "gqa"
         _run("ssd", 2, 2, 2, protrain=dict(OFFLOADED, sequence_parallel=2, n_ssd=1, n_checkpoint=0,
                                            n_swap=0, n_selective=0, ssd_path=ssd, ssd_min_bytes=0)),
-        # the head and loss over tiles (tests/test_tiled_head.py), the same samples as "gqa"
+        # the head and loss over tiles (tests/test_tiled_head.py) and the checkpointed block's input
+        # in host memory (tests/test_ckpt_input.py), the same samples as "gqa"
         _run("tiled", 2, 2, 2, protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_selective=1,
-                                             n_swap=0, head_tile=8)),
+                                             n_swap=0, head_tile=8, ckpt_input="host")),
         # the Hugging Face Trainer with the "protrain" key in its DeepSpeed JSON
         _run("trainer", 2, 4, 3, trainer=True,
              protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_swap=0, n_selective=0)),
@@ -100,7 +101,7 @@ def test_two_ranks_train_like_one_rank_on_the_same_samples(two, ref, case):
     runs = two[case]
     assert all(r["sp"] == 2 for r in runs)
     assert runs[0]["offloaded"] > 0
-    assert runs[0]["modes"] == {"gqa": "CA", "mha": "SN", "ssd": "DN", "tiled": "CA"}[case]
+    assert runs[0]["modes"] == {"gqa": "CA", "mha": "SN", "ssd": "DN", "tiled": "HA"}[case]
     if case == "tiled":       # each rank's 16 tokens in tiles of 8, the mean over the group's count
         assert all(r["head_tile"] == 8 and r["tiled_forwards"] == 4 for r in runs), runs[0]["tiled_forwards"]
     _same_training(runs, ref["gqa" if case in ("ssd", "tiled") else case], gas=2 if case == "mha" else 1)

@@ -5,7 +5,8 @@ buffers) + the highest point of an execution-order walk over activations. The wa
 the keep-all profile and subtracts what the block modes free:
 
     X_k = sum over blocks j < k of freed_j,
-    freed = {NONE: 0, CKPT: own - held, SELECTIVE: own - held - attn, SWAP/SSD: own'}
+    freed = {NONE: 0, CKPT: own - held, SELECTIVE: own - held - attn, SWAP/SSD: own',
+             CKPT_HOST: own}
     own  = saved - kept   (a block's saved storages but those a later part saves too)
     own' = own, or saved when the next block offloads the kept storages as well
     held = in - in_shared (the input CKPT holds, unless an earlier part keeps it live anyway)
@@ -26,6 +27,9 @@ the keep-all profile and subtracts what the block modes free:
 - a SELECTIVE part the same: its recompute rebuilds everything but what it kept, so it ends
   at the keep-all level too (the kept attention outputs are not allocated again); the same
   bound holds.
+- a CKPT_HOST part as a CKPT part, its input back on the device by then; its input's copy is
+  in flight as an offloaded block's (held bytes: during the next part's forward, and while
+  it is fetched back during the next part's backward).
 
 The profile's peaks come from the device allocator on CUDA, so intra-op transients (workspaces)
 and inter-op deltas (allocations outside hooked ops) are already inside fwd_peak / bwd_peak.
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_mode import CKPT, NONE, SEL, SSD, SWAP, BlockMode
+from ..block_mode import CKPT, CKPT_HOST, NONE, SEL, SSD, SWAP, BlockMode
 from ..profile.model_profile import ModelProfile
 from ..layout import ChunkLayout
 from ..state_tier import (STAGING_SLOTS, staged_bytes_per_element, staging_ring_bytes, state_bytes_per_element,
@@ -208,22 +212,24 @@ def activation_walk_points(profile: ModelProfile, block_modes) -> np.ndarray:
     # Kept storages stay while the next part holds them; an offloading next part lets go too.
     own = saved - kept
     own_offl = saved - np.where(next_offl, 0, kept)
+    host_in = m == CKPT_HOST
     freed = np.where(m == CKPT, own - held, 0) + np.where(offl, own_offl, 0) + \
-        np.where(m == SEL, own - held - attn, 0)
+        np.where(m == SEL, own - held - attn, 0) + np.where(host_in, own, 0)
     # X_k: what earlier blocks' modes freed (exclusive prefix sum).
     x = np.cumsum(freed, axis=1) - freed
     # One offloaded block may be in flight: its write-out during the next part's forward, its
     # prefetch during the next (in backward order) part's backward. Its copies include the
     # storages it re-saved, which are gone from the device if their owner offloaded them.
     prev_swapped = np.zeros_like(freed)
-    prev_swapped[:, 1:] = np.where(offl, own_offl + np.where(prev_offl, resaved, 0), 0)[:, :-1]
+    prev_swapped[:, 1:] = np.where(offl, own_offl + np.where(prev_offl, resaved, 0),
+                                   np.where(host_in, held, 0))[:, :-1]
 
     fwd = fp - x + prev_swapped
     bwd_keep = bp - x
     recompute = bs - x - (saved - held) + (fp - fs)
     # Two offloaded blocks in a row both bring back the storages they share (each its copy).
     twice = np.where(offl & prev_offl, resaved, 0)
-    rec = (m == CKPT) | (m == SEL)
+    rec = (m == CKPT) | (m == SEL) | host_in
     bwd = np.where(rec, np.maximum(recompute, bwd_keep), bwd_keep) + prev_swapped + twice
     return np.stack([fwd, bwd], axis=2).reshape(m.shape[0], -1)
 
@@ -234,6 +240,11 @@ def offload_bytes(part) -> int:
     return part.saved_bytes + part.resaved_bytes
 
 
+def ckpt_input_bytes(part) -> int:
+    """Bytes a CKPT_HOST part copies off the device and back: its input."""
+    return part.in_bytes
+
+
 def ssd_bytes(profile: ModelProfile, block_modes) -> np.ndarray:
     """Bytes the SSD blocks write per iteration (and the disk space they need)."""
     m = part_modes(profile, block_modes)
@@ -242,11 +253,12 @@ def ssd_bytes(profile: ModelProfile, block_modes) -> np.ndarray:
 
 
 def swap_host_bytes(profile: ModelProfile, block_modes) -> np.ndarray:
-    """Pinned host bytes holding the swapped blocks' activations (all of them by the end of
-    forward)."""
+    """Pinned host bytes holding the swapped blocks' activations and the CKPT_HOST blocks'
+    inputs (all of them by the end of forward)."""
     m = part_modes(profile, block_modes)
     copied = np.array([offload_bytes(p) for p in profile.parts], dtype=np.int64)
-    return np.where(m == SWAP, copied, 0).sum(axis=1)
+    inputs = np.array([ckpt_input_bytes(p) for p in profile.parts], dtype=np.int64)
+    return np.where(m == SWAP, copied, 0).sum(axis=1) + np.where(m == CKPT_HOST, inputs, 0).sum(axis=1)
 
 
 # ---- one plan, explained ----------------------------------------------------------------
@@ -302,5 +314,5 @@ def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n
 
 __all__ = ["StateBytes", "state_bytes", "model_state_device_bytes", "norm_scratch_bytes",
            "model_state_host_bytes", "nvme_state_top", "staging_bytes", "nvme_drive_bytes", "nvme_file_top",
-           "activation_walk", "offload_bytes", "swap_host_bytes", "ssd_bytes", "MemoryPrediction",
+           "activation_walk", "offload_bytes", "ckpt_input_bytes", "swap_host_bytes", "ssd_bytes", "MemoryPrediction",
            "predict_memory", "NONE", "CKPT", "SWAP"]

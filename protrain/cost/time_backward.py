@@ -9,7 +9,8 @@ reverse, and the gradients' way to CPU Adam.
   parameter prefetch for PCIe. SSD blocks are read back alike, from NVMe.
 - A CKPT block first recomputes its forward (all its chunks resident), then runs backward; a
   SELECTIVE block recomputes its forward without attention and all-to-alls
-  (PartProfile.sel_recompute_time).
+  (PartProfile.sel_recompute_time). A CKPT_HOST block's input is prefetched as a SWAP block's
+  activations are, then the block recomputes as a CKPT block.
 - When the first part using a chunk has finished backward, the chunk's gradient is complete:
   a persistent chunk's all-reduce over the ranks starts (the collectives' queue), non-persistent
   chunks go D2H, then to CPU Adam (one chunk at a time), overlapping backward -
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..block_mode import CKPT, SEL, SSD, SWAP
+from ..block_mode import CKPT, CKPT_HOST, SEL, SSD, SWAP
 from .time_queues import QueueState, StepCosts
 from .time_state_io import staged_update
 
@@ -86,11 +87,13 @@ def _part_backward(costs: StepCosts, q: QueueState, p: int, avail: np.ndarray,
     part, chunks = parts[p], costs.layout.part_chunks[p]
     if costs.serial and p >= 1 and parts[p - 1].kind == "block":
         # The previous block's swapped activations come back first, synchronously.
-        q.comp = q.comp + np.where(modes[p - 1] == SWAP, costs.saved[p - 1] / costs.rr.h2d, 0.0)
+        q.comp = q.comp + np.where((modes[p - 1] == SWAP) | (modes[p - 1] == CKPT_HOST),
+                                   costs.saved[p - 1] / costs.rr.h2d, 0.0)
     m = modes[p]
-    q.comp = np.where((m == SWAP) | (m == SSD), np.maximum(q.comp, swap_in_end[p]), q.comp)
-    redo = np.where(m == CKPT, part.fwd_time, np.where(m == SEL, part.sel_recompute_time, 0.0))
-    rec = (m == CKPT) | (m == SEL)
+    q.comp = np.where((m == SWAP) | (m == SSD) | (m == CKPT_HOST), np.maximum(q.comp, swap_in_end[p]), q.comp)
+    full = (m == CKPT) | (m == CKPT_HOST)
+    redo = np.where(full, part.fwd_time, np.where(m == SEL, part.sel_recompute_time, 0.0))
+    rec = full | (m == SEL)
     if chunks:
         all_ready = avail[list(chunks)].max(axis=0)
         q.record("compute", "recompute", part.name, np.maximum(q.comp, all_ready),
@@ -110,9 +113,10 @@ def _part_backward(costs: StepCosts, q: QueueState, p: int, avail: np.ndarray,
 def _prefetch_activations(costs: StepCosts, q: QueueState, b: int, start: np.ndarray,
                           swap_in_end: np.ndarray) -> None:
     """Block b's offloaded activations come back, issued as the part after it starts its
-    backward (``start``): H2D where it swapped, from NVMe where it is an SSD block."""
+    backward (``start``): H2D where it swapped (its input where it is a CKPT_HOST block), from
+    NVMe where it is an SSD block."""
     name, saved, modes = costs.profile.parts[b].name, costs.saved, costs.modes
-    sw = modes[b] == SWAP
+    sw = (modes[b] == SWAP) | (modes[b] == CKPT_HOST)
     end = np.maximum(q.h2d, start) + saved[b] / costs.rr.h2d
     q.record("h2d", "swap_in", name, end - saved[b] / costs.rr.h2d, end, sw)
     q.h2d = np.where(sw, end, q.h2d)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..block_mode import SSD, SWAP
+from ..block_mode import CKPT_HOST, SSD, SWAP
 from .time_queues import QueueState, StepCosts
 
 
@@ -64,10 +64,10 @@ def _upload(costs: StepCosts, q: QueueState, j: int, released: np.ndarray, ready
 
 
 def _write_out_activations(costs: StepCosts, q: QueueState, p: int, swap_out_end: np.ndarray) -> None:
-    """Block p's saved activations leave the device after its forward: D2H where it swaps,
-    to NVMe where it is an SSD block."""
+    """Block p's saved activations leave the device after its forward: D2H where it swaps (its
+    input where it is a CKPT_HOST block), to NVMe where it is an SSD block."""
     part, saved, modes = costs.profile.parts[p], costs.saved, costs.modes
-    sw = modes[p] == SWAP
+    sw = (modes[p] == SWAP) | (modes[p] == CKPT_HOST)
     end = np.maximum(q.d2h, q.comp) + saved[p] / costs.rr.d2h
     q.record("d2h", "swap_out", part.name, end - saved[p] / costs.rr.d2h, end, sw)
     q.d2h = np.where(sw, end, q.d2h)

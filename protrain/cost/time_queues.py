@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_mode import SSD
+from ..block_mode import CKPT_HOST, SSD
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from .chunk_times import allreduce_times, backup_times, check_times, chunk_transfer_times, state_io_times
 from .host_share import RankRates, rank_rates
 from ..layout import ChunkLayout
-from .memory import offload_bytes, part_modes
+from .memory import ckpt_input_bytes, offload_bytes, part_modes
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,7 @@ class StepCosts:
     """[chunks] a speculating chunk's backup, and its whole turn on the CPU queue (check,
     backup, update); None without speculation."""
     saved: np.ndarray
-    """[parts] bytes a SWAP / SSD part copies off the device."""
+    """[parts, K] bytes a SWAP / SSD part copies off the device, a CKPT_HOST part its input."""
     w_time: np.ndarray
     r_time: np.ndarray
     """[parts] NVMe write / read of an SSD part's activations."""
@@ -135,6 +135,9 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
               if rr.nvme_write > 0 else saved * 0)
     r_time = (saved / min(rr.nvme_read, np.inf if gds else rr.h2d)
               if rr.nvme_read > 0 else saved * 0)
+    # A CKPT_HOST part copies its input (and back); other parts what they saved.
+    inputs = np.array([ckpt_input_bytes(p) for p in profile.parts], dtype=np.float64)
+    saved = np.where(modes == CKPT_HOST, inputs[:, None], saved[:, None])
     return StepCosts(
         profile=profile, layout=layout, hw=hw, rr=rr, world=world, modes=modes, npers=npers,
         nbuf=nbuf, nnvme=nnvme, t_up=t_up, t_down=t_down, t_adam=t_adam, t_sread=t_sread,

@@ -15,6 +15,12 @@
   backward time: an offloaded chunk may come back into a different buffer than the one it
   was in during forward.
 
+- CKPT_HOST is CKPT with a HostStash: under the checkpoint the only tensors autograd saves
+  through these hooks are the checkpoint's inputs (torch's checkpoint saves them before it
+  pushes its own hooks), so the block's input is what goes to host memory and comes back one
+  block ahead of the recompute. An input passed as a keyword stays on the device (torch's
+  checkpoint holds keyword arguments itself): said once.
+
 - SSD writes the same storages to a per-block file on NVMe (SSDTrain) through the storage
   backend (kvikio GPUDirect Storage, its compatibility mode, or POSIX); storages under
   ``ssd_min_bytes`` stay on the device. Forwarding: a tensor still in device memory when its
@@ -220,8 +226,9 @@ class ActivationRuntime:
     def __init__(self, blocks: Sequence[nn.Module], modes: Sequence[BlockMode], streams: Streams,
                  device: torch.device, swap_bytes: Sequence[int], param_lookup, *,
                  ssd_root=None, ssd_verify: bool = False, ssd_min_bytes: int = 2**20, ssd_store=None,
-                 checkpoint_context_fn=None):
+                 checkpoint_context_fn=None, input_bytes: Sequence[int] = ()):
         """``swap_bytes[i]``: bytes block i saved when profiled (sizes its arena or file);
+        ``input_bytes[i]``: its input's bytes (sizes a CKPT_HOST block's arena);
         ``param_lookup(t)`` returns (param, delta) if ``t`` views a parameter in a chunk
         buffer, True for a persistent chunk, else None. SSD blocks need ``ssd_root``: a per-run
         directory is made under it and removed by ``close`` / at exit / on SIGTERM."""
@@ -233,13 +240,15 @@ class ActivationRuntime:
         self.current_block: int | None = None
         self.stashes: dict[int, HostStash | SSDStash] = {}
         self.rundir = self.store = None
-        caps = {i: int(swap_bytes[i] * 1.25) + 2**16 for i in range(len(self.modes))}
+        caps = {i: int((input_bytes[i] if m == BlockMode.CKPT_HOST and i < len(input_bytes) else swap_bytes[i])
+                       * 1.25) + 2**16 for i, m in enumerate(self.modes)}
         # The pinned arenas first: one the host cannot give fails before the SSD run directory
         # (its preallocated files) and its store's threads exist, which nothing would close.
         for i, m in enumerate(self.modes):
-            if m == BlockMode.SWAP:
-                self.stashes[i] = HostStash(streams.pinned(caps[i], torch.uint8, f"block {i}'s swapped "
-                                                           f"activations"), streams)
+            if m in (BlockMode.SWAP, BlockMode.CKPT_HOST):
+                what = "swapped activations" if m == BlockMode.SWAP else "checkpointed input"
+                self.stashes[i] = HostStash(streams.pinned(caps[i], torch.uint8, f"block {i}'s {what}"),
+                                            streams)
         ssd_blocks = [i for i, m in enumerate(self.modes) if m == BlockMode.SSD]
         if ssd_blocks:
             if ssd_root is None:
@@ -251,6 +260,7 @@ class ActivationRuntime:
                 self.stashes[i] = SSDStash(BlockFile(self.rundir.path / f"block{i:04d}.act", caps[i]),
                                            self.store, streams, min_bytes=ssd_min_bytes)
         self._checkpoint_context_fn = checkpoint_context_fn
+        self._warned_input = False
         self._ckpt = None
         self.wrap_blocks()
         self.stats = {"swapped_bytes": 0, "swap_dedup_hits": 0, "prefetched_bytes": 0,
@@ -373,7 +383,7 @@ class ActivationRuntime:
         """Backward is about to start: bring the last block's offloaded tensors back while the
         head's backward runs."""
         last = len(self.blocks) - 1
-        if last >= 0 and self.modes[last] in (BlockMode.SWAP, BlockMode.SSD):
+        if last >= 0 and self.modes[last] in (BlockMode.SWAP, BlockMode.SSD, BlockMode.CKPT_HOST):
             self.prefetch(last)
 
     def backward_done_with(self, part: int) -> None:
@@ -389,12 +399,27 @@ class ActivationRuntime:
     def enter_forward_block(self, i: int | None) -> None:
         """Forward moves into block ``i`` (None: out of the blocks). An offloaded block's device
         copies are dropped once their write is done, one block later."""
+        left = self.current_block
+        if left is not None and left != i and left < len(self.modes) and self.modes[left] == BlockMode.CKPT_HOST:
+            self._check_input_moved(left)
         self.current_block = i
         if i is not None:
             self._finish_swap_out(i - 2)
         else:
             for b in self.stashes:
                 self._finish_swap_out(b)
+
+    def _check_input_moved(self, b: int) -> None:
+        """A CKPT_HOST block that ran under autograd and moved nothing got its input as a
+        keyword argument (torch's checkpoint keeps those itself): the input stays on the device,
+        more than the plan counted. Said once; the training is unchanged."""
+        if self.stashes[b].stored or not torch.is_grad_enabled() or self._warned_input:
+            return
+        self._warned_input = True
+        log.warning("protrain: block %d is checkpointed with its input in host memory, but its input "
+                    "did not come as a positional tensor argument (torch's checkpoint keeps keyword "
+                    "arguments on the device): it stays on the device, beyond the plan's memory "
+                    "figures. Pin \"ckpt_input\": \"device\" to plan for that.", b)
 
     def _finish_swap_out(self, b: int) -> None:
         stash = self.stashes.get(b)
@@ -478,7 +503,7 @@ _EAGER = object()
 @contextmanager
 def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode], context_fn=None,
                         position=None):
-    """Run the CKPT and SELECTIVE blocks of ``modes`` under checkpoint for the duration of the
+    """Run the CKPT, CKPT_HOST and SELECTIVE blocks of ``modes`` under checkpoint for the duration of the
     context (what the runtime does), e.g. to measure a plan's activation memory without the
     runtime. ``context_fn`` is torch checkpoint's hook to restore framework RNG state on
     recompute (Megatron's tensor-parallel RNG tracker). The recompute leaves the block's
@@ -493,7 +518,7 @@ def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode],
             b = blocks[ps[0]]
             calls = {}
             for i in ps:
-                if modes[i] in (BlockMode.CKPT, BlockMode.SELECTIVE):
+                if modes[i] in (BlockMode.CKPT, BlockMode.CKPT_HOST, BlockMode.SELECTIVE):
                     # The buffers' contexts outermost: their copies are not replayed by the
                     # selective policy, and the RNG restore runs from the forward's buffers too.
                     fn = combine_context_fns(buffers_context_fn(b), context_fn)

@@ -147,7 +147,7 @@ class ProTrainRuntime:
             self.activations = ActivationRuntime(
                 self.blocks, plan.block_modes, self.streams, device, plan.block_saved_bytes,
                 self._param_lookup, ssd_root=options.ssd_root, ssd_verify=options.ssd_verify is True,
-                ssd_min_bytes=options.ssd_min_bytes)
+                ssd_min_bytes=options.ssd_min_bytes, input_bytes=plan.block_input_bytes)
         except BaseException:
             self.compiled.close()
             self.optimizer.worker.close()
@@ -155,7 +155,7 @@ class ProTrainRuntime:
             raise
         del before
         self._needs_saved_hooks = bool(self.chunks.offloaded()) or any(
-            m in (BlockMode.SWAP, BlockMode.SSD) for m in plan.block_modes)
+            m in (BlockMode.SWAP, BlockMode.SSD, BlockMode.CKPT_HOST) for m in plan.block_modes)
         self._hooks = ExitStack()
         self._bounds = self._hooks.enter_context(part_boundaries(self.blocks, self._on_enter,
                                                                  position_names(model, self.blocks)))

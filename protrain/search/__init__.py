@@ -2,6 +2,7 @@
 when none does.
 
     head         search(): the head's tile around the inner search (as P is, in protrain.sp)
+    ckpt_input   where the checkpointed blocks keep their inputs, around the inner search
     loop         the inner search: the fastest time in bound order, the hedge band, the fewest buffers, the winner
     space        the candidate space: activation configurations, per chunk size the points that fit
     candidates   the values the candidate space is made of (ActivationConfigs, CandidateGrid)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..block_mode import CKPT, SEL
+from ..block_mode import SEL, full_recompute
 from ..config import PlannerConfig
 from ..cost.chunk_times import (backup_times, check_times, chunk_transfer_times, allreduce_after_backward,
                                 state_io_times)
@@ -261,7 +261,7 @@ def backward_compute(profile: ModelProfile, codes: np.ndarray) -> np.ndarray:
     """Backward's compute per plan: every part's backward plus the recomputed forwards."""
     fwd = np.array([b.fwd_time for b in profile.blocks])
     sel = np.array([b.sel_recompute_time for b in profile.blocks])
-    return sum(p.bwd_time for p in profile.parts) + (codes == CKPT).astype(np.float64) @ fwd + \
+    return sum(p.bwd_time for p in profile.parts) + full_recompute(codes).astype(np.float64) @ fwd + \
         (codes == SEL).astype(np.float64) @ sel
 
 
@@ -313,7 +313,7 @@ def refine_cpu_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
     fwd = np.array([b.fwd_time for b in profile.blocks])
     sel = np.array([b.sel_recompute_time for b in profile.blocks])
     per_part = np.tile(np.array([p.bwd_time for p in profile.parts]), (len(idx), 1))
-    per_part[:, list(profile.block_part_indices)] += np.where(codes == CKPT, fwd, 0.0) + \
+    per_part[:, list(profile.block_part_indices)] += np.where(full_recompute(codes), fwd, 0.0) + \
         np.where(codes == SEL, sel, 0.0)
     done = np.cumsum(per_part[:, ::-1], axis=1)[:, ::-1]         # backward until part p is done
     adam_upto = np.concatenate([[0.0], np.cumsum(t_adam)])       # sum over chunks below c

@@ -28,10 +28,13 @@ class ActivationConfigs:
     ssd: np.ndarray            # [A] bytes written to NVMe per iteration
     recompute: np.ndarray      # [A] seconds of recompute in backward
     fwd_write: np.ndarray      # [A] seconds forward cannot beat: its swap / SSD write queues
+    ckpt_input: str = "device"
+    """Where the checkpointed blocks keep their inputs (``Knobs.ckpt_input``)."""
 
     def codes(self, a: np.ndarray) -> np.ndarray:
         """[len(a), n_blocks] mode codes of configurations ``a``."""
-        return layout_codes(self.n_blocks, self.n_swap[a], self.n_ckpt[a], self.n_ssd[a], self.n_sel[a])
+        return layout_codes(self.n_blocks, self.n_swap[a], self.n_ckpt[a], self.n_ssd[a], self.n_sel[a],
+                            ckpt_input=self.ckpt_input)
 
 
 @dataclass

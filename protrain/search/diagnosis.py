@@ -103,10 +103,15 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
     too_many = _too_many_nvme_chunks(profile, config)
     if too_many is not None:
         return too_many
-    pins = config.pins.pinned()
+    # Where the checkpointed blocks keep their inputs is chosen around this search
+    # (search/ckpt_input.py), which pins it here: it stays, and is not named as the user's pin.
+    ckpt_input = config.pins.ckpt_input or "device"
+    pins = {k: v for k, v in config.pins.pinned().items() if k != "ckpt_input"}
+    if not pins:
+        return None
     # Would it fit without the pins? Then the pins are the problem; say so.
     try:
-        free = search(profile, hw, replace(config, pins=KnobPins()))
+        free = search(profile, hw, replace(config, pins=KnobPins(ckpt_input=config.pins.ckpt_input)))
     except InfeasibleError:
         free = None
     # The sequence-parallel degree is not this search's (it plans one rank's profile). Pins
@@ -117,6 +122,7 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
     fixed.setdefault("n_selective", 0)
     fixed.setdefault("n_nvme", 0)
     fixed["head_tile"] = profile.head_tile        # chosen around this search (search/head.py)
+    fixed["ckpt_input"] = ckpt_input
     if len(fixed) == len(KNOB_NAMES) - 1:
         # Every knob fixed: say which constraint that one plan breaks.
         if pins["n_persist"] == ALL:     # "all": the chunk count of the pinned chunk size

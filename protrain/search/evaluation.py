@@ -10,7 +10,7 @@ import numpy as np
 
 from ..block_mode import BlockMode, layout_block_modes, modes_string, same_counts
 from ..config import PlannerConfig
-from ..cost.memory import MemoryPrediction, offload_bytes, predict_memory
+from ..cost.memory import MemoryPrediction, ckpt_input_bytes, offload_bytes, predict_memory
 from ..cost.predicted_timeline import predicted_timeline
 from ..cost.time_model import simulate
 from ..layout import build_layout
@@ -166,6 +166,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         candidates_evaluated=int(evaluated), candidates_total=int(total),
         params=profile.params if profile.source == "measured" else (),
         block_saved_bytes=tuple(offload_bytes(b) for b in profile.blocks),
+        block_input_bytes=tuple(ckpt_input_bytes(b) for b in profile.blocks),
         micro_batch=profile.micro_batch, seq_len=profile.seq_len, n_speculate=n_spec,
         timeline=timeline, ranks_per_node=hw.ranks_per_node)
 
@@ -175,7 +176,7 @@ def _checked_block_modes(profile: ModelProfile, layout, knobs: Knobs,
     """The knobs' block modes (``block_modes`` where given and of the same counts), after
     refusing knobs the layout cannot run."""
     modes = layout_block_modes(profile.n_blocks, knobs.n_swap, knobs.n_checkpoint, knobs.n_ssd,
-                               knobs.n_selective)
+                               knobs.n_selective, knobs.ckpt_input)
     if block_modes is not None:
         if len(block_modes) != profile.n_blocks or not same_counts(block_modes, modes):
             raise ValueError(f"block_modes {modes_string(block_modes)} do not match the knobs {knobs} "

@@ -22,7 +22,7 @@ from ..profile.model_profile import ModelProfile
 from ..profile.transforms import with_head_tile
 from ..units import fmt_bytes, fmt_seconds
 from .infeasible import InfeasibleError
-from .loop import search as search_one
+from .ckpt_input import search as search_one
 
 TILE_GRANULE = 128
 """Tile lengths are multiples of this many tokens (and at least one granule)."""

@@ -136,7 +136,8 @@ class _SearchState:
         return Knobs(chunk_size=g.layout.chunk_bytes, n_persist=int(g.n_persist[j]), n_buffer=nb,
                      n_swap=int(self.acts.n_swap[a]), n_checkpoint=int(self.acts.n_ckpt[a]),
                      n_ssd=int(self.acts.n_ssd[a]), n_selective=int(self.acts.n_sel[a]),
-                     n_nvme=int(g.n_nvme[j]), head_tile=self.profile.head_tile)
+                     n_nvme=int(g.n_nvme[j]), head_tile=self.profile.head_tile,
+                     ckpt_input=self.acts.ckpt_input)
 
     def peak(self, i: int) -> int:
         g, j = self.grids[self.owner[i]], self.local[i]
@@ -144,9 +145,11 @@ class _SearchState:
 
 
 def search(profile: ModelProfile, hw: HardwareProfile,
-           config: PlannerConfig | None = None) -> Plan:
+           config: PlannerConfig | None = None, *, beat: float = np.inf) -> Plan | None:
     """The fastest plan for ``profile`` on ``hw`` within ``config``'s budgets and pins.
-    Raises InfeasibleError (with what would fit) when nothing does."""
+    Raises InfeasibleError (with what would fit) when nothing does. ``beat``: only a plan
+    faster than this matters to the caller (an outer loop's incumbent): None when no plan is,
+    found without simulating the points whose bounds say they cannot be."""
     config = config or PlannerConfig()
     if (config.pins.sequence_parallel or 1) > 1:
         raise ValueError("search() plans one rank's profile as it is; a sequence-parallel degree "
@@ -161,7 +164,10 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     if sum(len(g.lower_bound) for g in grids) == 0:
         raise diagnose_infeasible(profile, hw, config, budget, stats, acts, caps, search=search)
     st = _SearchState.over(profile, hw, config, acts, grids)
+    st.best = beat        # the pruning starts from the incumbent: what cannot beat it is skipped
     _find_fastest(st)
+    if not (st.times < beat).any():
+        return None
     _simulate_hedge_band(st)
     tied, target = _hedge_ties(st)
     if config.pins.n_buffer is None:

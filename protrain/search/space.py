@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..block_mode import CKPT, SEL, layout_codes
+from ..block_mode import CKPT_HOST, SEL, full_recompute, layout_codes
 from ..config import ALL, PlannerConfig
 from ..cost.chunk_times import state_io_times
 from ..cost.host_share import host_memory_share, nvme_free_share, rank_rates
-from ..cost.memory import activation_walk, buffer_numel, nvme_file_top, nvme_state_top, offload_bytes, staging_bytes
+from ..cost.memory import activation_walk, buffer_numel, ckpt_input_bytes, nvme_file_top, nvme_state_top, offload_bytes, staging_bytes
 from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
@@ -172,8 +172,11 @@ _WALK_BATCH = 4096
 def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile,
                        states_busy: float = 0.0) -> ActivationConfigs:
     """Every activation configuration (``activation_counts``) with its activation peak, host
-    and NVMe bytes, recompute time and forward's write bound."""
+    and NVMe bytes, recompute time and forward's write bound; the checkpointed blocks keep
+    their inputs where ``config.pins.ckpt_input`` says (None: on the device; the outer search,
+    protrain.search.ckpt_input, pins it)."""
     n = profile.n_blocks
+    ckpt_input = config.pins.ckpt_input or "device"
     nc, ns, nd, nl = activation_counts(profile, config, hw, states_busy).T
     # Layout (block_mode.layout_codes): SSD blocks first, then swapped ones, recomputed blocks
     # spread over the rest. Byte sums over those leading ranges are prefix-sum differences.
@@ -190,17 +193,21 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
     sel_t = np.array([b.sel_recompute_time for b in profile.blocks])
     peak = np.empty(len(triples), dtype=np.int64)
     rec = np.zeros(len(triples))
+    inputs = np.zeros(len(triples), dtype=np.int64)      # CKPT_HOST blocks' inputs on the host
+    in_bytes = np.array([ckpt_input_bytes(b) for b in profile.blocks], dtype=np.int64)
     for lo in range(0, len(triples), _WALK_BATCH):
         t = triples[lo:lo + _WALK_BATCH]
-        codes = layout_codes(n, t[:, 1], t[:, 0], np.zeros(len(t), dtype=np.int64), t[:, 2])
+        codes = layout_codes(n, t[:, 1], t[:, 0], np.zeros(len(t), dtype=np.int64), t[:, 2],
+                             ckpt_input=ckpt_input)
         peak[lo:lo + len(t)] = activation_walk(profile, codes)[0]
         if n:
-            rec[lo:lo + len(t)] = (codes == CKPT).astype(np.float64) @ fwd + \
+            rec[lo:lo + len(t)] = full_recompute(codes).astype(np.float64) @ fwd + \
                 (codes == SEL).astype(np.float64) @ sel_t
+            inputs[lo:lo + len(t)] = (codes == CKPT_HOST).astype(np.int64) @ in_bytes
     return ActivationConfigs(
         n_blocks=n, n_ckpt=nc, n_swap=ns, n_ssd=nd, n_sel=nl, act_peak=peak[back],
-        swap_host=swap_host, ssd=ssd, recompute=rec[back],
-        fwd_write=forward_write_bound(profile, hw, csum, ns, nd))
+        swap_host=swap_host + inputs[back], ssd=ssd, recompute=rec[back],
+        fwd_write=forward_write_bound(profile, hw, csum, ns, nd), ckpt_input=ckpt_input)
 
 
 def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
