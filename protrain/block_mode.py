@@ -28,6 +28,10 @@ class BlockMode(str, enum.Enum):
     block's backward, then recomputed from it. The layout's CKPT blocks under
     ``ckpt_input="host"`` (Hugging Face's ``gradient_checkpointing_kwargs={"offload": True}``,
     axolotl's ``activation_offloading``, ALST)."""
+    CKPT_SSD = "ckpt_ssd"
+    """CKPT with the block input on the drive: written to the block's file on the NVMe path
+    (SSDTrain's storage backends) in forward, read back one block ahead of the block's
+    backward, then recomputed from it. The layout's CKPT blocks under ``ckpt_input="drive"``."""
 
     @property
     def code(self) -> int:
@@ -36,17 +40,19 @@ class BlockMode(str, enum.Enum):
     @property
     def letter(self) -> str:
         return {"none": "N", "ckpt": "C", "swap": "S", "ssd": "D", "selective": "A",
-                "ckpt_host": "H"}[self.value]
+                "ckpt_host": "H", "ckpt_ssd": "F"}[self.value]
 
 
 _CODES = {BlockMode.NONE: 0, BlockMode.CKPT: 1, BlockMode.SWAP: 2, BlockMode.SSD: 3,
-          BlockMode.SELECTIVE: 4, BlockMode.CKPT_HOST: 5}
-NONE, CKPT, SWAP, SSD, SEL, CKPT_HOST = 0, 1, 2, 3, 4, 5  # integer codes of the vectorized cost models
-RECOMPUTED = (CKPT, SEL, CKPT_HOST)
+          BlockMode.SELECTIVE: 4, BlockMode.CKPT_HOST: 5, BlockMode.CKPT_SSD: 6}
+NONE, CKPT, SWAP, SSD, SEL, CKPT_HOST, CKPT_SSD = 0, 1, 2, 3, 4, 5, 6  # codes of the vectorized cost models
+RECOMPUTED = (CKPT, SEL, CKPT_HOST, CKPT_SSD)
 """Codes of the modes that recompute (part of) the block in backward."""
-FULL_RECOMPUTE = (CKPT, CKPT_HOST)
+FULL_RECOMPUTE = (CKPT, CKPT_HOST, CKPT_SSD)
 """Codes of the modes that recompute the block's whole forward in backward."""
-CKPT_INPUTS = ("device", "host")
+INPUT_MOVED = (CKPT_HOST, CKPT_SSD)
+"""Codes of the checkpointed modes whose input leaves the device."""
+CKPT_INPUTS = ("device", "host", "drive")
 """Where the checkpointed (CKPT) blocks keep their inputs: ``Knobs.ckpt_input``."""
 
 
@@ -65,7 +71,8 @@ def layout_block_modes(n_blocks: int, n_swap: int, n_checkpoint: int,
     over the remaining blocks (recompute spread out, prefetches overlap it; of the recomputed
     blocks the full checkpoints come first, then the selective ones), and keep the last blocks
     (freed first in backward, so keeping them costs the least). With ``ckpt_input="host"`` the
-    full checkpoints keep their inputs in host memory (CKPT_HOST)."""
+    full checkpoints keep their inputs in host memory (CKPT_HOST), with ``"drive"`` on the drive
+    (CKPT_SSD)."""
     ckpt = _ckpt_mode(ckpt_input)
     counts = (n_swap, n_checkpoint, n_ssd, n_selective)
     if min(counts) < 0 or sum(counts) > n_blocks:
@@ -88,19 +95,13 @@ def layout_block_modes(n_blocks: int, n_swap: int, n_checkpoint: int,
 def _ckpt_mode(ckpt_input: str) -> BlockMode:
     if ckpt_input not in CKPT_INPUTS:
         raise ValueError(f"ckpt_input={ckpt_input!r}: one of {', '.join(CKPT_INPUTS)}")
-    return BlockMode.CKPT_HOST if ckpt_input == "host" else BlockMode.CKPT
+    return {"device": BlockMode.CKPT, "host": BlockMode.CKPT_HOST, "drive": BlockMode.CKPT_SSD}[ckpt_input]
 
 
 def same_counts(a, b) -> bool:
     """Whether two mode sequences hold the same number of blocks in each mode (one may be a
     re-arrangement of the other, e.g. Megatron's native recompute of the first blocks)."""
     return sorted(m.code for m in a) == sorted(m.code for m in b)
-
-
-def ckpt_input_of(modes) -> str:
-    """Where the checkpointed blocks of ``modes`` keep their inputs (a plan's modes hold one
-    kind of full checkpoint)."""
-    return "host" if any(m == BlockMode.CKPT_HOST for m in modes) else "device"
 
 
 def modes_string(modes) -> str:

@@ -57,10 +57,11 @@ class KnobPins:
     """Tokens per tile of the head and loss (0: the model's own head, whole logits); None: the
     planner tiles where that lets a faster plan fit (protrain.search.head)."""
     ckpt_input: str | None = None
-    """Where the checkpointed blocks keep their inputs: ``"device"`` (torch checkpoint's way) or
+    """Where the checkpointed blocks keep their inputs: ``"device"`` (torch checkpoint's way),
     ``"host"`` (pinned host memory, copied back one block ahead of the block's backward; HF's
-    ``gradient_checkpointing_kwargs={"offload": True}``); None: the planner moves them where
-    that lets a faster plan fit (protrain.search.ckpt_input)."""
+    ``gradient_checkpointing_kwargs={"offload": True}``) or ``"drive"`` (the NVMe path; needs
+    ``ssd_path``); None: the planner moves them where that lets a faster plan fit
+    (protrain.search.ckpt_input)."""
 
     def pinned(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in KNOB_NAMES if getattr(self, k) is not None}
@@ -208,8 +209,9 @@ def _pins_from_dict(data: Mapping[str, Any], where: str) -> KnobPins:
             from .block_mode import CKPT_INPUTS
             if v not in CKPT_INPUTS:
                 raise ConfigError(f"{where}.{key} = {v!r}: must be \"device\" (the checkpointed blocks "
-                                  f"keep their inputs on the device), \"host\" (in pinned host memory) "
-                                  f"or \"auto\" to let the planner choose")
+                                  f"keep their inputs on the device), \"host\" (in pinned host memory), "
+                                  f"\"drive\" (on the NVMe path, ssd_path) or \"auto\" to let the "
+                                  f"planner choose")
             kwargs[key] = v
         else:
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:

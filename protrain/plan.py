@@ -59,7 +59,8 @@ class Knobs:
 
     ckpt_input: str = "device"
     """Where the ``n_checkpoint`` blocks keep their inputs until their backward: ``"device"``,
-    or ``"host"`` (BlockMode.CKPT_HOST: pinned host memory, fetched back one block ahead).
+    ``"host"`` (BlockMode.CKPT_HOST: pinned host memory, fetched back one block ahead) or
+    ``"drive"`` (BlockMode.CKPT_SSD: the NVMe path, read back one block ahead).
     Chosen around the inner search (protrain.search.ckpt_input)."""
 
     def as_tuple(self) -> tuple[int, ...]:
@@ -278,10 +279,11 @@ class Plan(JsonValue):
              "DS activation_checkpointing; Megatron --recompute-granularity/-method/-num-layers"),
             *([("ckpt_input", f"{k.ckpt_input}{pin('ckpt_input')}",
                 f"the {k.n_checkpoint} checkpointed blocks keep their inputs "
-                + ("in pinned host memory, fetched back one block ahead of their backward"
-                   if k.ckpt_input == "host" else "on the device"),
+                + {"host": "in pinned host memory, fetched back one block ahead of their backward",
+                   "drive": "on the drive (ssd_path), read back one block ahead of their backward",
+                   "device": "on the device"}[k.ckpt_input],
                 "HF gradient_checkpointing_kwargs offload; DS cpu_checkpointing")]
-              if k.ckpt_input == "host" or "ckpt_input" in self.pinned else []),
+              if k.ckpt_input != "device" or "ckpt_input" in self.pinned else []),
             ("n_swap", f"{k.n_swap}{pin('n_swap')}", f"{k.n_swap}/{n_blocks} blocks swapped to host",
              "Megatron --cpu-offloading(-num-layers); no DeepSpeed equivalent"),
         ]
@@ -327,7 +329,7 @@ class Plan(JsonValue):
                    else f"; host shared by {self.ranks_per_node} ranks per node"),
                f"  {'knob':<{w0}}  {'value':<{w1}}  {'meaning':<{w2}}  replaces"]
         out += [f"  {a:<{w0}}  {b:<{w1}}  {m:<{w2}}  {r}" for a, b, m, r in rows]
-        out.append(f"  block modes (N keep, C checkpoint, H checkpoint from host, S swap, D NVMe, A selective): "
+        out.append(f"  block modes (N keep, C checkpoint, H / F checkpoint from host / drive, S swap, D NVMe, A selective): "
                    f"{modes_string(self.block_modes)}")
         budget = self.device_memory
         if p.grad_accumulation_steps > 1:

@@ -16,9 +16,10 @@ from dstrain import TINY, UNTIED, base_config, train, with_protrain
 from test_ds_engine import deepspeed_run
 from test_memory_model import walk, walk_profile
 
-from protrain.block_mode import CKPT, CKPT_HOST, NONE, SWAP, BlockMode, layout_block_modes, modes_string
+from protrain.block_mode import (CKPT, CKPT_HOST, CKPT_SSD, NONE, SWAP, BlockMode, layout_block_modes,
+                                 modes_string)
 from protrain.config import ConfigError, KnobPins, PlannerConfig
-from protrain.cost.memory import swap_host_bytes
+from protrain.cost.memory import ssd_bytes, swap_host_bytes
 from protrain.profile.analytic import PRESETS, analytic_profile
 from protrain.profile.machines import machine
 from protrain.runtime.activations import HostStash
@@ -31,7 +32,8 @@ PINS = dict(chunk_size="230KiB", n_persist=2, n_buffer=2, n_swap=0, n_checkpoint
 def test_the_layout_and_the_pin():
     assert modes_string(layout_block_modes(8, 2, 3, 0, 1, "host")) == "SSHHNHAN"
     assert modes_string(layout_block_modes(8, 2, 3, 0, 1)) == "SSCCNCAN"
-    for v in ("device", "host"):
+    assert modes_string(layout_block_modes(8, 2, 3, 0, 1, "drive")) == "SSFFNFAN"
+    for v in ("device", "host", "drive"):
         assert PlannerConfig.from_dict({"ckpt_input": v}).pins.ckpt_input == v
     assert PlannerConfig.from_dict({"ckpt_input": "auto"}).pins.ckpt_input is None
     with pytest.raises(ConfigError, match=r"protrain\.ckpt_input = 'cpu'.*\"host\""):
@@ -51,6 +53,10 @@ def test_the_memory_walk_frees_the_input_and_carries_its_copy():
     prof = walk_profile()
     assert int(swap_host_bytes(prof, np.array([[CKPT_HOST, CKPT_HOST]]))[0]) == 10
     assert int(swap_host_bytes(prof, np.array([[SWAP, CKPT_HOST]]))[0]) == 25
+    # On the drive: the same device walk; the inputs are the drive's bytes, not the host's.
+    assert walk([CKPT_SSD, NONE]) == (50, 7) and walk([CKPT_SSD, CKPT_SSD]) == (55, 5)
+    assert int(swap_host_bytes(prof, np.array([[CKPT_SSD, CKPT_SSD]]))[0]) == 0
+    assert int(ssd_bytes(prof, np.array([[CKPT_SSD, CKPT_HOST]]))[0]) == 5
 
 
 def _llama_plan(seq, **pins):
@@ -68,8 +74,8 @@ def test_the_planner_moves_the_inputs_where_that_lets_a_longer_sequence_fit():
     assert k.ckpt_input == "host" and k.n_checkpoint > 0 and "ckpt_input" not in plan.pinned
     assert sum(m == BlockMode.CKPT_HOST for m in plan.block_modes) == k.n_checkpoint
     assert any("inputs on the device does not fit" in n for n in plan.notes)
-    assert any("inputs on the host" in n and "chosen" in n for n in plan.notes)
-    assert "H checkpoint from host" in plan.explain() and "ckpt_input" in plan.explain()
+    assert any("inputs in host memory" in n and "chosen" in n for n in plan.notes)
+    assert "H / F checkpoint from host / drive" in plan.explain() and "ckpt_input" in plan.explain()
     with pytest.raises(InfeasibleError):
         _llama_plan(196608, ckpt_input="device")
     # The copies are the inputs: the same knobs with the inputs on the device move exactly
@@ -105,6 +111,31 @@ def test_training_equals_deepspeed_with_late_copies_and_moves_the_inputs(monkeyp
     assert made[-1].copies > 0
     assert losses == ref_losses
     assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
+
+
+def test_inputs_on_the_drive_train_like_deepspeed_with_late_copies(monkeypatch, tmp_path):
+    """ckpt_input "drive": the three inputs written to the block files under ssd_path and read
+    back one block ahead, every side-queue copy held back: bit for bit with plain DeepSpeed."""
+    ref_losses, ref_weights = deepspeed_run(UNTIED, "{}", 4)
+    with deferred_streams(monkeypatch):
+        cfg = with_protrain(base_config(), ckpt_input="drive", ssd_path=str(tmp_path), ssd_min_bytes=0,
+                            n_ssd=0, **PINS)      # (SSD blocks are the planner's call on the drive's speed)
+        losses, weights, engine = train(cfg, UNTIED, 4)
+        plan, acts = engine.protrain_plan, engine.protrain_runtime.activations
+        assert modes_string(plan.block_modes).count("F") == 3 and plan.prediction.ssd_bytes > 0
+        per_step = 3 * 2 * UNTIED.block_size * UNTIED.n_embd * 4
+        assert acts.stats["ssd_written_bytes"] == acts.stats["ssd_read_bytes"] == 4 * per_step
+        assert acts.stats["swapped_bytes"] == 0
+        engine.destroy()
+    assert losses == ref_losses
+    assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
+
+
+def test_inputs_on_the_drive_without_one_are_refused_by_name():
+    hw = machine("h100-80gb").profile()
+    prof = analytic_profile(replace(PRESETS["llama3-8b"], micro_batch=1, seq_len=8192), hw)
+    with pytest.raises(InfeasibleError, match=r"ckpt_input = \"drive\".*ssd_path"):
+        search(prof, hw, PlannerConfig(pins=KnobPins(ckpt_input="drive")))
 
 
 def test_a_missing_wait_for_an_input_coming_back_is_caught(monkeypatch):

@@ -149,20 +149,22 @@ def test_search_equals_brute_force(case, gas, overlap, world, ssd):
 
 
 @pytest.mark.parametrize("case", [0, 1, 3, 4])
-@pytest.mark.parametrize("gas, overlap, ssd", [(1, True, "none"), (2, False, "compat")])
-def test_search_with_the_checkpointed_inputs_on_the_host_equals_brute_force(case, gas, overlap, ssd):
-    """ckpt_input pinned to "host" (the outer loop's inner search): every checkpointed block a
-    CKPT_HOST block, and the search still finds what brute force finds."""
+@pytest.mark.parametrize("where, gas, overlap, ssd", [("host", 1, True, "none"), ("host", 2, False, "compat"),
+                                                      ("drive", 1, True, "gds"), ("drive", 2, False, "compat")])
+def test_search_with_the_checkpointed_inputs_moved_equals_brute_force(case, where, gas, overlap, ssd):
+    """ckpt_input pinned to "host" or "drive" (the outer loop's inner searches): every
+    checkpointed block a CKPT_HOST / CKPT_SSD block, and the search still finds what brute
+    force finds."""
     shape, dev, host, sizes = CASES[case]
     hw = small_hw(device_memory=dev, host_memory=host, **SSD[ssd])
     prof = analytic_profile(shape, hw)
     config = PlannerConfig(chunk_sizes=sizes, grad_accumulation_steps=gas, cpu_optim_overlap=overlap,
-                           pins=KnobPins(ckpt_input="host"))
+                           pins=KnobPins(ckpt_input=where))
     plan = search(prof, hw, config)
     ref = brute_force(prof, hw, config)
     got = (plan.prediction.step_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())
     assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
-    assert plan.knobs.ckpt_input == "host"
+    assert plan.knobs.ckpt_input == where
     assert all(m != BlockMode.CKPT for m in plan.block_modes)
 
 

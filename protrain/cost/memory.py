@@ -6,7 +6,7 @@ the keep-all profile and subtracts what the block modes free:
 
     X_k = sum over blocks j < k of freed_j,
     freed = {NONE: 0, CKPT: own - held, SELECTIVE: own - held - attn, SWAP/SSD: own',
-             CKPT_HOST: own}
+             CKPT_HOST/CKPT_SSD: own}
     own  = saved - kept   (a block's saved storages but those a later part saves too)
     own' = own, or saved when the next block offloads the kept storages as well
     held = in - in_shared (the input CKPT holds, unless an earlier part keeps it live anyway)
@@ -27,8 +27,8 @@ the keep-all profile and subtracts what the block modes free:
 - a SELECTIVE part the same: its recompute rebuilds everything but what it kept, so it ends
   at the keep-all level too (the kept attention outputs are not allocated again); the same
   bound holds.
-- a CKPT_HOST part as a CKPT part, its input back on the device by then; its input's copy is
-  in flight as an offloaded block's (held bytes: during the next part's forward, and while
+- a CKPT_HOST / CKPT_SSD part as a CKPT part, its input back on the device by then; its
+  input's copy is in flight as an offloaded block's (held bytes: during the next part's forward, and while
   it is fetched back during the next part's backward).
 
 The profile's peaks come from the device allocator on CUDA, so intra-op transients (workspaces)
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_mode import CKPT, CKPT_HOST, NONE, SEL, SSD, SWAP, BlockMode
+from ..block_mode import CKPT, CKPT_HOST, CKPT_SSD, INPUT_MOVED, NONE, SEL, SSD, SWAP, BlockMode
 from ..profile.model_profile import ModelProfile
 from ..layout import ChunkLayout
 from ..state_tier import (STAGING_SLOTS, staged_bytes_per_element, staging_ring_bytes, state_bytes_per_element,
@@ -212,9 +212,9 @@ def activation_walk_points(profile: ModelProfile, block_modes) -> np.ndarray:
     # Kept storages stay while the next part holds them; an offloading next part lets go too.
     own = saved - kept
     own_offl = saved - np.where(next_offl, 0, kept)
-    host_in = m == CKPT_HOST
+    input_out = np.isin(m, INPUT_MOVED)      # the input left the device (host memory or drive)
     freed = np.where(m == CKPT, own - held, 0) + np.where(offl, own_offl, 0) + \
-        np.where(m == SEL, own - held - attn, 0) + np.where(host_in, own, 0)
+        np.where(m == SEL, own - held - attn, 0) + np.where(input_out, own, 0)
     # X_k: what earlier blocks' modes freed (exclusive prefix sum).
     x = np.cumsum(freed, axis=1) - freed
     # One offloaded block may be in flight: its write-out during the next part's forward, its
@@ -222,14 +222,14 @@ def activation_walk_points(profile: ModelProfile, block_modes) -> np.ndarray:
     # storages it re-saved, which are gone from the device if their owner offloaded them.
     prev_swapped = np.zeros_like(freed)
     prev_swapped[:, 1:] = np.where(offl, own_offl + np.where(prev_offl, resaved, 0),
-                                   np.where(host_in, held, 0))[:, :-1]
+                                   np.where(input_out, held, 0))[:, :-1]
 
     fwd = fp - x + prev_swapped
     bwd_keep = bp - x
     recompute = bs - x - (saved - held) + (fp - fs)
     # Two offloaded blocks in a row both bring back the storages they share (each its copy).
     twice = np.where(offl & prev_offl, resaved, 0)
-    rec = (m == CKPT) | (m == SEL) | host_in
+    rec = (m == CKPT) | (m == SEL) | input_out
     bwd = np.where(rec, np.maximum(recompute, bwd_keep), bwd_keep) + prev_swapped + twice
     return np.stack([fwd, bwd], axis=2).reshape(m.shape[0], -1)
 
@@ -241,15 +241,17 @@ def offload_bytes(part) -> int:
 
 
 def ckpt_input_bytes(part) -> int:
-    """Bytes a CKPT_HOST part copies off the device and back: its input."""
+    """Bytes a CKPT_HOST / CKPT_SSD part copies off the device and back: its input."""
     return part.in_bytes
 
 
 def ssd_bytes(profile: ModelProfile, block_modes) -> np.ndarray:
-    """Bytes the SSD blocks write per iteration (and the disk space they need)."""
+    """Bytes the SSD blocks (and the CKPT_SSD blocks' inputs) write per iteration (and the disk
+    space they need)."""
     m = part_modes(profile, block_modes)
     copied = np.array([offload_bytes(p) for p in profile.parts], dtype=np.int64)
-    return np.where(m == SSD, copied, 0).sum(axis=1)
+    inputs = np.array([ckpt_input_bytes(p) for p in profile.parts], dtype=np.int64)
+    return np.where(m == SSD, copied, 0).sum(axis=1) + np.where(m == CKPT_SSD, inputs, 0).sum(axis=1)
 
 
 def swap_host_bytes(profile: ModelProfile, block_modes) -> np.ndarray:

@@ -10,7 +10,8 @@ reverse, and the gradients' way to CPU Adam.
 - A CKPT block first recomputes its forward (all its chunks resident), then runs backward; a
   SELECTIVE block recomputes its forward without attention and all-to-alls
   (PartProfile.sel_recompute_time). A CKPT_HOST block's input is prefetched as a SWAP block's
-  activations are, then the block recomputes as a CKPT block.
+  activations are (a CKPT_SSD block's from NVMe, as an SSD block's), then the block recomputes
+  as a CKPT block.
 - When the first part using a chunk has finished backward, the chunk's gradient is complete:
   a persistent chunk's all-reduce over the ranks starts (the collectives' queue), non-persistent
   chunks go D2H, then to CPU Adam (one chunk at a time), overlapping backward -
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..block_mode import CKPT, CKPT_HOST, SEL, SSD, SWAP
+from ..block_mode import CKPT, CKPT_HOST, CKPT_SSD, SEL, SSD, SWAP
 from .time_queues import QueueState, StepCosts
 from .time_state_io import staged_update
 
@@ -90,8 +91,9 @@ def _part_backward(costs: StepCosts, q: QueueState, p: int, avail: np.ndarray,
         q.comp = q.comp + np.where((modes[p - 1] == SWAP) | (modes[p - 1] == CKPT_HOST),
                                    costs.saved[p - 1] / costs.rr.h2d, 0.0)
     m = modes[p]
-    q.comp = np.where((m == SWAP) | (m == SSD) | (m == CKPT_HOST), np.maximum(q.comp, swap_in_end[p]), q.comp)
-    full = (m == CKPT) | (m == CKPT_HOST)
+    q.comp = np.where((m == SWAP) | (m == SSD) | (m == CKPT_HOST) | (m == CKPT_SSD),
+                      np.maximum(q.comp, swap_in_end[p]), q.comp)
+    full = (m == CKPT) | (m == CKPT_HOST) | (m == CKPT_SSD)
     redo = np.where(full, part.fwd_time, np.where(m == SEL, part.sel_recompute_time, 0.0))
     rec = full | (m == SEL)
     if chunks:
@@ -124,7 +126,7 @@ def _prefetch_activations(costs: StepCosts, q: QueueState, b: int, start: np.nda
     q.h2d_bytes += np.where(sw, saved[b], 0)
     if costs.shared:
         q.join_copy_queues()
-    sd = modes[b] == SSD
+    sd = (modes[b] == SSD) | (modes[b] == CKPT_SSD)
     if sd.any():
         queue = q.ssd_r if costs.gds else q.h2d
         end = np.maximum(queue, start) + costs.r_time[b]

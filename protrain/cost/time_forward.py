@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..block_mode import CKPT_HOST, SSD, SWAP
+from ..block_mode import CKPT_HOST, CKPT_SSD, SSD, SWAP
 from .time_queues import QueueState, StepCosts
 
 
@@ -64,8 +64,8 @@ def _upload(costs: StepCosts, q: QueueState, j: int, released: np.ndarray, ready
 
 
 def _write_out_activations(costs: StepCosts, q: QueueState, p: int, swap_out_end: np.ndarray) -> None:
-    """Block p's saved activations leave the device after its forward: D2H where it swaps (its
-    input where it is a CKPT_HOST block), to NVMe where it is an SSD block."""
+    """Block p's saved activations leave the device after its forward: D2H where it swaps, to
+    NVMe where it is an SSD block (its input where it is a CKPT_HOST / CKPT_SSD block)."""
     part, saved, modes = costs.profile.parts[p], costs.saved, costs.modes
     sw = (modes[p] == SWAP) | (modes[p] == CKPT_HOST)
     end = np.maximum(q.d2h, q.comp) + saved[p] / costs.rr.d2h
@@ -77,7 +77,7 @@ def _write_out_activations(costs: StepCosts, q: QueueState, p: int, swap_out_end
         q.comp = np.where(sw, end, q.comp)
     if costs.shared:
         q.join_copy_queues()
-    sd = modes[p] == SSD
+    sd = (modes[p] == SSD) | (modes[p] == CKPT_SSD)
     if sd.any():
         queue = q.ssd_w if costs.gds else q.d2h
         end = np.maximum(queue, q.comp) + costs.w_time[p]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_mode import CKPT_HOST, SSD
+from ..block_mode import CKPT_SSD, INPUT_MOVED, SSD
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from .chunk_times import allreduce_times, backup_times, check_times, chunk_transfer_times, state_io_times
@@ -59,10 +59,11 @@ class StepCosts:
     """[chunks] a speculating chunk's backup, and its whole turn on the CPU queue (check,
     backup, update); None without speculation."""
     saved: np.ndarray
-    """[parts, K] bytes a SWAP / SSD part copies off the device, a CKPT_HOST part its input."""
+    """[parts, K] bytes a SWAP / SSD part copies off the device, a CKPT_HOST / CKPT_SSD part its
+    input."""
     w_time: np.ndarray
     r_time: np.ndarray
-    """[parts] NVMe write / read of an SSD part's activations."""
+    """[parts, K] NVMe write / read of those bytes (SSD and CKPT_SSD parts)."""
     serial: bool
     """No copy engine (a CPU "device"): every copy runs on the compute timeline."""
     inline: bool
@@ -123,10 +124,13 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
         spec_from = np.broadcast_to(np.asarray(speculate_from, dtype=np.int64), (k_plans,))
         t_backup = backup_times(layout, hw, t_adam, world)
         t_spec = t_host_check + t_adam + t_backup
+    # A CKPT_HOST / CKPT_SSD part copies its input (and back); other parts what they saved.
     saved = np.array([offload_bytes(p) for p in profile.parts], dtype=np.float64)
+    inputs = np.array([ckpt_input_bytes(p) for p in profile.parts], dtype=np.float64)
+    saved = np.where(np.isin(modes, INPUT_MOVED), inputs[:, None], saved[:, None])
     if ((nbuf < 1) & (npers < n_chunks)).any():
         raise ValueError("a plan with non-persistent chunks needs at least one buffer")
-    if (modes == SSD).any() and (hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0):
+    if ((modes == SSD) | (modes == CKPT_SSD)).any() and (hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0):
         raise ValueError("plans with SSD blocks need the NVMe bandwidths of the SSD path")
     serial = hw.copy_engines <= 0
     gds = hw.nvme_gds
@@ -135,9 +139,6 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
               if rr.nvme_write > 0 else saved * 0)
     r_time = (saved / min(rr.nvme_read, np.inf if gds else rr.h2d)
               if rr.nvme_read > 0 else saved * 0)
-    # A CKPT_HOST part copies its input (and back); other parts what they saved.
-    inputs = np.array([ckpt_input_bytes(p) for p in profile.parts], dtype=np.float64)
-    saved = np.where(modes == CKPT_HOST, inputs[:, None], saved[:, None])
     return StepCosts(
         profile=profile, layout=layout, hw=hw, rr=rr, world=world, modes=modes, npers=npers,
         nbuf=nbuf, nnvme=nnvme, t_up=t_up, t_down=t_down, t_adam=t_adam, t_sread=t_sread,

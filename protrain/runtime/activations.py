@@ -15,11 +15,12 @@
   backward time: an offloaded chunk may come back into a different buffer than the one it
   was in during forward.
 
-- CKPT_HOST is CKPT with a HostStash: under the checkpoint the only tensors autograd saves
-  through these hooks are the checkpoint's inputs (torch's checkpoint saves them before it
-  pushes its own hooks), so the block's input is what goes to host memory and comes back one
-  block ahead of the recompute. An input passed as a keyword stays on the device (torch's
-  checkpoint holds keyword arguments itself): said once.
+- CKPT_HOST is CKPT with a HostStash, CKPT_SSD CKPT with an SSDStash: under the checkpoint the
+  only tensors autograd saves through these hooks are the checkpoint's inputs (torch's
+  checkpoint saves them before it pushes its own hooks), so the block's input is what goes to
+  host memory (or the drive) and comes back one block ahead of the recompute. An input passed
+  as a keyword stays on the device (torch's checkpoint holds keyword arguments itself): said
+  once.
 
 - SSD writes the same storages to a per-block file on NVMe (SSDTrain) through the storage
   backend (kvikio GPUDirect Storage, its compatibility mode, or POSIX); storages under
@@ -240,7 +241,8 @@ class ActivationRuntime:
         self.current_block: int | None = None
         self.stashes: dict[int, HostStash | SSDStash] = {}
         self.rundir = self.store = None
-        caps = {i: int((input_bytes[i] if m == BlockMode.CKPT_HOST and i < len(input_bytes) else swap_bytes[i])
+        moved = (BlockMode.CKPT_HOST, BlockMode.CKPT_SSD)       # checkpointed, the input moved
+        caps = {i: int((input_bytes[i] if m in moved and i < len(input_bytes) else swap_bytes[i])
                        * 1.25) + 2**16 for i, m in enumerate(self.modes)}
         # The pinned arenas first: one the host cannot give fails before the SSD run directory
         # (its preallocated files) and its store's threads exist, which nothing would close.
@@ -249,7 +251,7 @@ class ActivationRuntime:
                 what = "swapped activations" if m == BlockMode.SWAP else "checkpointed input"
                 self.stashes[i] = HostStash(streams.pinned(caps[i], torch.uint8, f"block {i}'s {what}"),
                                             streams)
-        ssd_blocks = [i for i, m in enumerate(self.modes) if m == BlockMode.SSD]
+        ssd_blocks = [i for i, m in enumerate(self.modes) if m in (BlockMode.SSD, BlockMode.CKPT_SSD)]
         if ssd_blocks:
             if ssd_root is None:
                 raise StorageConfigError("the plan puts blocks on NVMe but no ssd_path is configured")
@@ -261,6 +263,7 @@ class ActivationRuntime:
                                            self.store, streams, min_bytes=ssd_min_bytes)
         self._checkpoint_context_fn = checkpoint_context_fn
         self._warned_input = False
+        self._inputs_seen: set[int] = set()      # CKPT_HOST / CKPT_SSD blocks that packed this forward
         self._ckpt = None
         self.wrap_blocks()
         self.stats = {"swapped_bytes": 0, "swap_dedup_hits": 0, "prefetched_bytes": 0,
@@ -324,6 +327,7 @@ class ActivationRuntime:
         if b is None or b not in self.stashes:
             return t
         stash = self.stashes[b]
+        self._inputs_seen.add(b)
         st = t.untyped_storage()
         if st.nbytes() < stash.min_bytes:
             self.stats["kept_small"] += 1
@@ -383,7 +387,8 @@ class ActivationRuntime:
         """Backward is about to start: bring the last block's offloaded tensors back while the
         head's backward runs."""
         last = len(self.blocks) - 1
-        if last >= 0 and self.modes[last] in (BlockMode.SWAP, BlockMode.SSD, BlockMode.CKPT_HOST):
+        if last >= 0 and self.modes[last] in (BlockMode.SWAP, BlockMode.SSD, BlockMode.CKPT_HOST,
+                                              BlockMode.CKPT_SSD):
             self.prefetch(last)
 
     def backward_done_with(self, part: int) -> None:
@@ -400,7 +405,8 @@ class ActivationRuntime:
         """Forward moves into block ``i`` (None: out of the blocks). An offloaded block's device
         copies are dropped once their write is done, one block later."""
         left = self.current_block
-        if left is not None and left != i and left < len(self.modes) and self.modes[left] == BlockMode.CKPT_HOST:
+        if left is not None and left != i and left < len(self.modes) and \
+                self.modes[left] in (BlockMode.CKPT_HOST, BlockMode.CKPT_SSD):
             self._check_input_moved(left)
         self.current_block = i
         if i is not None:
@@ -410,10 +416,11 @@ class ActivationRuntime:
                 self._finish_swap_out(b)
 
     def _check_input_moved(self, b: int) -> None:
-        """A CKPT_HOST block that ran under autograd and moved nothing got its input as a
-        keyword argument (torch's checkpoint keeps those itself): the input stays on the device,
-        more than the plan counted. Said once; the training is unchanged."""
-        if self.stashes[b].stored or not torch.is_grad_enabled() or self._warned_input:
+        """A CKPT_HOST / CKPT_SSD block that ran under autograd and packed nothing got its input
+        as a keyword argument (torch's checkpoint keeps those itself): the input stays on the
+        device, more than the plan counted. Said once; the training is unchanged."""
+        if b in self._inputs_seen or not torch.is_grad_enabled() or self._warned_input:
+            self._inputs_seen.discard(b)
             return
         self._warned_input = True
         log.warning("protrain: block %d is checkpointed with its input in host memory, but its input "
@@ -503,7 +510,7 @@ _EAGER = object()
 @contextmanager
 def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode], context_fn=None,
                         position=None):
-    """Run the CKPT, CKPT_HOST and SELECTIVE blocks of ``modes`` under checkpoint for the duration of the
+    """Run the CKPT, CKPT_HOST, CKPT_SSD and SELECTIVE blocks of ``modes`` under checkpoint for the duration of the
     context (what the runtime does), e.g. to measure a plan's activation memory without the
     runtime. ``context_fn`` is torch checkpoint's hook to restore framework RNG state on
     recompute (Megatron's tensor-parallel RNG tracker). The recompute leaves the block's
@@ -518,7 +525,7 @@ def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode],
             b = blocks[ps[0]]
             calls = {}
             for i in ps:
-                if modes[i] in (BlockMode.CKPT, BlockMode.CKPT_HOST, BlockMode.SELECTIVE):
+                if modes[i] in (BlockMode.CKPT, BlockMode.CKPT_HOST, BlockMode.CKPT_SSD, BlockMode.SELECTIVE):
                     # The buffers' contexts outermost: their copies are not replayed by the
                     # selective policy, and the RNG restore runs from the forward's buffers too.
                     fn = combine_context_fns(buffers_context_fn(b), context_fn)

@@ -155,7 +155,8 @@ class ProTrainRuntime:
             raise
         del before
         self._needs_saved_hooks = bool(self.chunks.offloaded()) or any(
-            m in (BlockMode.SWAP, BlockMode.SSD, BlockMode.CKPT_HOST) for m in plan.block_modes)
+            m in (BlockMode.SWAP, BlockMode.SSD, BlockMode.CKPT_HOST, BlockMode.CKPT_SSD)
+            for m in plan.block_modes)
         self._hooks = ExitStack()
         self._bounds = self._hooks.enter_context(part_boundaries(self.blocks, self._on_enter,
                                                                  position_names(model, self.blocks)))

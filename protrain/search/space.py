@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..block_mode import CKPT_HOST, SEL, full_recompute, layout_codes
+from ..block_mode import CKPT_HOST, CKPT_SSD, SEL, full_recompute, layout_codes
 from ..config import ALL, PlannerConfig
 from ..cost.chunk_times import state_io_times
 from ..cost.host_share import host_memory_share, nvme_free_share, rank_rates
@@ -193,7 +193,7 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
     sel_t = np.array([b.sel_recompute_time for b in profile.blocks])
     peak = np.empty(len(triples), dtype=np.int64)
     rec = np.zeros(len(triples))
-    inputs = np.zeros(len(triples), dtype=np.int64)      # CKPT_HOST blocks' inputs on the host
+    inputs = np.zeros(len(triples), dtype=np.int64)      # CKPT_HOST / CKPT_SSD blocks' inputs moved
     in_bytes = np.array([ckpt_input_bytes(b) for b in profile.blocks], dtype=np.int64)
     for lo in range(0, len(triples), _WALK_BATCH):
         t = triples[lo:lo + _WALK_BATCH]
@@ -203,10 +203,12 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
         if n:
             rec[lo:lo + len(t)] = full_recompute(codes).astype(np.float64) @ fwd + \
                 (codes == SEL).astype(np.float64) @ sel_t
-            inputs[lo:lo + len(t)] = (codes == CKPT_HOST).astype(np.int64) @ in_bytes
+            inputs[lo:lo + len(t)] = np.isin(codes, (CKPT_HOST, CKPT_SSD)).astype(np.int64) @ in_bytes
+    on_host, on_drive = (inputs[back], 0) if ckpt_input == "host" else (0, inputs[back]) \
+        if ckpt_input == "drive" else (0, 0)
     return ActivationConfigs(
         n_blocks=n, n_ckpt=nc, n_swap=ns, n_ssd=nd, n_sel=nl, act_peak=peak[back],
-        swap_host=swap_host + inputs[back], ssd=ssd, recompute=rec[back],
+        swap_host=swap_host + on_host, ssd=ssd + on_drive, recompute=rec[back],
         fwd_write=forward_write_bound(profile, hw, csum, ns, nd), ckpt_input=ckpt_input)
 
 
