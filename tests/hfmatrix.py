@@ -184,6 +184,7 @@ def train(case: dict, out_dir: str) -> dict:
         "tiled_forwards": engine.protrain_runtime.head_tiling.forwards
         if plan and engine.protrain_runtime.head_tiling else 0,
         "offloaded": len(engine.protrain_runtime.chunks.offloaded()) if plan else None,
+        "moved_to_host": engine.protrain_runtime.activations.stats["swapped_bytes"] if plan else None,
         "trainable": len(plan.params) if plan else None,
         "idle_experts": idle() if idle else None,
         "lengths": seen, "generated": generated,

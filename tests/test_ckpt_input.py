@@ -161,7 +161,7 @@ def test_the_counted_device_peak_drops_by_the_inputs_and_stays_under_the_predict
                                            **dict(PINS, n_checkpoint=4, n_persist=5, n_buffer=0)), TINY, 3)
         rt, plan = engine.protrain_runtime, engine.protrain_plan
         predicted = plan.prediction.peak_device_bytes
-        assert 0.9 * predicted <= rt.device_peak() <= predicted, where
+        assert 0.95 * predicted <= rt.device_peak() <= predicted, where
         peaks[where] = rt.device_peak()
         engine.destroy()
     assert peaks["host"] < peaks["device"]
@@ -213,3 +213,91 @@ def test_an_incumbent_prunes_the_inner_search_without_changing_its_answer():
     # The hedge may take a plan up to the error band slower than the fastest: below that band
     # nothing is left.
     assert inner(prof, hw, config, beat=t / (1 + config.time_tolerance) * 0.999) is None
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_hf_trainer_trains_a_llama_with_its_checkpointed_inputs_on_the_host_like_deepspeed(tmp_path, lora):
+    """An unchanged Trainer script (tests/hfmatrix.py) with "ckpt_input": "host" and both
+    decoder layers checkpointed: the layers' inputs go to host memory every step (positional,
+    as transformers passes them) and the fp32 losses, evaluation and weights equal plain
+    DeepSpeed's exactly (the recompute runs the same operators); PEFT LoRA's frozen embedding
+    (an input that needs no gradient) too."""
+    import hfmatrix
+    if lora:
+        pytest.importorskip("peft")
+    case = dict(arch="llama", eval=True, eval_steps=3, lora=lora,
+                protrain_section={"ckpt_input": "host", "n_checkpoint": 2})
+    pt = hfmatrix.train(dict(case, protrain=True, name="protrain"), str(tmp_path))
+    ds = hfmatrix.train(dict(case, protrain=False, name="deepspeed"), str(tmp_path))
+    assert pt["engine"] == "ProTrainEngine" and pt["modes"] == "HH" and pt["moved_to_host"] > 0
+    assert len(pt["losses"]) == 6 and pt["losses"] == ds["losses"] and pt["eval"] == ds["eval"]
+    for n, w in ds["weights"].items():
+        assert torch.equal(pt["weights"][n], w), n
+
+
+def _engine(ds_config, model_cfg):
+    import deepspeed
+    from protrain.models import GPT
+    torch.manual_seed(0)
+    model = GPT(model_cfg)
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)[0]
+
+
+def _steps(engine, model_cfg, steps) -> list[float]:
+    from protrain.models import synthetic_batch
+    losses = []
+    for i in steps:
+        x, y = synthetic_batch(model_cfg, 2, seed=i, device=engine.device)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_checkpoint_moves_between_plans_with_the_inputs_on_the_host_and_on_the_device(tmp_path):
+    """Saved under a plan with the inputs in host memory, loaded into one that keeps them on the
+    device: the run continues as one that never stopped, bit for bit with plain DeepSpeed."""
+    ref_losses, ref_weights = deepspeed_run(UNTIED, "{}", 6)
+    cfg = lambda where: with_protrain(base_config(), ckpt_input=where, **PINS)  # noqa: E731
+    engine = _engine(cfg("host"), UNTIED)
+    first = _steps(engine, UNTIED, range(3))
+    assert engine.protrain_plan.knobs.ckpt_input == "host"      # (planned at the first forward)
+    engine.save_checkpoint(str(tmp_path), tag="a")
+    engine.destroy()
+    engine = _engine(cfg("device"), UNTIED)
+    engine.load_checkpoint(str(tmp_path), tag="a")
+    second = _steps(engine, UNTIED, range(3, 6))
+    assert engine.protrain_plan.knobs.ckpt_input == "device"
+    state = engine.module.state_dict()
+    engine.destroy()
+    assert first + second == ref_losses
+    assert all(torch.equal(state[n].float(), w) for n, w in ref_weights.items())
+
+
+def test_under_a_budget_only_the_moved_inputs_fit_the_planner_moves_them_and_trains():
+    """The issue's must-show on CPU: a device budget between the two plans' needs (every other
+    knob pinned), "ckpt_input" on auto: the inputs on the device do not fit, the planner puts
+    them in host memory, the run trains as plain DeepSpeed does, and its counted device peak is
+    within 5% under the prediction."""
+    from protrain.models import GPTConfig
+    long = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=256, tie_embeddings=False)
+    pins = dict(PINS, n_checkpoint=4)
+    need = {}
+    for where in ("device", "host"):
+        _, _, engine = train(with_protrain(base_config(), ckpt_input=where, **pins), long, 1)
+        need[where] = engine.protrain_plan.prediction.peak_device_bytes * (1 + engine.protrain_plan.memory_margin)
+        engine.destroy()
+    assert need["host"] < need["device"]
+    budget = int((need["host"] + need["device"]) / 2)
+    ref_losses, ref_weights = deepspeed_run(long, "{}", 4)
+    losses, weights, engine = train(with_protrain(base_config(), device_memory=budget, accounting=True, **pins),
+                                    long, 4)
+    plan, rt = engine.protrain_plan, engine.protrain_runtime
+    assert plan.knobs.ckpt_input == "host" and "ckpt_input" not in plan.pinned
+    assert any("inputs on the device does not fit" in n for n in plan.notes)
+    predicted = plan.prediction.peak_device_bytes
+    assert 0.95 * predicted <= rt.device_peak() <= predicted
+    engine.destroy()
+    assert losses == ref_losses
+    assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
