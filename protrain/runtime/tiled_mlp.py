@@ -1,0 +1,136 @@
+"""Tiled MLP (issue 36 item 2; ALST's ``TiledMLP``): a block's MLP over tiles of the sequence,
+recomputed tile by tile in backward, so only one tile's intermediates exist at a time (Llama-3's
+MLP makes s x 14336 several times over: at long sequences the largest tensors of a block).
+
+The MLP is applied token by token, so a tile's output is the MLP of the tile's tokens: the
+forward runs each tile without autograd and keeps only the MLP's input; the backward runs each
+tile again with autograd and takes its gradients. Unlike DeepSpeed's ``TiledMLP`` (autograd run
+per shard into ``param.grad``, ZeRO's reduction held back with ``ds_grad_is_ready``), the MLP's
+parameters are inputs of the autograd function here: their gradients, summed over the tiles in
+the parameters' dtype, reach autograd once - the chunk runtime's gradient hook
+(``register_post_accumulate_grad_hook``) sees one gradient per backward, as without tiling.
+
+Exactness: each tile runs the MLP's own operators on its rows; the weight gradients are summed
+over the tiles (another order than one matrix product over all tokens): fp32 results agree to
+rounding, not bit for bit. An MLP with active dropout is refused (its recompute would draw other
+masks). Not yet chosen by the planner (issue 36 item 4): ``MLPTiling`` is the runtime piece.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Sequence
+
+import torch
+from torch import nn
+
+TILE_DIM = -2
+"""The sequence dimension of an MLP's input: [batch, seq, hidden] or [seq, hidden]."""
+
+
+class TiledMLPError(RuntimeError):
+    """An MLP that cannot be tiled (the message names the module and the fix)."""
+
+
+class _TiledMLP(torch.autograd.Function):
+    """``forward(x)`` over tiles of ``tile`` tokens; the parameters are inputs so that their
+    gradients leave in one piece."""
+
+    @staticmethod
+    def forward(ctx, forward, tile: int, x: torch.Tensor, *params: nn.Parameter) -> torch.Tensor:
+        ctx.forward, ctx.tile, ctx.params = forward, tile, params
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return torch.cat([forward(t) for t in x.split(tile, dim=TILE_DIM)], dim=TILE_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        want_x = ctx.needs_input_grad[2]
+        want = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        params = [ctx.params[i] for i in want]
+        dx = torch.empty_like(x) if want_x else None
+        sums: list[torch.Tensor | None] = [None] * len(params)
+        start = 0
+        for xt, gt in zip(x.split(ctx.tile, dim=TILE_DIM), grad.split(ctx.tile, dim=TILE_DIM)):
+            xt = xt.detach().requires_grad_(want_x)
+            with torch.enable_grad():
+                yt = ctx.forward(xt)
+            got = torch.autograd.grad(yt, ([xt] if want_x else []) + params, gt, allow_unused=True)
+            if want_x:
+                dx.narrow(TILE_DIM, start, xt.shape[TILE_DIM]).copy_(got[0])
+                got = got[1:]
+            for k, g in enumerate(got):
+                if g is not None:
+                    sums[k] = g if sums[k] is None else sums[k].add_(g)
+            start += xt.shape[TILE_DIM]
+        out: list[torch.Tensor | None] = [None] * len(ctx.params)
+        for i, s in zip(want, sums):
+            out[i] = s
+        return (None, None, dx, *out)
+
+
+def unsupported(mlp: nn.Module) -> str | None:
+    """Why ``mlp`` cannot be tiled (None: it can): a dropout that is active in training (its
+    recompute would draw other masks)."""
+    for name, m in mlp.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return (f"{type(mlp).__name__}{'.' + name if name else ''} has dropout p={m.p}, which a "
+                    f"recompute per tile would draw again differently")
+    return None
+
+
+def tiled_mlp(mlp: nn.Module, x: torch.Tensor, tile: int, forward=None) -> torch.Tensor:
+    """``mlp(x)`` over tiles of ``tile`` tokens along the sequence (``forward``: the MLP's own
+    forward, default ``mlp.forward``); as ``mlp(x)`` where there is one tile or no autograd."""
+    forward = forward or mlp.forward
+    if tile <= 0:
+        raise ValueError(f"tile={tile}: a number of tokens, at least 1")
+    if not torch.is_grad_enabled() or x.shape[TILE_DIM] <= tile:
+        return forward(x)
+    if mlp.training:
+        why = unsupported(mlp)
+        if why:
+            raise TiledMLPError(f"protrain: the MLP cannot be tiled: {why}; set the dropout to 0 or plan "
+                                f"without the tiled MLP")
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    return _TiledMLP.apply(forward, tile, x, *params)
+
+
+def find_mlps(blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """Each block's MLP: its ``mlp`` submodule (Hugging Face decoder layers, the built-in GPT).
+    A block without one is refused by name."""
+    out = []
+    for i, b in enumerate(blocks):
+        mlp = getattr(b, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            raise TiledMLPError(f"block {i} ({type(b).__name__}) has no `mlp` submodule to tile")
+        out.append(mlp)
+    return out
+
+
+class MLPTiling:
+    """The MLPs of ``blocks`` over tiles of ``tile`` tokens while ``active``."""
+
+    def __init__(self, blocks: Sequence[nn.Module], tile: int):
+        self.mlps = find_mlps(blocks)
+        self.tile = tile
+
+    @contextmanager
+    def active(self):
+        saved = []
+        try:
+            for mlp in self.mlps:
+                own = mlp.__dict__.get("forward")        # None: the class's forward
+                forward = own or mlp.forward
+                saved.append((mlp, own))
+                mlp.forward = (lambda m, f: lambda x: tiled_mlp(m, x, self.tile, f))(mlp, forward)
+            yield self
+        finally:
+            for mlp, own in reversed(saved):
+                if own is None:
+                    mlp.__dict__.pop("forward", None)
+                else:
+                    mlp.forward = own
+
+
+__all__ = ["MLPTiling", "TiledMLPError", "find_mlps", "tiled_mlp", "unsupported"]
