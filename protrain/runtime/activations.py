@@ -45,6 +45,7 @@ from ..block_mode import BlockMode
 from .boundaries import block_positions, version
 from .meter import storage_ptr
 from .buffers import buffers_context_fn
+from .forward_patches import ForwardPatches
 from .selective import combine_context_fns, selective_context_fn
 from .storage import BlockFile, RunDirectory, StorageConfigError, choose_store
 from .streams import Streams
@@ -519,8 +520,7 @@ def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode],
     plain run. A module listed at several positions (shared weights) is wrapped once; where
     their modes differ, ``position()`` - the index of the block running now, from the part
     boundaries - picks each call's."""
-    saved = []
-    try:
+    with ForwardPatches() as patches:
         for ps in block_positions(blocks).values():
             b = blocks[ps[0]]
             calls = {}
@@ -532,18 +532,11 @@ def checkpointed_blocks(blocks: Sequence[nn.Module], modes: Sequence[BlockMode],
                     calls[i] = selective_context_fn(fn) if modes[i] == BlockMode.SELECTIVE else fn
             if not calls:
                 continue
-            saved.append((b, b.__dict__.get("forward")))     # None: the class's forward
             if len({modes[i] for i in ps}) == 1:
-                b.forward = functools.partial(_checkpointed, b.forward, _context_fn=calls[ps[0]])
+                patches.replace(b, functools.partial(_checkpointed, b.forward, _context_fn=calls[ps[0]]))
             elif position is None:
                 raise ValueError(f"block {ps[0]} is listed at positions {ps} with modes "
                                  f"{[modes[i].name for i in ps]}: pass position= (the block running)")
             else:
-                b.forward = functools.partial(_by_position, b.forward, calls, position)
+                patches.replace(b, functools.partial(_by_position, b.forward, calls, position))
         yield
-    finally:
-        for b, fwd in reversed(saved):
-            if fwd is None:
-                b.__dict__.pop("forward", None)
-            else:
-                b.forward = fwd

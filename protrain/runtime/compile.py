@@ -35,6 +35,7 @@ from torch import nn
 
 from ..block_mode import BlockMode
 from .boundaries import block_positions
+from .forward_patches import ForwardPatches
 
 log = logging.getLogger("protrain")
 
@@ -189,7 +190,7 @@ class CompiledBlocks:
         """Indices of the blocks whose forward is compiled."""
         self.eager: dict[int, str] = {}
         """Blocks running eager under a compile request, with the reason."""
-        self._saved: list[tuple[nn.Module, Callable | None]] = []
+        self._patches = ForwardPatches()
         if request is None:
             return
         # A module listed at several positions (shared weights) has one forward: compiled once,
@@ -200,18 +201,12 @@ class CompiledBlocks:
             if why is not None:
                 self.eager.update({i: why for i in ps})
                 continue
-            self._saved.append((b, b.__dict__.get("forward")))     # None: the class's forward
-            b.forward = request.wrap(b.forward)
+            self._patches.replace(b, request.wrap(b.forward))
             self.compiled.extend(ps)
         self.compiled.sort()
 
     def close(self) -> None:
-        for b, fwd in reversed(self._saved):
-            if fwd is None:
-                b.__dict__.pop("forward", None)
-            else:
-                b.forward = fwd
-        self._saved = []
+        self._patches.restore()
 
     def summary(self) -> str | None:
         """One line saying what is compiled and what runs eager, and why (None: no request)."""

@@ -23,6 +23,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .forward_patches import ForwardPatches
+
 TILE_DIM = -2
 """The sequence dimension of an MLP's input: [batch, seq, hidden] or [seq, hidden]."""
 
@@ -117,20 +119,10 @@ class MLPTiling:
 
     @contextmanager
     def active(self):
-        saved = []
-        try:
+        with ForwardPatches() as patches:
             for mlp in self.mlps:
-                own = mlp.__dict__.get("forward")        # None: the class's forward
-                forward = own or mlp.forward
-                saved.append((mlp, own))
-                mlp.forward = (lambda m, f: lambda x: tiled_mlp(m, x, self.tile, f))(mlp, forward)
+                patches.replace(mlp, (lambda m, f: lambda x: tiled_mlp(m, x, self.tile, f))(mlp, mlp.forward))
             yield self
-        finally:
-            for mlp, own in reversed(saved):
-                if own is None:
-                    mlp.__dict__.pop("forward", None)
-                else:
-                    mlp.forward = own
 
 
 __all__ = ["MLPTiling", "TiledMLPError", "find_mlps", "tiled_mlp", "unsupported"]

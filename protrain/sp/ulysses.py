@@ -30,6 +30,7 @@ import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from ..runtime.forward_patches import ForwardPatches
 
 _SDPA_PARAMS = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
 """F.scaled_dot_product_attention's parameters in order (a builtin: no inspectable signature)."""
@@ -131,8 +132,7 @@ def ulysses_blocks(blocks: Sequence[nn.Module], group, degree: int, switch: Ulys
     ``calls`` count tells whether the model called SDPA at all)."""
     switch = switch or UlyssesSwitch()
     modes: list = [None] * len(blocks)
-    saved = []
-    try:
+    with ForwardPatches() as patches:
         # A module listed at several positions (shared weights) is wrapped once: its one mode
         # serves each of them (a second wrapper would redistribute the heads twice).
         for b in {id(b): b for b in blocks}.values():
@@ -140,15 +140,8 @@ def ulysses_blocks(blocks: Sequence[nn.Module], group, degree: int, switch: Ulys
             for i, other in enumerate(blocks):
                 if other is b:
                     modes[i] = mode
-            saved.append((b, b.__dict__.get("forward")))
-            b.forward = functools.partial(_with_mode, b.forward, mode, switch)
+            patches.replace(b, functools.partial(_with_mode, b.forward, mode, switch))
         yield modes
-    finally:
-        for b, fwd in reversed(saved):
-            if fwd is None:
-                b.__dict__.pop("forward", None)
-            else:
-                b.forward = fwd
 
 
 def _with_mode(forward, mode, switch, *args, **kwargs):
