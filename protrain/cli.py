@@ -334,7 +334,7 @@ def _measured(args):
     print(f"protrain: profiling {name} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
           f"params, {dtype}, micro-batch {args.micro_batch}, seq {seq}) on {device}", flush=True)
     profile = profile_model(model, lambda m: m(x, y), name=name, micro_batch=args.micro_batch,
-                            seq_len=seq, head_tiling=True)
+                            seq_len=seq, head_tiling=True, mlp_tiling=True)
     hw = probe_hardware(device, ranks_per_node=args.ranks_per_node)
     if args.cpu_adam_rate:
         hw = replace(hw, cpu_adam_rate=args.cpu_adam_rate)

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from .units import MiB, parse_bytes
 
 KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "n_ssd",
-              "n_selective", "sequence_parallel", "n_nvme", "head_tile", "ckpt_input")
+              "n_selective", "sequence_parallel", "n_nvme", "head_tile", "mlp_tile", "ckpt_input")
 MAX_COUNT = 2**31 - 1
 """Largest count a setting takes (chunks, blocks, steps, ranks): the search holds them in int64
 arrays and multiplies them by sizes."""
@@ -56,6 +56,9 @@ class KnobPins:
     head_tile: int | None = None
     """Tokens per tile of the head and loss (0: the model's own head, whole logits); None: the
     planner tiles where that lets a faster plan fit (protrain.search.head)."""
+    mlp_tile: int | None = None
+    """Tokens per tile of every block's MLP (0: the model's own MLPs); None: the planner tiles
+    where that lets a faster plan fit (protrain.search.mlp)."""
     ckpt_input: str | None = None
     """Where the checkpointed blocks keep their inputs: ``"device"`` (torch checkpoint's way),
     ``"host"`` (pinned host memory, copied back one block ahead of the block's backward; HF's

@@ -57,6 +57,11 @@ class Knobs:
     cross-entropy a tile at a time, recomputed per tile in backward); 0: the model's own head,
     whole logits. Chosen around the inner search, as P is (protrain.search.head)."""
 
+    mlp_tile: int = 0
+    """Tokens per tile of every block's MLP (protrain.runtime.tiled_mlp: the MLP a tile at a
+    time, recomputed per tile in backward, only its input saved); 0: the model's own MLPs.
+    Chosen around the inner search (protrain.search.mlp)."""
+
     ckpt_input: str = "device"
     """Where the ``n_checkpoint`` blocks keep their inputs until their backward: ``"device"``,
     ``"host"`` (BlockMode.CKPT_HOST: pinned host memory, fetched back one block ahead) or
@@ -320,6 +325,11 @@ class Plan(JsonValue):
                          f"(training outputs carry logits=None)"
                          if k.head_tile else "the model's own head (whole logits)",
                          "DS TiledFusedLogitsLoss / ALST's tiled logits+loss (by hand)"))
+        if k.mlp_tile or "mlp_tile" in self.pinned:
+            rows.append(("mlp_tile", f"{k.mlp_tile}{pin('mlp_tile')}",
+                         f"every block's MLP over tiles of {k.mlp_tile} tokens, recomputed in backward"
+                         if k.mlp_tile else "the model's own MLPs (whole sequence)",
+                         "DS TiledMLP / ALST's tiled MLP (by hand)"))
         w0 = max(len(r[0]) for r in rows)
         w1 = max(len(r[1]) for r in rows)
         w2 = max(len(r[2]) for r in rows)

@@ -831,7 +831,7 @@ class ProTrainEngine(DeepSpeedEngine):
             self.module, blocks, inputs, kwargs, shape=batch_dims(inputs, kwargs), device=self.device,
             cache=self._protrain_cache, loss_of=lambda out: self.optimizer.scale_if_loss(_loss_of(out) / gas),
             length=length or cfg.profile_seq_len, progress=cfg.progress and self.global_rank == 0,
-            head_tiling=cfg.planner.pins.head_tile != 0,
+            head_tiling=cfg.planner.pins.head_tile != 0, mlp_tiling=cfg.planner.pins.mlp_tile != 0,
             eager=lambda: protrain_compile.eager_profiling(self.protrain_compile))
 
     def _hardware(self, refresh: bool = False):

@@ -181,6 +181,7 @@ def train(case: dict, out_dir: str) -> dict:
         "eval": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
         "modes": "".join(m.letter for m in plan.block_modes) if plan else None,
         "head_tile": plan.knobs.head_tile if plan else None,
+        "mlp_tile": plan.knobs.mlp_tile if plan else None,
         "tiled_forwards": engine.protrain_runtime.head_tiling.forwards
         if plan and engine.protrain_runtime.head_tiling else 0,
         "offloaded": len(engine.protrain_runtime.chunks.offloaded()) if plan else None,

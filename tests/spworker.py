@@ -293,7 +293,7 @@ def _train(rank, world, spec, recorder, out_dir) -> dict:
         result.update(sp=plan.knobs.sequence_parallel, modes="".join(m.letter for m in plan.block_modes),
                       knobs=list(plan.knobs.as_tuple()), notes=list(plan.notes),
                       offloaded=len(rt.chunks.offloaded()), explain=plan.explain(),
-                      head_tile=plan.knobs.head_tile,
+                      head_tile=plan.knobs.head_tile, mlp_tile=plan.knobs.mlp_tile,
                       tiled_forwards=rt.head_tiling.forwards if rt.head_tiling is not None else 0)
         if rt.accounting is not None:
             result.update(activation_peak=rt.accounting.activation_peak,

@@ -69,7 +69,7 @@ def test_the_planner_moves_the_inputs_where_that_lets_a_longer_sequence_fit():
     """Llama-3 8B at 196608 tokens on an H100: no plan fits with the checkpointed inputs on
     the device; with them on the host one does, and the plan says both. Pinned to the
     device, the same length is refused with what it needs."""
-    prof, hw, plan = _llama_plan(196608)
+    prof, hw, plan = _llama_plan(196608, mlp_tile=0)      # (tiled MLPs fit it on the device)
     k = plan.knobs
     assert k.ckpt_input == "host" and k.n_checkpoint > 0 and "ckpt_input" not in plan.pinned
     assert sum(m == BlockMode.CKPT_HOST for m in plan.block_modes) == k.n_checkpoint
@@ -77,7 +77,7 @@ def test_the_planner_moves_the_inputs_where_that_lets_a_longer_sequence_fit():
     assert any("inputs in host memory" in n and "chosen" in n for n in plan.notes)
     assert "H / F checkpoint from host / drive" in plan.explain() and "ckpt_input" in plan.explain()
     with pytest.raises(InfeasibleError):
-        _llama_plan(196608, ckpt_input="device")
+        _llama_plan(196608, ckpt_input="device", mlp_tile=0)
     # The copies are the inputs: the same knobs with the inputs on the device move exactly
     # the checkpointed blocks' input bytes fewer each way (and need more device memory).
     dev = evaluate(prof, hw, replace(k, ckpt_input="device"))

@@ -42,10 +42,12 @@ def two(tmp_path_factory, ckpt_dir):
         # a block's saved tensors on the SSD tier, the same samples as "gqa"
         _run("ssd", 2, 2, 2, protrain=dict(OFFLOADED, sequence_parallel=2, n_ssd=1, n_checkpoint=0,
                                            n_swap=0, n_selective=0, ssd_path=ssd, ssd_min_bytes=0)),
-        # the head and loss over tiles (tests/test_tiled_head.py) and the checkpointed block's input
-        # in host memory (tests/test_ckpt_input.py), the same samples as "gqa"
+        # the head and loss over tiles (tests/test_tiled_head.py), the MLPs over tiles of 4 of
+        # each rank's 16 tokens (tests/test_tiled_mlp_plans.py) in a host-input and a selective
+        # block, the checkpointed block's input in host memory (tests/test_ckpt_input.py), the
+        # same samples as "gqa"
         _run("tiled", 2, 2, 2, protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_selective=1,
-                                             n_swap=0, head_tile=8, ckpt_input="host")),
+                                             n_swap=0, head_tile=8, mlp_tile=4, ckpt_input="host")),
         # the Hugging Face Trainer with the "protrain" key in its DeepSpeed JSON
         _run("trainer", 2, 4, 3, trainer=True,
              protrain=dict(OFFLOADED, sequence_parallel=2, n_checkpoint=1, n_swap=0, n_selective=0)),
@@ -81,8 +83,9 @@ def ref(tmp_path_factory):
     return launch(1, runs, str(tmp_path_factory.mktemp("sp_ref")))
 
 
-def _same_training(runs, reference, gas=1):
-    """Per-micro-batch losses and per-step gradients of a multi-rank run equal the reference's."""
+def _same_training(runs, reference, gas=1, grad_rel=1e-5):
+    """Per-micro-batch losses and per-step gradients of a multi-rank run equal the reference's
+    (gradients to ``grad_rel`` of each tensor's largest element)."""
     world = len(runs)
     steps = len(runs[0]["losses"]) // gas
     got = [runs[r]["losses"][s * gas + m] for s in range(steps) for r in range(world) for m in range(gas)]
@@ -93,7 +96,7 @@ def _same_training(runs, reference, gas=1):
         assert a.keys() == b.keys()
         for name in b:
             err = (a[name] - b[name]).abs().max() / b[name].abs().max()
-            assert err <= 1e-5, (step, name, float(err))
+            assert err <= grad_rel, (step, name, float(err))
 
 
 @pytest.mark.parametrize("case", ["gqa", "mha", "ssd", "tiled"])
@@ -104,7 +107,12 @@ def test_two_ranks_train_like_one_rank_on_the_same_samples(two, ref, case):
     assert runs[0]["modes"] == {"gqa": "CA", "mha": "SN", "ssd": "DN", "tiled": "HA"}[case]
     if case == "tiled":       # each rank's 16 tokens in tiles of 8, the mean over the group's count
         assert all(r["head_tile"] == 8 and r["tiled_forwards"] == 4 for r in runs), runs[0]["tiled_forwards"]
-    _same_training(runs, ref["gqa" if case in ("ssd", "tiled") else case], gas=2 if case == "mha" else 1)
+        assert all(r["mlp_tile"] == 4 for r in runs)
+    # Tiled MLPs sum their weight gradients over the tiles (4 per rank here), in another order
+    # than one product over the tokens: to rounding, which cancellation in a gradient's sum
+    # magnifies against its largest element (measured 2e-5).
+    _same_training(runs, ref["gqa" if case in ("ssd", "tiled") else case], gas=2 if case == "mha" else 1,
+                   grad_rel=1e-4 if case == "tiled" else 1e-5)
     if case == "gqa":        # evaluation forwards (no_grad, eval mode) give each rank its loss
         got = [r["eval"] for r in runs]
         assert [x for g in got for x in g] == pytest.approx(ref[case][0]["eval"], rel=1e-5)

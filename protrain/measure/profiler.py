@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..profile.blocks import find_blocks
-from ..profile.model_profile import HeadProfile, ModelProfile, OpRecord, ParamRecord, PartProfile
+from ..profile.model_profile import HeadProfile, MLPProfile, ModelProfile, OpRecord, ParamRecord, PartProfile
 from ..runtime.boundaries import BlockOrderError, part_boundaries, position_names, tensors_in, version
 from ..runtime.buffers import ModuleState
 from ..runtime.meter import AllocatorMeter, OpRecorder, StorageMeter, StorageRegistry, storage_ptr
@@ -197,11 +197,13 @@ def profile_model(model: nn.Module, step: StepFn, *, blocks: Sequence[nn.Module]
                   device: torch.device | str | None = None, stream_params: bool | None = None,
                   name: str | None = None, micro_batch: int | None = None,
                   seq_len: int | None = None, progress: bool = True,
-                  head_tiling: bool = False) -> ModelProfile:
+                  head_tiling: bool = False, mlp_tiling: bool = False) -> ModelProfile:
     """Profile one training iteration of ``model``.
 
     ``head_tiling``: also measure the post part with the head and loss over tiles
     (``ModelProfile.head``; two more memory passes), where the model's head can be tiled.
+    ``mlp_tiling``: also measure the blocks with their MLPs over tiles (``ModelProfile.mlp``;
+    two more memory passes), where the blocks' MLPs can be tiled.
 
     ``step(model)`` must run the forward pass on a fixed batch and return the scalar loss; the
     profiler calls ``backward`` itself. ``blocks`` defaults to the repeated children of the
@@ -234,7 +236,7 @@ def profile_model(model: nn.Module, step: StepFn, *, blocks: Sequence[nn.Module]
     try:
         with _eager(), torch.inference_mode(False), torch.enable_grad():
             return tracer.run(name=name or type(model).__name__, micro_batch=micro_batch, seq_len=seq_len,
-                              head_tiling=head_tiling)
+                              head_tiling=head_tiling, mlp_tiling=mlp_tiling)
     finally:
         tracer.restore()
 
@@ -294,7 +296,8 @@ class _Tracer:
         if self.meter is not None:
             self.meter.exclude(nbytes)
 
-    def run(self, *, name, micro_batch, seq_len, head_tiling: bool = False) -> ModelProfile:
+    def run(self, *, name, micro_batch, seq_len, head_tiling: bool = False,
+            mlp_tiling: bool = False) -> ModelProfile:
         from tqdm.auto import tqdm
         from ..runtime.tiled_head import HeadTiling
         tokens = (micro_batch or 0) * (seq_len or 0)
@@ -302,9 +305,11 @@ class _Tracer:
         if head_tiling and not head_unsupported and tokens < 4:
             head_unsupported = "the profiled batch's shape is unknown or under 4 tokens"
         measure_head = head_tiling and not head_unsupported
+        mlp_unsupported = self._mlp_unsupported(tokens) if mlp_tiling else ""
+        measure_mlp = mlp_tiling and not mlp_unsupported
         # Warm-up is hooked when streaming (the model cannot run without), and so is its
         # one plain pass: the streaming hooks alone, its uploads timed and taken out.
-        hooked_passes = (4 if self.stream else 2) + (2 if measure_head else 0)
+        hooked_passes = (4 if self.stream else 2) + (2 if measure_head else 0) + (3 if measure_mlp else 0)
         self.bar = tqdm(total=hooked_passes * 2 * len(self.blocks), desc="protrain: profiling",
                         unit="block", disable=not self.progress, leave=False)
         stats = [_PartStats() for _ in range(self.n_parts)]
@@ -337,6 +342,10 @@ class _Tracer:
             if measure_head:
                 self.bar.set_postfix_str("tiled head")
                 tiled, head_unsupported = self._tiled_head_passes(tokens)
+            tiled_mlp = []
+            if measure_mlp:
+                self.bar.set_postfix_str("tiled MLP")
+                tiled_mlp = self._tiled_mlp_passes(tokens)
         finally:
             self.bar.close()
         hooked = sum(s.fwd_time + s.bwd_time for s in stats)
@@ -367,8 +376,10 @@ class _Tracer:
             param_bytes=self.params[0].element_size(), params=tuple(records), parts=tuple(parts),
             micro_batch=micro_batch, seq_len=seq_len, hooked_slowdown=slowdown, ops=tuple(ops),
             heads=attention.heads, kv_heads=attention.kv_heads, inplace_blocks=self.inplace_blocks,
-            head=_head_profile(stats[-1], tiled, tokens, parts[-1].fwd_time) if tiled else None,
-            head_unsupported=head_unsupported or "")
+            head=_head_profile(stats, tiled, tokens, parts[-1].fwd_time) if tiled else None,
+            head_unsupported=head_unsupported or "",
+            mlp=_mlp_profile(stats, tiled_mlp, tokens, parts, self._mlp_share()) if tiled_mlp else None,
+            mlp_unsupported=mlp_unsupported or "")
 
     def _tiled_head_passes(self, tokens: int) -> tuple[list, str]:
         """The post part's statistics from memory passes with the head and loss over tiles of
@@ -386,8 +397,39 @@ class _Tracer:
                 return [], str(e)
             if tiling.forwards == 0:
                 return [], "the profiled step computed no loss through the model's loss function"
-            out.append((tile, stats[-1]))
+            out.append((tile, stats))
         return out, ""
+
+    def _mlp_unsupported(self, tokens: int) -> str:
+        """Why the blocks' MLPs cannot be tiled (empty: they can)."""
+        from ..runtime.tiled_mlp import TiledMLPError, find_mlps, unsupported
+        if tokens < 16:
+            return "the profiled batch's shape is unknown or under 16 tokens"
+        try:
+            mlps = find_mlps(self.blocks)
+        except TiledMLPError as e:
+            return str(e)
+        return next((why for why in map(unsupported, mlps) if why), "")
+
+    def _mlp_share(self) -> float:
+        """Of a block's forward outside attention, the MLP's share: its share of the block's
+        parameters (matrix products' FLOPs go with their weights)."""
+        from ..runtime.tiled_mlp import find_mlps
+        mlp, block = find_mlps(self.blocks[:1])[0], self.blocks[0]
+        total = sum(p.numel() for p in block.parameters())
+        return sum(p.numel() for p in mlp.parameters()) / total if total else 0.0
+
+    def _tiled_mlp_passes(self, tokens: int) -> list:
+        """The parts' statistics from memory passes with every block's MLP over tiles of a half,
+        a quarter and an eighth of the batch's tokens: [(tile, stats), ...], longest first."""
+        from ..runtime.tiled_mlp import MLPTiling
+        out = []
+        for tile in (-(-tokens // 2), -(-tokens // 4), -(-tokens // 8)):
+            stats = [_PartStats() for _ in range(self.n_parts)]
+            with MLPTiling(self.blocks, tile).active():
+                self._memory_pass(stats)
+            out.append((tile, stats))
+        return out
 
     def _in_call_order(self, calls: "_CallOrder") -> None:
         """Put the blocks in the order the warm-up ran them (the part boundaries, and the
@@ -650,12 +692,16 @@ class _Tracer:
                             parts=parts_of(i)) for i in placed]
 
 
-def _head_profile(untiled: "_PartStats", tiled: list, tokens: int, head_fwd_time: float) -> HeadProfile:
-    """HeadProfile from the post part untiled and at two tile lengths: per figure, the change
-    per token of one tile (the difference between the two tilings) and per token of the batch
-    (what remains of the difference to the untiled head). The recompute in backward is priced
-    as the post part's forward (its norm included: a slight over-estimate)."""
-    (t1, a), (t2, b) = tiled
+def _head_profile(parts: list, tiled: list, tokens: int, head_fwd_time: float) -> HeadProfile:
+    """HeadProfile from the parts untiled and at two tile lengths: per figure of the post part,
+    the change per token of one tile (the difference between the two tilings) and per token of
+    the batch (what remains of the difference to the untiled head); the levels through the
+    earlier parts' backward from the last of them. The recompute in backward is priced as the
+    post part's forward (its norm included: a slight over-estimate)."""
+    (t1, all_a), (t2, all_b) = tiled
+    untiled, a, b = parts[-1], all_a[-1], all_b[-1]
+    held = max(all_a[-2].bwd_start - parts[-2].bwd_start, all_b[-2].bwd_start - parts[-2].bwd_start) \
+        if len(parts) > 2 else 0
 
     def fwd(s):
         return max(s.fwd_peak, s.fwd_start)
@@ -672,7 +718,40 @@ def _head_profile(untiled: "_PartStats", tiled: list, tokens: int, head_fwd_time
         bwd_start_per_token=(a.bwd_start - untiled.bwd_start) / tokens,
         bwd_peak_per_token=(bwd(a) - bwd_tile * t1 - bwd(untiled)) / tokens,
         bwd_peak_per_tile_token=bwd_tile,
-        bwd_time_per_token=head_fwd_time / tokens)
+        bwd_time_per_token=head_fwd_time / tokens, held_per_token=min(held, 0) / tokens)
+
+
+def _mlp_profile(untiled: list, tiled: list, tokens: int, parts: list, mlp_share: float) -> MLPProfile:
+    """MLPProfile from the blocks untiled and with their MLPs at several tile lengths (longest
+    first): per figure, a line in the tile length on or above every measured point of every
+    block - the steepest slope between neighbouring lengths (a ragged last tile or a transient
+    of another op makes the excursion bend), through the highest point - as a change per token
+    of one tile and per token of the batch (from the untiled block); the saved bytes' change of
+    the block that saves the most. The recompute in backward is priced as the MLP's share of
+    the block's forward outside attention."""
+    a = tiled[0][1]
+    blocks = [k for k, p in enumerate(parts) if p.kind == "block"]
+
+    def fwd(s):
+        return max(s.fwd_peak, s.fwd_start) - s.fwd_start
+
+    def bwd(s):
+        return max(s.bwd_peak, s.bwd_start) - s.bwd_start
+
+    def fit(exc):
+        tile = max([0.0] + [(exc(s1[k]) - exc(s2[k])) / (t1 - t2) for k in blocks
+                            for (t1, s1), (t2, s2) in zip(tiled, tiled[1:])])
+        return tile, max((exc(s[k]) - tile * t - exc(untiled[k])) / tokens for k in blocks for t, s in tiled)
+
+    fwd_tile, fwd_token = fit(fwd)
+    bwd_tile, bwd_token = fit(bwd)
+    mlp_fwd = max(mlp_share * (parts[k].fwd_time - parts[k].attn_fwd_time - parts[k].comm_fwd_time)
+                  for k in blocks)
+    return MLPProfile(
+        saved_per_token=max((a[k].saved_bytes - untiled[k].saved_bytes) / tokens for k in blocks),
+        fwd_peak_per_token=fwd_token, fwd_peak_per_tile_token=fwd_tile,
+        bwd_peak_per_token=bwd_token, bwd_peak_per_tile_token=bwd_tile,
+        bwd_time_per_token=max(mlp_fwd, 0.0) / tokens, shortest_tile=tiled[-1][0] / tokens)
 
 
 def storage_bytes(t: torch.Tensor) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from .hardware import HardwareProfile
-from .model_profile import HeadProfile, ModelProfile, ParamRecord, PartProfile
+from .model_profile import HeadProfile, MLPProfile, ModelProfile, ParamRecord, PartProfile
 
 MATMUL_EFFICIENCY = 0.5
 """Share of the published peak FLOP/s that training matmuls reach (typical large-model MFU)."""
@@ -225,10 +225,24 @@ def analytic_profile(shape: ModelShape, hw: HardwareProfile) -> ModelProfile:
         bwd_start_per_token=-8 * v, bwd_peak_per_token=-(12 + a) * v,
         bwd_peak_per_tile_token=(a + up + 12 + (a if a != 4 else 0)) * v,
         bwd_time_per_token=2 * h * v / rate, bwd_peak_fixed=v * h * a)
+    # The MLPs over tiles (protrain.runtime.tiled_mlp): a block no longer saves the MLP's
+    # ffn-wide tensors (its input stays saved) nor makes its widest temporary; the tiles'
+    # outputs are joined into one more hidden-wide tensor. A tile's forward holds its
+    # ffn-wide temporaries, its backward the recomputed tile's saved tensors and their
+    # gradients, with the input's gradient (hidden-wide) and the MLP's weight gradients,
+    # summed over the tiles, held throughout.
+    wide_saved, wide_tile = (2, 2) if shape.family == "gpt2" else (4, 3)
+    mlp_params = sum(n for name, n in shape.block_params() if name.startswith("mlp."))
+    mlp = MLPProfile(
+        saved_per_token=-wide_saved * f * a, fwd_peak_per_token=-(wide_saved + 1) * f * a + h * a,
+        fwd_peak_per_tile_token=wide_tile * f * a,
+        bwd_peak_per_token=-(bwd_transient // max(sbf, 1)) * f * a + h * a,
+        bwd_peak_per_tile_token=(wide_saved + wide_tile) * f * a,
+        bwd_time_per_token=2 * mlp_params / rate, bwd_peak_fixed=mlp_params * a)
     return ModelProfile(name=shape.name, source="analytic", device="analytic",
                         param_bytes=shape.dtype_bytes, params=tuple(params), parts=tuple(parts),
                         micro_batch=b, seq_len=s, heads=shape.heads,
-                        kv_heads=shape.kv_heads or shape.heads, head=head)
+                        kv_heads=shape.kv_heads or shape.heads, head=head, mlp=mlp)
 
 
 _BLOCKS_PREFIX = {"gpt2": "transformer.h", "llama": "model.layers"}

@@ -58,13 +58,14 @@ class ProfileCache:
         self.key_name = key_name
 
     def path(self, module: nn.Module, inputs, kwargs, device: torch.device,
-             length: int | None = None, blocks=None, head_tiling: bool = False) -> Path | None:
+             length: int | None = None, blocks=None, head_tiling: bool = False,
+             mlp_tiling: bool = False) -> Path | None:
         """Where the profile of ``module`` on this batch lives (``length``: the profiled prefix
         of the sequence, when shorter than the batch's; ``blocks``: the modules profiled as
         blocks, when given)."""
         if self.directory is None:
             return None
-        key = cache_key(module, inputs, kwargs, device, length, blocks, head_tiling)
+        key = cache_key(module, inputs, kwargs, device, length, blocks, head_tiling, mlp_tiling)
         return self.directory / f"profile-{key}.json"
 
     def load(self, path: Path | None) -> ModelProfile | None:
@@ -86,11 +87,13 @@ class ProfileCache:
 
 
 def cache_key(module: nn.Module, inputs, kwargs, device: torch.device,
-              length: int | None = None, blocks=None, head_tiling: bool = False) -> str:
+              length: int | None = None, blocks=None, head_tiling: bool = False,
+              mlp_tiling: bool = False) -> str:
     names = {m: n for n, m in module.named_modules()}
     ident = {
         "profiled_length": length,
         "head_tiling": head_tiling,
+        "mlp_tiling": mlp_tiling,
         "blocks": None if blocks is None else [names.get(b, "?") for b in blocks],
         "model": f"{type(module).__module__}.{type(module).__qualname__}",
         "code": _code_fingerprint(module),

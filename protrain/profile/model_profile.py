@@ -145,6 +145,43 @@ class HeadProfile:
     bwd_peak_fixed: float = 0.0
     """Bytes the tiled backward adds whatever the tokens: the weight gradient summed over the
     tiles (analytic profiles; a measured profile has it inside ``bwd_peak_per_token``)."""
+    held_per_token: float = 0.0
+    """Change, per token, of the live bytes through the backward of every part before the post
+    (the blocks', the pre's): the whole logits a training script holds with the model's output
+    until its backward ends are not made (training outputs carry logits=None). Measured from
+    the last block's backward start; 0 in analytic profiles (their walk holds no output)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MLPProfile:
+    """How each block's figures change when its MLP runs over tiles of ``t`` tokens
+    (protrain.runtime.tiled_mlp), for a micro-batch of N tokens per rank. As HeadProfile: each
+    figure moves by ``*_per_token`` x N plus ``*_per_tile_token`` x t, per block (the blocks are
+    alike). Peaks here are a block's own excursions - its forward peak over its forward start,
+    its backward peak over its backward start - so the walk's levels (every later part starts
+    lower by what the earlier blocks no longer save) are derived, not stored. Measured from two
+    memory passes at two tile lengths, or derived from the shape (analytic profiles)."""
+
+    saved_per_token: float
+    """Change of a block's saved bytes per token (the MLP's intermediates no longer saved)."""
+    fwd_peak_per_token: float
+    """Change of a block's forward excursion per token (the untiled MLP's transients gone)."""
+    fwd_peak_per_tile_token: float
+    """Its forward excursion per token of one tile (one tile's intermediates)."""
+    bwd_peak_per_token: float
+    """Change of a block's backward excursion per token."""
+    bwd_peak_per_tile_token: float
+    """Its backward excursion per token of one tile (the recomputed tile and its gradients)."""
+    bwd_time_per_token: float
+    """Backward's extra time per token: the MLP's forward again, tile by tile."""
+    bwd_peak_fixed: float = 0.0
+    """Bytes the tiled backward adds whatever the tokens: the MLP's weight gradients, summed
+    over the tiles in one tensor each (analytic profiles; a measured profile has them inside
+    ``bwd_peak_per_token``)."""
+    shortest_tile: float = 0.0
+    """Of the micro-batch's tokens, the shortest tile the figures hold for (a fraction): a
+    shorter tile is priced as this long. The measured passes' shorter tile: below it another
+    transient of the block (attention's) may be the larger, which two passes cannot place."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +228,14 @@ class ModelProfile(JsonValue):
     head_tile: int = 0
     """Tokens per tile of the head these figures are for (``with_head_tile``); 0: the
     model's own head, as measured."""
+    mlp: MLPProfile | None = None
+    """The blocks with their MLPs tiled (``MLPProfile``); None where the MLPs cannot be tiled
+    (``mlp_unsupported`` says why) or were not measured."""
+    mlp_unsupported: str = ""
+    """Why the blocks' MLPs cannot be tiled (empty: they can, or it was not asked)."""
+    mlp_tile: int = 0
+    """Tokens per tile of the blocks' MLPs these figures are for (``with_mlp_tile``); 0: the
+    model's own MLPs, as measured."""
 
     @property
     def tokens(self) -> int | None:

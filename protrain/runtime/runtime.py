@@ -52,6 +52,7 @@ from .outside import OutsideForwards, path_to_blocks
 from .states import RuntimeState, assemble, export_pieces, import_pieces, redistribute
 from .streams import Streams
 from .tiled_head import HeadTiling
+from .tiled_mlp import MLPTiling
 from .trainable import TrainableChange, TrainableWatch
 
 
@@ -143,13 +144,21 @@ class ProTrainRuntime:
         # compiled code, and the saved-tensor hooks see what the compiled graphs save.
         self.compiled = CompiledBlocks(self.blocks, plan.block_modes, options.compile,
                                        plan.knobs.sequence_parallel)
+        self.mlp_tiling: MLPTiling | None = None
         try:
+            # The MLPs tiled for the runtime's life, not per forward: a checkpointed block's
+            # recompute (in backward, outside any forward) must tile as its forward did. (The
+            # compiled forwards trace at their first call, through the tiled MLPs.)
+            if plan.knobs.mlp_tile:
+                self.mlp_tiling = MLPTiling(self.blocks, plan.knobs.mlp_tile).install()
             self.activations = ActivationRuntime(
                 self.blocks, plan.block_modes, self.streams, device, plan.block_saved_bytes,
                 self._param_lookup, ssd_root=options.ssd_root, ssd_verify=options.ssd_verify is True,
                 ssd_min_bytes=options.ssd_min_bytes, input_bytes=plan.block_input_bytes)
         except BaseException:
             self.compiled.close()
+            if self.mlp_tiling is not None:
+                self.mlp_tiling.remove()
             self.optimizer.worker.close()
             self._unbuild(before, nvme)
             raise
@@ -218,6 +227,8 @@ class ProTrainRuntime:
         self._hooks.close()
         self.activations.close()
         self.compiled.close()
+        if self.mlp_tiling is not None:
+            self.mlp_tiling.remove()
         if self.accounting is not None:
             self.accounting.end(0)
         self.chunks.close(to_host, gather)

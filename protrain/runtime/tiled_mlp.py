@@ -13,7 +13,8 @@ the parameters' dtype, reach autograd once - the chunk runtime's gradient hook
 Exactness: each tile runs the MLP's own operators on its rows; the weight gradients are summed
 over the tiles (another order than one matrix product over all tokens): fp32 results agree to
 rounding, not bit for bit. An MLP with active dropout is refused (its recompute would draw other
-masks). Not yet chosen by the planner (issue 36 item 4): ``MLPTiling`` is the runtime piece.
+masks). The planner chooses the tile (``Knobs.mlp_tile``, protrain.search.mlp); the runtime
+installs ``MLPTiling`` for its life.
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ from torch import nn
 
 from .forward_patches import ForwardPatches
 
-TILE_DIM = -2
-"""The sequence dimension of an MLP's input: [batch, seq, hidden] or [seq, hidden]."""
+TILE_DIM = 0
+"""Tiles are rows of the MLP's input flattened to [tokens, hidden] (batch and sequence
+together): a tile of ``tile`` tokens whatever the batch's shape, as the planner prices it
+(``ModelProfile.tokens``: tokens per micro-batch and rank)."""
 
 
 class TiledMLPError(RuntimeError):
@@ -87,7 +90,7 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, tile: int, forward=None) -> torch
     forward = forward or mlp.forward
     if tile <= 0:
         raise ValueError(f"tile={tile}: a number of tokens, at least 1")
-    if not torch.is_grad_enabled() or x.shape[TILE_DIM] <= tile:
+    if not torch.is_grad_enabled() or x.numel() <= tile * x.shape[-1]:
         return forward(x)
     if mlp.training:
         why = unsupported(mlp)
@@ -95,7 +98,10 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, tile: int, forward=None) -> torch
             raise TiledMLPError(f"protrain: the MLP cannot be tiled: {why}; set the dropout to 0 or plan "
                                 f"without the tiled MLP")
     params = [p for p in mlp.parameters() if p.requires_grad]
-    return _TiledMLP.apply(forward, tile, x, *params)
+    # A view where the input is contiguous (the saved tensor is then the input's own storage).
+    rows = x.reshape(-1, x.shape[-1])
+    y = _TiledMLP.apply(forward, tile, rows, *params)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def find_mlps(blocks: Sequence[nn.Module]) -> list[nn.Module]:
@@ -116,13 +122,31 @@ class MLPTiling:
     def __init__(self, blocks: Sequence[nn.Module], tile: int):
         self.mlps = find_mlps(blocks)
         self.tile = tile
+        self._patches: ForwardPatches | None = None
+
+    def install(self) -> "MLPTiling":
+        """Tile from now until ``remove``: the runtime's way, for its whole life - a checkpointed
+        block's recompute (in backward, outside any forward) must tile as its forward did, or
+        it would save other tensors than the forward did."""
+        if self._patches is None:
+            self._patches = ForwardPatches()
+            for mlp in self.mlps:
+                self._patches.replace(mlp, (lambda m, f: lambda x: tiled_mlp(m, x, self.tile, f))(mlp, mlp.forward))
+        return self
+
+    def remove(self) -> None:
+        """The MLPs' own forwards back."""
+        if self._patches is not None:
+            self._patches.restore()
+            self._patches = None
 
     @contextmanager
     def active(self):
-        with ForwardPatches() as patches:
-            for mlp in self.mlps:
-                patches.replace(mlp, (lambda m, f: lambda x: tiled_mlp(m, x, self.tile, f))(mlp, mlp.forward))
+        self.install()
+        try:
             yield self
+        finally:
+            self.remove()
 
 
 __all__ = ["MLPTiling", "TiledMLPError", "find_mlps", "tiled_mlp", "unsupported"]

@@ -1,7 +1,9 @@
 """Search: the fastest plan that fits the device and host budgets, and an actionable error
 when none does.
 
-    head         search(): the head's tile around the inner search (as P is, in protrain.sp)
+    mlp          search(): the MLPs' tile around the head's loop (as P is, in protrain.sp)
+    head         the head's tile around the inner search
+    tiles        the loop both tile knobs share
     ckpt_input   where the checkpointed blocks keep their inputs, around the inner search
     loop         the inner search: the fastest time in bound order, the hedge band, the fewest buffers, the winner
     space        the candidate space: activation configurations, per chunk size the points that fit
@@ -14,7 +16,7 @@ when none does.
 """
 from .evaluation import bytes_moved, evaluate
 from .infeasible import InfeasibleError, check_budgets
-from .head import search
+from .mlp import search
 from .loop import hedged_key, plan_key
 from .space import max_ssd_blocks, search_floor
 

@@ -48,10 +48,12 @@ def input_candidates(profile: ModelProfile, hw: HardwareProfile, config: Planner
     return CKPT_INPUTS if drive else ("device", "host")
 
 
-def search(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig | None = None) -> Plan:
+def search(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig | None = None, *,
+           beat: float = float("inf")) -> Plan | None:
     """The fastest plan for ``profile`` on ``hw`` within ``config``'s budgets and pins, over
     where the checkpointed blocks keep their inputs. Raises InfeasibleError (with what would
-    fit) when nothing does."""
+    fit) when nothing does. ``beat``: an outer loop's incumbent (loop.search's): None when no
+    plan is faster."""
     config = config or PlannerConfig()
     values = input_candidates(profile, hw, config)
     pinned = config.pins.ckpt_input is not None
@@ -63,16 +65,18 @@ def search(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig | N
             continue
         inner = replace(config, pins=replace(config.pins, ckpt_input=v))
         try:
-            found = search_one(profile, hw, inner, beat=_to_beat(v, plans, config.time_tolerance))
+            found = search_one(profile, hw, inner, beat=min(beat, _to_beat(v, plans, config.time_tolerance)))
         except InfeasibleError as e:
             failures[v] = e
             continue
         if found is None:
-            slower[v] = _to_beat(v, plans, config.time_tolerance)
+            slower[v] = min(beat, _to_beat(v, plans, config.time_tolerance))
         else:
             plans[v] = found
-        if v == "device" and not _may_gain(found):
+        if v == "device" and found is not None and not may_gain(found):
             break
+    if not plans and slower:
+        return None     # nothing beat the outer loop's incumbent
     if not plans:       # (a pruned search had a plan to beat: every value failed here)
         # The failure that needs the least device memory names the closest plan (its estimates
         # of what would fit reach furthest); one without a device figure (the host binds) last.
@@ -111,9 +115,10 @@ def _to_beat(value: str, plans: dict[str, Plan], tolerance: float) -> float:
     return min(t, default=float("inf"))
 
 
-def _may_gain(plan: Plan) -> bool:
-    """Whether moving the checkpointed inputs could make ``plan`` faster: not where it keeps
-    every block's activations and every chunk on the device (nothing to trade memory for)."""
+def may_gain(plan: Plan) -> bool:
+    """Whether saving activation memory (moving the checkpointed inputs, tiling) could make
+    ``plan`` faster: not where it keeps every block's activations and every chunk on the device
+    (nothing to trade memory for)."""
     k = plan.knobs
     return bool(k.n_checkpoint or k.n_swap or k.n_ssd or k.n_selective or k.n_persist < plan.chunks.n_chunks)
 
@@ -147,4 +152,4 @@ def _reasons(values, plans, failures, slower, chosen) -> list[str]:
     return out
 
 
-__all__ = ["search", "input_candidates", "choose_input"]
+__all__ = ["search", "input_candidates", "choose_input", "may_gain"]

@@ -122,6 +122,7 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
     fixed.setdefault("n_selective", 0)
     fixed.setdefault("n_nvme", 0)
     fixed["head_tile"] = profile.head_tile        # chosen around this search (search/head.py)
+    fixed["mlp_tile"] = profile.mlp_tile          # and search/mlp.py
     fixed["ckpt_input"] = ckpt_input
     if len(fixed) == len(KNOB_NAMES) - 1:
         # Every knob fixed: say which constraint that one plan breaks.

@@ -17,7 +17,7 @@ from ..layout import build_layout
 from ..plan import ChunkSummary, Knobs, Plan, Prediction, host_budget_text
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
-from ..profile.transforms import with_head_tile
+from ..profile.transforms import with_head_tile, with_mlp_tile
 from ..state_tier import NVME_STATE_SLOTS
 from ..cost.host_share import host_memory_share, nvme_free_share
 from ..units import fmt_bytes
@@ -138,6 +138,14 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
                    f"cannot be tiled ({profile.head_unsupported or 'not measured'})")
                 + "; use head_tile=0" + ("" if profile.head_tile else " (the model's own head)"))
         profile = with_head_tile(profile, knobs.head_tile)
+    if knobs.mlp_tile != profile.mlp_tile:
+        if profile.mlp_tile or profile.mlp is None:
+            raise InfeasibleError(
+                f"mlp_tile={knobs.mlp_tile}: the profile's MLPs "
+                + (f"are tiled at {profile.mlp_tile} tokens" if profile.mlp_tile else
+                   f"cannot be tiled ({profile.mlp_unsupported or 'not measured'})")
+                + "; use mlp_tile=0" + ("" if profile.mlp_tile else " (the model's own MLPs)"))
+        profile = with_mlp_tile(profile, knobs.mlp_tile)
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     layout = build_layout(profile, knobs.chunk_size // profile.param_bytes)
     modes = _checked_block_modes(profile, layout, knobs, block_modes)

@@ -1,28 +1,26 @@
-"""The head's tile (``Knobs.head_tile``) as a knob: an outer loop around the inner search.
+"""The head's tile (``Knobs.head_tile``) as a knob: an outer loop (tiles.py) around the inner
+search.
 
 Tiling the head and loss (protrain.runtime.tiled_head) changes the post part's figures - the
 whole tokens x vocab logits are never made, one tile's are, and backward recomputes them - so,
 as the sequence-parallel degree does, it changes the profile itself (``with_head_tile``) and
-the inner search (loop.py) runs once per value: the model's own head (0) and one tile length
-(``default_tile``: a tile's logits and their gradients about as large as the micro-batch's
-hidden states, which the post part holds anyway). The whole-logits head wins unless the
-tiled one is faster beyond the cost model's error band: it is exact, where tiling reorders
-two sums (rounding-level differences). A pin fixes the value; a model whose head cannot be
+the inner search (ckpt_input.py, loop.py) runs once per value: the model's own head (0) and one
+tile length (``default_tile``: a tile's logits and their gradients about as large as the
+micro-batch's hidden states, which the post part holds anyway). The whole-logits head wins
+unless the tiled one is faster beyond the cost model's error band. A pin fixes the value; a model whose head cannot be
 tiled (``ModelProfile.head_unsupported``) plans with its own head, and a pin above 0 on it
 is refused by name.
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 from ..config import ConfigError, PlannerConfig
 from ..plan import Plan
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..profile.transforms import with_head_tile
-from ..units import fmt_bytes, fmt_seconds
-from .infeasible import InfeasibleError
+from . import tiles
 from .ckpt_input import search as search_one
+from .tiles import TileKnob
 
 TILE_GRANULE = 128
 """Tile lengths are multiples of this many tokens (and at least one granule)."""
@@ -56,53 +54,19 @@ def tile_candidates(profile: ModelProfile, config: PlannerConfig) -> tuple[int, 
     return (0, t) if t < profile.tokens else (0,)
 
 
-def search(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig | None = None) -> Plan:
+HEAD = TileKnob("head_tile", tile_candidates, with_head_tile,
+                lambda t: f"head tiled at {t} tokens" if t else "whole-logits head")
+
+
+def search(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig | None = None, *,
+           beat: float = float("inf")) -> Plan | None:
     """The fastest plan for ``profile`` on ``hw`` within ``config``'s budgets and pins, over
-    the head's tile too. Raises InfeasibleError (with what would fit) when nothing does."""
-    config = config or PlannerConfig()
-    tiles = tile_candidates(profile, config)
-    pinned = config.pins.head_tile is not None
-    inner = replace(config, pins=replace(config.pins, head_tile=None)) if pinned else config
-    plans: dict[int, Plan] = {}
-    failures: dict[int, InfeasibleError] = {}
-    for t in tiles:
-        try:
-            plans[t] = search_one(with_head_tile(profile, t), hw, inner)
-        except InfeasibleError as e:
-            failures[t] = e
-    if not plans:
-        raise failures[max(failures)]              # the tiled head's reaches furthest
-    chosen = choose_tile(plans, config.time_tolerance)
-    plan = plans[chosen]
-    if len(tiles) == 1 and not pinned:
-        return plan
-    notes = tuple(_reasons(tiles, plans, failures, chosen))
-    return replace(plan, pinned=tuple(sorted(plan.pinned + (("head_tile",) if pinned else ()))),
-                   notes=plan.notes + notes, search_seconds=sum(p.search_seconds for p in plans.values()))
+    the head's tile too. Raises InfeasibleError (with what would fit) when nothing does; None
+    when nothing beats ``beat`` (an outer loop's incumbent)."""
+    return tiles.search(HEAD, search_one, profile, hw, config, beat=beat)
 
 
-def choose_tile(plans: dict[int, Plan], tolerance: float) -> int:
-    """The model's own head (0) unless a tiled plan is faster beyond ``tolerance``."""
-    fastest = min(plans, key=lambda t: (plans[t].prediction.step_time, t))
-    if 0 in plans and plans[0].prediction.step_time <= plans[fastest].prediction.step_time * (1 + tolerance):
-        return 0
-    return fastest
-
-
-def _reasons(tiles, plans, failures, chosen) -> list[str]:
-    out = []
-    for t in tiles:
-        what = f"head tiled at {t} tokens" if t else "whole-logits head"
-        if t in failures:
-            e = failures[t]
-            need = (f"needs {fmt_bytes(e.device_needed)} of device memory" if e.device_needed
-                    else str(e).split(";")[0])
-            out.append(f"{what} does not fit: {need}")
-            continue
-        pr = plans[t].prediction
-        out.append(f"{what}: step {fmt_seconds(pr.step_time)}, peak {fmt_bytes(pr.peak_device_bytes)} "
-                   f"at {pr.peak_at}" + (" - chosen" if t == chosen else ""))
-    return out
+choose_tile = tiles.choose
 
 
 __all__ = ["search", "tile_candidates", "default_tile", "choose_tile", "TILE_GRANULE"]

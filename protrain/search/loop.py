@@ -136,7 +136,7 @@ class _SearchState:
         return Knobs(chunk_size=g.layout.chunk_bytes, n_persist=int(g.n_persist[j]), n_buffer=nb,
                      n_swap=int(self.acts.n_swap[a]), n_checkpoint=int(self.acts.n_ckpt[a]),
                      n_ssd=int(self.acts.n_ssd[a]), n_selective=int(self.acts.n_sel[a]),
-                     n_nvme=int(g.n_nvme[j]), head_tile=self.profile.head_tile,
+                     n_nvme=int(g.n_nvme[j]), head_tile=self.profile.head_tile, mlp_tile=self.profile.mlp_tile,
                      ckpt_input=self.acts.ckpt_input)
 
     def peak(self, i: int) -> int:

@@ -24,18 +24,19 @@ LossOf = Callable[[object], torch.Tensor]
 
 def profile_batch(module: nn.Module, blocks, inputs, kwargs, *, shape: tuple[int | None, int | None],
                   device: torch.device, cache: ProfileCache, loss_of: LossOf, length: int | None = None,
-                  progress: bool = False, head_tiling: bool = False,
+                  progress: bool = False, head_tiling: bool = False, mlp_tiling: bool = False,
                   eager: Callable[[], ContextManager] = nullcontext) -> tuple[ModelProfile, int]:
     """The measured profile of ``module`` on the batch ``inputs``/``kwargs`` of ``shape``
     (micro-batch, sequence), and how many cross_entropy calls its forward made (sequence
     shards need the loss inside the model). ``length``: profile the first tokens only.
     ``eager()``: the context the profiled iteration runs in (compiled blocks run eagerly).
-    ``head_tiling``: measure the head and loss over tiles too (``ModelProfile.head``)."""
+    ``head_tiling``: measure the head and loss over tiles too (``ModelProfile.head``);
+    ``mlp_tiling``: the blocks' MLPs over tiles too (``ModelProfile.mlp``)."""
     from ..measure.profiler import profile_model
     from ..sp.batch import LossProbe, truncate
     micro_batch, seq = shape
     length = min(length or seq, seq) if seq else None
-    where = cache.path(module, inputs, kwargs, device, length, blocks, head_tiling)
+    where = cache.path(module, inputs, kwargs, device, length, blocks, head_tiling, mlp_tiling)
     cached = cache.load(where)
     if cached is not None:
         return cached, 1
@@ -61,7 +62,8 @@ def profile_batch(module: nn.Module, blocks, inputs, kwargs, *, shape: tuple[int
             with eager():
                 profile = profile_model(
                     module, step, blocks=blocks, device=device, name=type(module).__name__,
-                    micro_batch=micro_batch, seq_len=length, progress=progress, head_tiling=head_tiling)
+                    micro_batch=micro_batch, seq_len=length, progress=progress, head_tiling=head_tiling,
+                    mlp_tiling=mlp_tiling)
             break
         except torch.OutOfMemoryError:
             held.clear()
