@@ -199,6 +199,9 @@ class Plan(JsonValue):
     including storages an earlier block saved first (sizes the host arenas of swapped blocks)."""
     block_input_bytes: tuple[int, ...] = ()
     """Bytes of each block's input (sizes the host arenas of the CKPT_HOST blocks' inputs)."""
+    mlp_with_norm: bool = False
+    """With ``knobs.mlp_tile``: each MLP's pre-norm runs inside its tiles (the profile found it
+    can: ``MLPProfile.with_norm``), as the figures were measured."""
     n_speculate: int = 0
     """Offloaded chunks (the last in execution order) whose CPU Adam update runs speculatively
     during backward under gradient clipping / fp16 loss scaling (PlannerConfig
@@ -327,7 +330,8 @@ class Plan(JsonValue):
                          "DS TiledFusedLogitsLoss / ALST's tiled logits+loss (by hand)"))
         if k.mlp_tile or "mlp_tile" in self.pinned:
             rows.append(("mlp_tile", f"{k.mlp_tile}{pin('mlp_tile')}",
-                         f"every block's MLP over tiles of {k.mlp_tile} tokens, recomputed in backward"
+                         f"every block's MLP{' with its norm' if self.mlp_with_norm else ''} over tiles of "
+                         f"{k.mlp_tile} tokens, recomputed in backward"
                          if k.mlp_tile else "the model's own MLPs (whole sequence)",
                          "DS TiledMLP / ALST's tiled MLP (by hand)"))
         w0 = max(len(r[0]) for r in rows)

@@ -184,3 +184,75 @@ def test_the_hf_trainer_trains_a_llama_with_tiled_mlps_like_plain_deepspeed(tmp_
         assert abs(a - b) <= 1e-6 * abs(b), (pt["losses"], ds["losses"], pt["eval"], ds["eval"])
     for n, w in ds["weights"].items():
         assert torch.allclose(pt["weights"][n], w, rtol=1e-4, atol=1e-5), n
+
+
+class _SharedNorm(torch.nn.Module):
+    """A GPT block whose ln_2 output feeds the MLP and a second term: its norm cannot run
+    inside the MLP's tiles (the second term would get the unnormalised input)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        h = self.ln_2(x)
+        return x + self.mlp(h) + 0.5 * h
+
+
+class _ScaledNorm(_SharedNorm):
+    """A GPT block whose MLP gets a function of ln_2's output, not the output itself."""
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x) * 2.0)
+
+
+def _shared_norm_gpt(cfg=LONG, kind=_SharedNorm):
+    torch.manual_seed(0)
+    m = GPT(cfg)
+    m.transformer.h = torch.nn.ModuleList(kind(b) for b in m.transformer.h)
+    return m
+
+
+def test_the_norm_runs_in_the_tiles_only_where_its_output_goes_to_the_mlp_alone():
+    """The built-in GPT's ln_2 feeds its MLP alone: the profile fuses it (the block saves less
+    again, the plan says "with its norm"); a block that also uses ln_2's output elsewhere is
+    profiled with the MLP tiled alone (the loss with the norm fused differs: the profiler's
+    check), and one whose MLP gets something else than the norm's output is refused by name
+    when fused by hand."""
+    from protrain.runtime.tiled_mlp import MLPTiling, TiledMLPError
+    fused = _profile()
+    assert fused.mlp.with_norm
+    plan = search(fused, machine("h100-80gb").profile(host_memory=8 * GiB), PlannerConfig(pins=KnobPins(mlp_tile=64)))
+    assert plan.mlp_with_norm and "with its norm" in plan.explain()
+    m = _shared_norm_gpt()
+    x, y = synthetic_batch(LONG, 2, seed=1)
+    alone = profile_model(m, lambda m: m(x, y), micro_batch=2, seq_len=LONG.block_size, progress=False,
+                          mlp_tiling=True)
+    assert alone.mlp is not None and not alone.mlp.with_norm
+    assert alone.mlp.saved_per_token > fused.mlp.saved_per_token      # the norm's tensors stay
+    s = _shared_norm_gpt(kind=_ScaledNorm)
+    with MLPTiling(s.transformer.h, 64, with_norm=True).active():
+        with pytest.raises(TiledMLPError, match="block 0's MLP was given something other than its norm's output"):
+            s(x, y)
+    assert torch.equal(s(x, y), s(x, y))          # its own forwards back
+    scaled = profile_model(s, lambda m: m(x, y), micro_batch=2, seq_len=LONG.block_size, progress=False,
+                           mlp_tiling=True)
+    assert scaled.mlp is not None and not scaled.mlp.with_norm
+
+
+def test_a_block_sharing_its_norms_output_trains_with_the_mlp_tiled_alone_like_deepspeed():
+    import deepspeed
+    from test_ckpt_input import _steps
+    ref = []
+    for protrain in (False, True):
+        m = _shared_norm_gpt()
+        cfg = with_protrain(base_config(), mlp_tile=64, **dict(PINS, n_checkpoint=2)) if protrain else base_config()
+        engine = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
+        ref.append(_steps(engine, LONG, range(3)))
+        if protrain:
+            assert engine.protrain_plan.knobs.mlp_tile == 64 and not engine.protrain_plan.mlp_with_norm
+        engine.destroy()
+    for a, b in zip(ref[1], ref[0]):
+        assert abs(a - b) <= 1e-6 * abs(b)

@@ -342,10 +342,10 @@ class _Tracer:
             if measure_head:
                 self.bar.set_postfix_str("tiled head")
                 tiled, head_unsupported = self._tiled_head_passes(tokens)
-            tiled_mlp = []
+            tiled_mlp, with_norm = [], False
             if measure_mlp:
                 self.bar.set_postfix_str("tiled MLP")
-                tiled_mlp = self._tiled_mlp_passes(tokens)
+                tiled_mlp, with_norm = self._tiled_mlp_passes(tokens)
         finally:
             self.bar.close()
         hooked = sum(s.fwd_time + s.bwd_time for s in stats)
@@ -378,7 +378,7 @@ class _Tracer:
             heads=attention.heads, kv_heads=attention.kv_heads, inplace_blocks=self.inplace_blocks,
             head=_head_profile(stats, tiled, tokens, parts[-1].fwd_time) if tiled else None,
             head_unsupported=head_unsupported or "",
-            mlp=_mlp_profile(stats, tiled_mlp, tokens, parts, self._mlp_share()) if tiled_mlp else None,
+            mlp=_mlp_profile(stats, tiled_mlp, tokens, parts, self._mlp_share(with_norm), with_norm) if tiled_mlp else None,
             mlp_unsupported=mlp_unsupported or "")
 
     def _tiled_head_passes(self, tokens: int) -> tuple[list, str]:
@@ -411,25 +411,51 @@ class _Tracer:
             return str(e)
         return next((why for why in map(unsupported, mlps) if why), "")
 
-    def _mlp_share(self) -> float:
-        """Of a block's forward outside attention, the MLP's share: its share of the block's
-        parameters (matrix products' FLOPs go with their weights)."""
-        from ..runtime.tiled_mlp import find_mlps
-        mlp, block = find_mlps(self.blocks[:1])[0], self.blocks[0]
+    def _mlp_share(self, with_norm: bool = False) -> float:
+        """Of a block's forward outside attention, the MLP's share (with its pre-norm's): its
+        share of the block's parameters (matrix products' FLOPs go with their weights)."""
+        from ..runtime.tiled_mlp import find_mlps, find_pre_norms
+        block = self.blocks[0]
+        mods = find_mlps([block]) + (find_pre_norms([block]) if with_norm else [])
         total = sum(p.numel() for p in block.parameters())
-        return sum(p.numel() for p in mlp.parameters()) / total if total else 0.0
+        return sum(p.numel() for m in mods for p in m.parameters()) / total if total else 0.0
 
-    def _tiled_mlp_passes(self, tokens: int) -> list:
+    def _norm_fusable(self) -> bool:
+        """Whether each block's MLP's pre-norm can run inside the MLP's tiles
+        (tiled_mlp.MLPTiling ``with_norm``): the blocks have one, and the model's loss with it
+        fused equals its own bit for bit (under no_grad, where the fused MLP computes
+        mlp(norm(x)) in one piece: the same operators on the same tensors) - so the norm's
+        output goes to the MLP and nowhere else. Not tried while streaming parameters."""
+        from ..runtime.tiled_mlp import MLPTiling, TiledMLPError, find_pre_norms
+        if self.stream or find_pre_norms(self.blocks) is None:
+            return False
+
+        def loss():
+            self.rng.restore()
+            self.module_state.restore_buffers()
+            with torch.no_grad():
+                return self.step(self.model).detach().clone()
+        own = loss()
+        try:
+            with MLPTiling(self.blocks, 1 << 62, with_norm=True).active():
+                fused = loss()
+        except TiledMLPError:
+            return False
+        return torch.equal(own, fused)
+
+    def _tiled_mlp_passes(self, tokens: int) -> tuple[list, bool]:
         """The parts' statistics from memory passes with every block's MLP over tiles of a half,
-        a quarter and an eighth of the batch's tokens: [(tile, stats), ...], longest first."""
+        a quarter and an eighth of the batch's tokens: [(tile, stats), ...], longest first; and
+        whether the MLPs' pre-norms ran inside the tiles (``_norm_fusable``)."""
         from ..runtime.tiled_mlp import MLPTiling
         out = []
+        with_norm = self._norm_fusable()
         for tile in (-(-tokens // 2), -(-tokens // 4), -(-tokens // 8)):
             stats = [_PartStats() for _ in range(self.n_parts)]
-            with MLPTiling(self.blocks, tile).active():
+            with MLPTiling(self.blocks, tile, with_norm=with_norm).active():
                 self._memory_pass(stats)
             out.append((tile, stats))
-        return out
+        return out, with_norm
 
     def _in_call_order(self, calls: "_CallOrder") -> None:
         """Put the blocks in the order the warm-up ran them (the part boundaries, and the
@@ -721,7 +747,8 @@ def _head_profile(parts: list, tiled: list, tokens: int, head_fwd_time: float) -
         bwd_time_per_token=head_fwd_time / tokens, held_per_token=min(held, 0) / tokens)
 
 
-def _mlp_profile(untiled: list, tiled: list, tokens: int, parts: list, mlp_share: float) -> MLPProfile:
+def _mlp_profile(untiled: list, tiled: list, tokens: int, parts: list, mlp_share: float,
+                 with_norm: bool = False) -> MLPProfile:
     """MLPProfile from the blocks untiled and with their MLPs at several tile lengths (longest
     first): per figure, a line in the tile length on or above every measured point of every
     block - the steepest slope between neighbouring lengths (a ragged last tile or a transient
@@ -751,7 +778,8 @@ def _mlp_profile(untiled: list, tiled: list, tokens: int, parts: list, mlp_share
         saved_per_token=max((a[k].saved_bytes - untiled[k].saved_bytes) / tokens for k in blocks),
         fwd_peak_per_token=fwd_token, fwd_peak_per_tile_token=fwd_tile,
         bwd_peak_per_token=bwd_token, bwd_peak_per_tile_token=bwd_tile,
-        bwd_time_per_token=max(mlp_fwd, 0.0) / tokens, shortest_tile=tiled[-1][0] / tokens)
+        bwd_time_per_token=max(mlp_fwd, 0.0) / tokens, shortest_tile=tiled[-1][0] / tokens,
+        with_norm=with_norm)
 
 
 def storage_bytes(t: torch.Tensor) -> int:

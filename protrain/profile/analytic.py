@@ -231,14 +231,20 @@ def analytic_profile(shape: ModelShape, hw: HardwareProfile) -> ModelProfile:
     # ffn-wide temporaries, its backward the recomputed tile's saved tensors and their
     # gradients, with the input's gradient (hidden-wide) and the MLP's weight gradients,
     # summed over the tiles, held throughout.
+    # The MLP's pre-norm runs in the tiles too (its output goes to the MLP alone): the block no
+    # longer saves the norm's tensors nor its output, only its input - LayerNorm saved that
+    # input already (-1 hidden-wide), RMSNorm an fp32 copy and the normalised input (-3); a
+    # tile holds those for its own tokens.
     wide_saved, wide_tile = (2, 2) if shape.family == "gpt2" else (4, 3)
+    norm_saved = 1 if shape.family == "gpt2" else 3
     mlp_params = sum(n for name, n in shape.block_params() if name.startswith("mlp."))
     mlp = MLPProfile(
-        saved_per_token=-wide_saved * f * a, fwd_peak_per_token=-(wide_saved + 1) * f * a + h * a,
-        fwd_peak_per_tile_token=wide_tile * f * a,
+        saved_per_token=-wide_saved * f * a - norm_saved * h * a,
+        fwd_peak_per_token=-(wide_saved + 1) * f * a - norm_saved * h * a + h * a,
+        fwd_peak_per_tile_token=wide_tile * f * a + (norm_saved + 1) * h * a,
         bwd_peak_per_token=-(bwd_transient // max(sbf, 1)) * f * a + h * a,
-        bwd_peak_per_tile_token=(wide_saved + wide_tile) * f * a,
-        bwd_time_per_token=2 * mlp_params / rate, bwd_peak_fixed=mlp_params * a)
+        bwd_peak_per_tile_token=(wide_saved + wide_tile) * f * a + 2 * (norm_saved + 1) * h * a,
+        bwd_time_per_token=2 * mlp_params / rate, bwd_peak_fixed=mlp_params * a, with_norm=True)
     return ModelProfile(name=shape.name, source="analytic", device="analytic",
                         param_bytes=shape.dtype_bytes, params=tuple(params), parts=tuple(parts),
                         micro_batch=b, seq_len=s, heads=shape.heads,

@@ -178,6 +178,9 @@ class MLPProfile:
     """Bytes the tiled backward adds whatever the tokens: the MLP's weight gradients, summed
     over the tiles in one tensor each (analytic profiles; a measured profile has them inside
     ``bwd_peak_per_token``)."""
+    with_norm: bool = False
+    """Whether the MLP's pre-norm runs inside the tiles too (protrain.runtime.tiled_mlp's
+    ``with_norm``; checked on the model by the profiler): the figures are for that."""
     shortest_tile: float = 0.0
     """Of the micro-batch's tokens, the shortest tile the figures hold for (a fraction): a
     shorter tile is priced as this long. The measured passes' shorter tile: below it another

@@ -84,9 +84,10 @@ def unsupported(mlp: nn.Module) -> str | None:
     return None
 
 
-def tiled_mlp(mlp: nn.Module, x: torch.Tensor, tile: int, forward=None) -> torch.Tensor:
+def tiled_mlp(mlp: nn.Module, x: torch.Tensor, tile: int, forward=None, norm: nn.Module | None = None) -> torch.Tensor:
     """``mlp(x)`` over tiles of ``tile`` tokens along the sequence (``forward``: the MLP's own
-    forward, default ``mlp.forward``); as ``mlp(x)`` where there is one tile or no autograd."""
+    forward, default ``mlp.forward``); as ``mlp(x)`` where there is one tile or no autograd.
+    ``norm``: a module whose parameters ``forward`` uses too (the MLP's pre-norm, fused)."""
     forward = forward or mlp.forward
     if tile <= 0:
         raise ValueError(f"tile={tile}: a number of tokens, at least 1")
@@ -97,7 +98,7 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, tile: int, forward=None) -> torch
         if why:
             raise TiledMLPError(f"protrain: the MLP cannot be tiled: {why}; set the dropout to 0 or plan "
                                 f"without the tiled MLP")
-    params = [p for p in mlp.parameters() if p.requires_grad]
+    params = [p for m in (mlp, norm) if m is not None for p in m.parameters() if p.requires_grad]
     # A view where the input is contiguous (the saved tensor is then the input's own storage).
     rows = x.reshape(-1, x.shape[-1])
     y = _TiledMLP.apply(forward, tile, rows, *params)
@@ -116,11 +117,36 @@ def find_mlps(blocks: Sequence[nn.Module]) -> list[nn.Module]:
     return out
 
 
-class MLPTiling:
-    """The MLPs of ``blocks`` over tiles of ``tile`` tokens while ``active``."""
+PRE_NORMS = ("post_attention_layernorm", "ln_2")
+"""The norm whose output is a block's MLP's input, by the name the families give it (Hugging
+Face Llama, Mistral, Qwen2, Phi-3: ``post_attention_layernorm``; GPT-2 and the built-in GPT:
+``ln_2``)."""
 
-    def __init__(self, blocks: Sequence[nn.Module], tile: int):
+
+def find_pre_norms(blocks: Sequence[nn.Module]) -> list[nn.Module] | None:
+    """Each block's MLP's pre-norm (``PRE_NORMS``), or None where a block has none."""
+    out = []
+    for b in blocks:
+        norm = next((getattr(b, n) for n in PRE_NORMS if isinstance(getattr(b, n, None), nn.Module)), None)
+        if norm is None:
+            return None
+        out.append(norm)
+    return out
+
+
+class MLPTiling:
+    """The MLPs of ``blocks`` over tiles of ``tile`` tokens while ``active``. ``with_norm``:
+    each MLP's pre-norm (``find_pre_norms``) runs inside the tiles too - the norm returns its
+    input, which the MLP's tiles normalise - so neither the norm's saved tensors (an RMSNorm's
+    fp32 copy and its normalised input) nor its output are kept for the whole sequence, only the
+    input. Only where the norm's output goes to the MLP and nowhere else: the profiler checks it
+    on the model (``norm_fusable``), and the MLP refuses an input that is not the norm's."""
+
+    def __init__(self, blocks: Sequence[nn.Module], tile: int, with_norm: bool = False):
         self.mlps = find_mlps(blocks)
+        self.norms = find_pre_norms(blocks) if with_norm else None
+        if with_norm and self.norms is None:
+            raise TiledMLPError(f"the blocks have no pre-norm ({' or '.join(PRE_NORMS)}) to tile with their MLPs")
         self.tile = tile
         self._patches: ForwardPatches | None = None
 
@@ -130,9 +156,30 @@ class MLPTiling:
         it would save other tensors than the forward did."""
         if self._patches is None:
             self._patches = ForwardPatches()
-            for mlp in self.mlps:
-                self._patches.replace(mlp, (lambda m, f: lambda x: tiled_mlp(m, x, self.tile, f))(mlp, mlp.forward))
+            for i, mlp in enumerate(self.mlps):
+                if self.norms is None:
+                    self._patches.replace(mlp, (lambda m, f: lambda x: tiled_mlp(m, x, self.tile, f))(mlp, mlp.forward))
+                else:
+                    self._fuse(i, mlp, self.norms[i])
         return self
+
+    def _fuse(self, i: int, mlp: nn.Module, norm: nn.Module) -> None:
+        norm_forward, mlp_forward, handed = norm.forward, mlp.forward, [None]
+
+        def norm_pass(x):
+            handed[0] = x
+            return x
+
+        def mlp_tiles(x):
+            if handed[0] is not x:
+                raise TiledMLPError(
+                    f"protrain: block {i}'s MLP was given something other than its norm's output, which "
+                    f"the tiled MLP normalises itself (mlp_tile with the norm fused); set protrain.mlp_tile "
+                    f"to 0")
+            handed[0] = None
+            return tiled_mlp(mlp, x, self.tile, lambda t: mlp_forward(norm_forward(t)), norm=norm)
+        self._patches.replace(norm, norm_pass)
+        self._patches.replace(mlp, mlp_tiles)
 
     def remove(self) -> None:
         """The MLPs' own forwards back."""
@@ -149,4 +196,4 @@ class MLPTiling:
             self.remove()
 
 
-__all__ = ["MLPTiling", "TiledMLPError", "find_mlps", "tiled_mlp", "unsupported"]
+__all__ = ["MLPTiling", "TiledMLPError", "find_mlps", "find_pre_norms", "tiled_mlp", "unsupported", "PRE_NORMS"]

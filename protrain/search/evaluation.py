@@ -175,6 +175,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
         params=profile.params if profile.source == "measured" else (),
         block_saved_bytes=tuple(offload_bytes(b) for b in profile.blocks),
         block_input_bytes=tuple(ckpt_input_bytes(b) for b in profile.blocks),
+        mlp_with_norm=bool(knobs.mlp_tile and profile.mlp is not None and profile.mlp.with_norm),
         micro_batch=profile.micro_batch, seq_len=profile.seq_len, n_speculate=n_spec,
         timeline=timeline, ranks_per_node=hw.ranks_per_node)
 

@@ -67,6 +67,13 @@ def load_plan_file(path: str | None, module: nn.Module, n_blocks: int, planner: 
     if planner.device_memory and need > planner.device_memory:
         raise ConfigError(f"protrain.plan_file {path} needs {need / 2**30:.2f} GiB of device "
                           f"memory, above protrain.device_memory; delete it to re-plan")
+    if plan.mlp_with_norm:
+        # Whether each MLP's pre-norm feeds the MLP alone was checked on the model that made the
+        # plan (the profiler runs both); the file cannot say this model's code is the same.
+        if verbose:
+            print(f"ProTrain: the plan in {path} runs the MLPs' norms inside their tiles, checked on "
+                  f"the model that made it: profiling and planning again (saved there)", flush=True)
+        return None
     # A plan without a sequence (features, images) covers micro-batches alone.
     shaped = plan.seq_len or (target is not None and target.seq_len is None)
     if target is not None and plan.micro_batch and shaped and \
