@@ -133,3 +133,15 @@ def layout_codes(n_blocks: int, n_swap, n_checkpoint, n_ssd, n_selective=None,
     codes[is_rec & (k - 1 < nc)] = ckpt
     codes[is_rec & (k - 1 >= nc)] = SEL
     return codes
+
+ACTIVATION_FILE_HEADROOM = 1.25
+"""A block's activation file on the drive (and its pinned arena) holds this many times the
+bytes the plan says the block writes (runtime.activations sizes them so; the planner checks the
+drive's free space for it: cost.memory.activation_file_space), ..."""
+ACTIVATION_FILE_SLACK = 2**16
+"""... plus this many bytes."""
+
+
+def activation_file_bytes(nbytes: int) -> int:
+    """Bytes of the file (or arena) that holds a block's ``nbytes`` of activations."""
+    return int(nbytes * ACTIVATION_FILE_HEADROOM) + ACTIVATION_FILE_SLACK

@@ -72,8 +72,9 @@ def test_infeasible_message_names_the_longest_sequence_under_every_degree(capsys
     # for P=1 lands 3 granules short (15744 for 16128): an estimate, as the message says.
     node = ("--world", "4", "--host-memory", "64GiB")
     _, out, _ = _plan(capsys, "--seq", "max", *node)
-    _, per, _ = _longest(out)
-    rc, _, err = _plan(capsys, *node, "--seq", "262144")
+    longest, per, _ = _longest(out)
+    # twice the longest (262144 before the tiled MLPs, which made that length plan)
+    rc, _, err = _plan(capsys, *node, "--seq", str(2 * longest // 512 * 512))
     assert rc == 3 and "no sequence-parallel degree fits" in err
     named = {int(p): int(n) for p, n in
              re.findall(r"P=(\d+) does not fit: needs [^;]*? \(sequences up to about (\d+) tokens fit\)", err)}

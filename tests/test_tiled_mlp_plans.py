@@ -94,7 +94,7 @@ def test_the_engine_trains_tiled_mlps_like_deepspeed_under_the_predicted_peak(mo
     pins = dict(PINS, **modes)
     losses, weights, engine = train(with_protrain(base_config(), accounting=True, mlp_tile=64, **pins), LONG, 4)
     rt, plan = engine.protrain_runtime, engine.protrain_plan
-    assert plan.knobs.mlp_tile == 64 and rt.mlp_tiling is not None
+    assert plan.knobs.mlp_tile == 64 and rt.mlp_tiling is not None and plan.mlp_with_norm   # ln_2 fused
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) <= 1e-6 * abs(b), (losses, ref_losses)
     for n, w in ref_weights.items():
@@ -255,4 +255,24 @@ def test_a_block_sharing_its_norms_output_trains_with_the_mlp_tiled_alone_like_d
             assert engine.protrain_plan.knobs.mlp_tile == 64 and not engine.protrain_plan.mlp_with_norm
         engine.destroy()
     for a, b in zip(ref[1], ref[0]):
+        assert abs(a - b) <= 1e-6 * abs(b)
+
+
+def test_compiled_blocks_run_through_the_tiled_mlps():
+    """engine.compile(): the blocks' compiled forwards call the tiled MLPs (with their norms);
+    the losses are the untiled compiled run's to rounding."""
+    import deepspeed
+    from test_ckpt_input import _steps
+    runs = {}
+    for tile in (0, 32):
+        torch.manual_seed(0)
+        m = GPT(UNTIED)
+        cfg = with_protrain(base_config(), mlp_tile=tile, **dict(PINS, n_checkpoint=2))
+        engine = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)[0]
+        engine.compile(backend="aot_eager")
+        runs[tile] = _steps(engine, UNTIED, range(3))
+        assert engine.protrain_runtime.compiled.compiled == [0, 1, 2, 3]
+        assert engine.protrain_plan.mlp_with_norm == bool(tile)
+        engine.destroy()
+    for a, b in zip(runs[32], runs[0]):
         assert abs(a - b) <= 1e-6 * abs(b)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..block_mode import CKPT, CKPT_HOST, CKPT_SSD, INPUT_MOVED, NONE, SEL, SSD, SWAP, BlockMode
+from ..block_mode import ACTIVATION_FILE_HEADROOM, ACTIVATION_FILE_SLACK, CKPT, CKPT_HOST, CKPT_SSD, INPUT_MOVED, NONE, SEL, SSD, SWAP, BlockMode
 from ..profile.model_profile import ModelProfile
 from ..layout import ChunkLayout
 from ..state_tier import (STAGING_SLOTS, staged_bytes_per_element, staging_ring_bytes, state_bytes_per_element,
@@ -243,6 +243,13 @@ def offload_bytes(part) -> int:
 def ckpt_input_bytes(part) -> int:
     """Bytes a CKPT_HOST / CKPT_SSD part copies off the device and back: its input."""
     return part.in_bytes
+
+
+def activation_file_space(ssd_total, n_blocks: int):
+    """Drive space the block files of ``ssd_total`` written bytes take, at most ``n_blocks``
+    files (what the drive must have free: ``activation_file_bytes`` per file)."""
+    return np.where(np.asarray(ssd_total) > 0,
+                    np.ceil(np.asarray(ssd_total) * ACTIVATION_FILE_HEADROOM) + n_blocks * ACTIVATION_FILE_SLACK, 0)
 
 
 def ssd_bytes(profile: ModelProfile, block_modes) -> np.ndarray:

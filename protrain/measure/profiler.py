@@ -405,6 +405,8 @@ class _Tracer:
         from ..runtime.tiled_mlp import TiledMLPError, find_mlps, unsupported
         if tokens < 16:
             return "the profiled batch's shape is unknown or under 16 tokens"
+        if not self.blocks:
+            return "the model has no transformer blocks"
         try:
             mlps = find_mlps(self.blocks)
         except TiledMLPError as e:

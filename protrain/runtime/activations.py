@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..block_mode import BlockMode
+from ..block_mode import BlockMode, activation_file_bytes
 from .boundaries import block_positions, version
 from .meter import storage_ptr
 from .buffers import buffers_context_fn
@@ -243,8 +243,8 @@ class ActivationRuntime:
         self.stashes: dict[int, HostStash | SSDStash] = {}
         self.rundir = self.store = None
         moved = (BlockMode.CKPT_HOST, BlockMode.CKPT_SSD)       # checkpointed, the input moved
-        caps = {i: int((input_bytes[i] if m in moved and i < len(input_bytes) else swap_bytes[i])
-                       * 1.25) + 2**16 for i, m in enumerate(self.modes)}
+        caps = {i: activation_file_bytes(input_bytes[i] if m in moved and i < len(input_bytes) else swap_bytes[i])
+                for i, m in enumerate(self.modes)}
         # The pinned arenas first: one the host cannot give fails before the SSD run directory
         # (its preallocated files) and its store's threads exist, which nothing would close.
         for i, m in enumerate(self.modes):

@@ -146,11 +146,10 @@ class ProTrainRuntime:
                                        plan.knobs.sequence_parallel)
         self.mlp_tiling: MLPTiling | None = None
         try:
-            # The MLPs tiled for the runtime's life, not per forward: a checkpointed block's
-            # recompute (in backward, outside any forward) must tile as its forward did. (The
-            # compiled forwards trace at their first call, through the tiled MLPs.)
-            if plan.knobs.mlp_tile:
-                self.mlp_tiling = MLPTiling(self.blocks, plan.knobs.mlp_tile, with_norm=plan.mlp_with_norm).install()
+            # For the runtime's life, not per forward: a checkpointed block's recompute (in
+            # backward, outside any forward) must tile as its forward did.
+            self.mlp_tiling = plan.knobs.mlp_tile and MLPTiling(self.blocks, plan.knobs.mlp_tile,
+                                                                 with_norm=plan.mlp_with_norm).install() or None
             self.activations = ActivationRuntime(
                 self.blocks, plan.block_modes, self.streams, device, plan.block_saved_bytes,
                 self._param_lookup, ssd_root=options.ssd_root, ssd_verify=options.ssd_verify is True,

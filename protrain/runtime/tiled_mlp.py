@@ -75,9 +75,18 @@ class _TiledMLP(torch.autograd.Function):
 
 
 def unsupported(mlp: nn.Module) -> str | None:
-    """Why ``mlp`` cannot be tiled (None: it can): a dropout that is active in training (its
-    recompute would draw other masks)."""
+    """Why ``mlp`` cannot be tiled (None: it can): a mixture of experts (its router's outputs,
+    which the load-balancing loss reads, would be taken tile by tile), forward hooks on it or
+    inside it (they would see each tile, not the MLP's call), a dropout that is active in
+    training (its recompute would draw other masks)."""
     for name, m in mlp.named_modules():
+        where = f"{type(mlp).__name__}{'.' + name if name else ''}"
+        kind = type(m).__name__.lower()
+        if "expert" in kind or "router" in kind or "moe" in kind or name.split(".")[-1] in ("experts", "router"):
+            return (f"{where} ({type(m).__name__}) is part of a mixture of experts, whose routing "
+                    f"statistics a tiled MLP would take tile by tile")
+        if m._forward_hooks or m._forward_pre_hooks:
+            return f"{where} has forward hooks, which would see each tile rather than the MLP's call"
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             return (f"{type(mlp).__name__}{'.' + name if name else ''} has dropout p={m.p}, which a "
                     f"recompute per tile would draw again differently")
@@ -154,6 +163,9 @@ class MLPTiling:
         """Tile from now until ``remove``: the runtime's way, for its whole life - a checkpointed
         block's recompute (in backward, outside any forward) must tile as its forward did, or
         it would save other tensors than the forward did."""
+        why = next((w for w in map(unsupported, self.mlps) if w and "dropout" not in w), None)
+        if why:
+            raise TiledMLPError(f"protrain: the MLPs cannot be tiled: {why}; set protrain.mlp_tile to 0")
         if self._patches is None:
             self._patches = ForwardPatches()
             for i, mlp in enumerate(self.mlps):

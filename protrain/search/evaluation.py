@@ -10,7 +10,7 @@ import numpy as np
 
 from ..block_mode import BlockMode, layout_block_modes, modes_string, same_counts
 from ..config import PlannerConfig
-from ..cost.memory import MemoryPrediction, ckpt_input_bytes, offload_bytes, predict_memory
+from ..cost.memory import MemoryPrediction, activation_file_space, ckpt_input_bytes, offload_bytes, predict_memory
 from ..cost.predicted_timeline import predicted_timeline
 from ..cost.time_model import simulate
 from ..layout import build_layout
@@ -161,7 +161,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     mem, n_spec = _predicted_memory(profile, hw, config, layout, knobs, modes, codes)
     pred, timeline = _predicted_step(profile, hw, config, layout, knobs, codes, mem, n_spec)
     if check_fit:
-        _check_fit(hw, config, knobs, mem)
+        _check_fit(hw, config, knobs, mem, profile.n_blocks)
     return Plan(
         knobs=knobs, block_modes=modes,
         chunks=ChunkSummary(n_chunks=layout.n_chunks, chunk_numel=layout.chunk_numel,
@@ -286,11 +286,13 @@ def drive_space_message(hw: HardwareProfile, config: PlannerConfig, need: int, *
             f"memory{avoid}")
 
 
-def _check_fit(hw: HardwareProfile, config: PlannerConfig, knobs: Knobs, mem: MemoryPrediction) -> None:
+def _check_fit(hw: HardwareProfile, config: PlannerConfig, knobs: Knobs, mem: MemoryPrediction,
+               n_blocks: int) -> None:
     """Refuse a plan that does not fit the device (with the margin), this rank's share of the
-    node's host memory or of the drive."""
+    node's host memory or of the drive (the activations' block files as the runtime sizes them,
+    ``activation_file_space``)."""
     need = mem.peak_device_bytes * (1 + config.memory_margin)
-    drive = mem.ssd_bytes + mem.nvme_state_bytes
+    drive = int(activation_file_space(mem.ssd_bytes, n_blocks)) + mem.nvme_state_bytes
     if drive and drive * (1 + config.memory_margin) > nvme_free_share(hw):
         if not mem.nvme_state_bytes and hw.ranks_per_node <= 1:
             raise InfeasibleError(f"plan {knobs} writes {fmt_bytes(mem.ssd_bytes)} of activations "

@@ -11,7 +11,7 @@ from ..block_mode import CKPT_HOST, CKPT_SSD, SEL, full_recompute, layout_codes
 from ..config import ALL, PlannerConfig
 from ..cost.chunk_times import state_io_times
 from ..cost.host_share import host_memory_share, nvme_free_share, rank_rates
-from ..cost.memory import activation_walk, buffer_numel, ckpt_input_bytes, nvme_file_top, nvme_state_top, offload_bytes, staging_bytes
+from ..cost.memory import activation_file_space, activation_walk, buffer_numel, ckpt_input_bytes, nvme_file_top, nvme_state_top, offload_bytes, staging_bytes
 from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
@@ -302,7 +302,8 @@ def _fitting_configs(profile, hw, config, acts: ActivationConfigs, layout, budge
     persist = model_state_bytes(profile, config, layout)[0]
     nps = _persistent_counts(profile, config, layout, persist, budget)
     drive_room = nvme_free_share(hw) / (1.0 + config.memory_margin)
-    return np.flatnonzero((acts.act_peak + persist[nps[0]] <= budget) & (acts.ssd <= drive_room)), nps
+    space = activation_file_space(acts.ssd, profile.n_blocks)
+    return np.flatnonzero((acts.act_peak + persist[nps[0]] <= budget) & (space <= drive_room)), nps
 
 
 def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
@@ -334,7 +335,8 @@ def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget
     dev_ok = np.flatnonzero((peak <= budget) & (nb >= nbmin) & (nb <= nch - np_idx))
     a_idx, np_idx, nb, nbmin, peak = (x.take(dev_ok) for x in (a_idx, np_idx, nb, nbmin, peak))
     host = host_state[np_idx] + acts.swap_host[a_idx]
-    nv, host, drive = _drive_states(profile, hw, config, layout, np_idx, host, acts.ssd[a_idx], stats)
+    nv, host, drive = _drive_states(profile, hw, config, layout, np_idx, host,
+                                    activation_file_space(acts.ssd[a_idx], profile.n_blocks), stats)
     ok = (host <= host_memory_share(hw)) & (nv <= nch - np_idx) & (drive <= drive_room)
     return tuple(x.take(np.flatnonzero(ok)) for x in (a_idx, np_idx, nb, nbmin, peak, host, nv))
 
