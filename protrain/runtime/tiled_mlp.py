@@ -126,10 +126,12 @@ def find_mlps(blocks: Sequence[nn.Module]) -> list[nn.Module]:
     return out
 
 
-PRE_NORMS = ("post_attention_layernorm", "ln_2")
-"""The norm whose output is a block's MLP's input, by the name the families give it (Hugging
-Face Llama, Mistral, Qwen2, Phi-3: ``post_attention_layernorm``; GPT-2 and the built-in GPT:
-``ln_2``)."""
+PRE_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2")
+"""The norm whose output is a block's MLP's input, by the name the families give it, first found
+first (Gemma 2 and 3: ``pre_feedforward_layernorm``, their ``post_attention_layernorm`` norms the
+attention's output; Hugging Face Llama, Mistral, Qwen2, Phi-3: ``post_attention_layernorm``;
+GPT-2 and the built-in GPT: ``ln_2``). A guess by name, checked on the model before use
+(``MLPTiling``)."""
 
 
 def find_pre_norms(blocks: Sequence[nn.Module]) -> list[nn.Module] | None:
