@@ -64,6 +64,7 @@ SECTIONS = {
     "tiers": (90, False, ("build",)),
     "memory": (120, False, ("build",)),
     "compile": (150, False, ("build",)),
+    "long_context": (120, False, ("build",)),
     "worker": (60, True, ("build",)),
     "profile": (90, True, ("build",)),
     "headline": (200, True, ("build",)),
@@ -409,6 +410,47 @@ def section_memory(out: Path) -> dict:
                plan_after_oom=plan_summary(engine).get("knobs"), losses=[x.item() for x in losses])
     res["losses_finite"] = all(x == x and abs(x) < 1e4 for x in res["losses"])
     engine.destroy()
+    return res
+
+
+def section_long_context(out: Path) -> dict:
+    """Issue 36's pieces on the device: a tiny Llama at a long sequence, every block
+    checkpointed with its input in host memory, the head and the MLPs (with their norms) over
+    tiles, against the same plan untiled: losses (bf16: within its error), the peak allocated
+    against the prediction, the tiled memory passes through the CUDA allocator."""
+    import torch
+    cuda = _cuda()
+    seq, head, mlp = (4096, 512, 1024) if cuda else (256, 64, 64)
+    pins = {"chunk_size": _largest(tiny_llama()), "n_persist": 1, "n_checkpoint": LLAMA["num_hidden_layers"],
+            "n_swap": 0, "n_ssd": 0, "n_selective": 0, "ckpt_input": "host"}
+    res = {"seq": seq}
+    for name, tiles in (("untiled", {"head_tile": 0, "mlp_tile": 0}), ("tiled", {"head_tile": head, "mlp_tile": mlp})):
+        model = tiny_llama()
+        engine = build_engine(ds_config(dict(pins, **tiles), gas=1), model)
+        g = torch.Generator().manual_seed(7)
+        ids = torch.randint(3, LLAMA["vocab_size"], (1, seq), generator=g).to(engine.device)
+        losses = []
+        for step in range(3):
+            if cuda and step == 1:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated() - engine.protrain_runtime.chunks.device_bytes()
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float().clone())
+        r = dict(plan_summary(engine), losses=[x.item() for x in losses],
+                 mlp_with_norm=engine.protrain_plan.mlp_with_norm)
+        if cuda:
+            torch.cuda.synchronize()
+            alloc = torch.cuda.max_memory_allocated()
+            pred = engine.protrain_plan.prediction.peak_device_bytes
+            r.update(max_memory_allocated=alloc, base_not_planned=base, predicted_peak=pred,
+                     peak_error=(pred - (alloc - base)) / (alloc - base))
+        res[name] = r
+        engine.destroy()
+    a, b = res["untiled"]["losses"], res["tiled"]["losses"]
+    res["loss_rel_diff"] = max(abs(x - y) / abs(y) for x, y in zip(b, a))
     return res
 
 

@@ -49,6 +49,9 @@ def test_the_profile_measures_the_tiled_mlps_and_round_trips(tmp_path):
     gone = sum(a.saved_bytes - b.saved_bytes for a, b in zip(p.blocks, t.blocks))
     assert p.parts[-1].fwd_start - t.parts[-1].fwd_start == gone
     assert t.mlp_tile == 64 and with_mlp_tile(t, 64) is t
+    # A tile as long as the micro-batch: the runtime runs the MLP as it is, and so do the figures.
+    whole = with_mlp_tile(p, n)
+    assert whole.parts == p.parts and whole.mlp_tile == n
     with pytest.raises(ValueError, match="already tiled"):
         with_mlp_tile(t, 32)
     p.save(tmp_path / "p.json")

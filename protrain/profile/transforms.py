@@ -73,7 +73,10 @@ def with_mlp_tile(profile: ModelProfile, tile: int) -> ModelProfile:
     if m is None or n is None:
         raise ValueError("with_mlp_tile: the profile has no tiled MLP "
                          f"({profile.mlp_unsupported or 'not measured, or no batch shape'})")
-    t = max(min(tile, n), m.shortest_tile * n)
+    if tile >= n:
+        # One tile: the runtime runs the MLP as it is (tiled_mlp), so the figures are the untiled.
+        return replace(profile, mlp_tile=tile, ops=())
+    t = max(tile, m.shortest_tile * n)
     b = lambda per_token, per_tile=0.0: int(round(per_token * n + per_tile * t))  # noqa: E731
     d_saved = b(m.saved_per_token)
     d_fwd = b(m.fwd_peak_per_token, m.fwd_peak_per_tile_token)
