@@ -8,7 +8,7 @@ import pytest
 from protrain.block_mode import BlockMode, layout_block_modes, layout_codes
 from protrain.config import KnobPins, PlannerConfig
 from protrain.layout import build_layout, chunk_capacities
-from protrain.cost.memory import (norm_scratch_bytes, nvme_state_top, predict_memory, ssd_bytes, state_bytes,
+from protrain.cost.memory import (activation_file_space, norm_scratch_bytes, nvme_state_top, predict_memory, ssd_bytes, state_bytes,
                                   swap_host_bytes)
 from protrain.cost.time_model import simulate
 from protrain.profile.analytic import PRESETS, ModelShape, analytic_profile
@@ -28,6 +28,11 @@ SMALL = ModelShape("small", "gpt2", n_layers=4, hidden=256, heads=4, vocab=2048,
 def small_hw(**over):
     hw = machine("rtx3090").profile(host_memory=4 * GiB)
     return replace(hw, **over)
+
+
+def _drive(ssd: int, n_blocks: int) -> int:
+    """Drive space the activations' block files take (as the runtime reserves them)."""
+    return int(activation_file_space(ssd, n_blocks))
 
 
 def brute_force(profile, hw, config, states_on_drive: bool = False):
@@ -91,7 +96,7 @@ def _brute_force(profile, hw, config, states_on_drive=False):
                         mem = predict_memory(profile, layout, np_, nb, modes, sb, world, int(scratch[np_]),
                                              n_nvme=nv)
                         if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory and \
-                                mem.ssd_bytes + mem.nvme_state_bytes <= hw.nvme_free_bytes / (1 + config.memory_margin):
+                                _drive(mem.ssd_bytes, n) + mem.nvme_state_bytes <= hw.nvme_free_bytes / (1 + config.memory_margin):
                             rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes, nd, nl,
                                          mem.ssd_bytes, mem.host_bytes, nv, mem.nvme_state_io_bytes))
         if not rows:
@@ -473,7 +478,7 @@ def pressure_setup():
                  nvme_write_bandwidth=1e12, nvme_read_bandwidth=1e12, nvme_gds=True)
     prof = analytic_profile(PRESSURE, hw)
     block = prof.blocks[0].saved_bytes
-    hw = replace(hw, nvme_free_bytes=int(2.5 * block * 1.1))
+    hw = replace(hw, nvme_free_bytes=int(_drive(int(2.5 * block), prof.n_blocks) * 1.1))
     # Exact time order (no hedge): these cases test the budgets, and the hedge's choice is
     # not monotone in them (a smaller budget can move the band up).
     config = PlannerConfig(chunk_sizes=(1 * MiB,), time_tolerance=0.0)
@@ -531,7 +536,7 @@ def test_budgets_just_above_and_below_a_plans_need(pressure):
     p = plan.prediction
     assert p.swap_host_bytes > 0 and p.ssd_bytes > 0 and plan.knobs.n_checkpoint + plan.knobs.n_selective > 0
     need_dev = int(np.ceil(p.peak_device_bytes * (1 + config.memory_margin)))
-    need_disk = int(np.ceil(p.ssd_bytes * (1 + config.memory_margin)))
+    need_disk = int(np.ceil(_drive(p.ssd_bytes, prof.n_blocks) * (1 + config.memory_margin)))
     exact = replace(hw, device_memory=need_dev, host_memory=p.host_bytes, nvme_free_bytes=need_disk)
     assert search(prof, exact, config).knobs == plan.knobs
     for short in (dict(device_memory=need_dev - 1), dict(host_memory=p.host_bytes - 1),
@@ -542,7 +547,7 @@ def test_budgets_just_above_and_below_a_plans_need(pressure):
         assert other.knobs != plan.knobs, short
         assert q.peak_device_bytes * (1 + config.memory_margin) <= tight.device_memory
         assert q.host_bytes <= tight.host_memory
-        assert q.ssd_bytes * (1 + config.memory_margin) <= tight.nvme_free_bytes
+        assert _drive(q.ssd_bytes, prof.n_blocks) * (1 + config.memory_margin) <= tight.nvme_free_bytes
         assert q.step_time >= p.step_time
         if "device_memory" in short:   # ...and it is the next best plan, not any plan that fits
             ref = brute_force(prof, tight, config)
@@ -613,7 +618,10 @@ def test_a_tie_whose_bound_rounds_above_the_best_time_is_still_found(monkeypatch
     hw = HardwareProfile(name="cpu-test", source="measured", device_type="cpu", device_memory=1_400_000,
                          host_memory=GiB, h2d_bandwidth=1e9, d2h_bandwidth=1e9, gpu_adam_rate=1e9,
                          cpu_adam_rate=1e9, nvme_write_bandwidth=1e9, nvme_read_bandwidth=1e9,
-                         nvme_free_bytes=298214)
+                         nvme_free_bytes=0)
+    # Room for the one SSD block's file (298214 bytes with the margin, before the planner
+    # checked the drive for the block files as the runtime sizes them).
+    hw = replace(hw, nvme_free_bytes=int(_drive(int(298214 / 1.1), prof.n_blocks) * 1.1))
     total = prof.total_params * prof.param_bytes
     config = PlannerConfig(chunk_sizes=(total // 4, total // 2, total), time_tolerance=0.0)
     monkeypatch.setattr(search_mod, "_BATCH", 1)

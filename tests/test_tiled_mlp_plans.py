@@ -2,6 +2,7 @@
 ``mlp_tile`` knob (chosen where the whole-sequence MLPs do not fit), the engine running it
 beside every block mode, and exactness against plain DeepSpeed (tiling reorders the weight
 gradients' sums: rounding level)."""
+import copy
 import json
 from dataclasses import replace
 
@@ -279,3 +280,79 @@ def test_compiled_blocks_run_through_the_tiled_mlps():
         engine.destroy()
     for a, b in zip(runs[32], runs[0]):
         assert abs(a - b) <= 1e-6 * abs(b)
+
+
+class _TwoArgMLP(torch.nn.Module):
+    """An MLP called with two tensors (HF Bloom's mlp(x, residual))."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.inner = mlp
+
+    def forward(self, x, residual):
+        return self.inner(x) + residual
+
+
+class _TwoArgBlock(_SharedNorm):
+    def __init__(self, block):
+        super().__init__(block)
+        self.mlp = _TwoArgMLP(block.mlp)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return self.mlp(self.ln_2(x), x)
+
+
+class _NoisyMLP(torch.nn.Module):
+    """An MLP with functional dropout (no dropout module to see)."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.inner = mlp
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(self.inner(x), 0.1, self.training)
+
+
+class _NoisyBlock(_SharedNorm):
+    def __init__(self, block):
+        super().__init__(block)
+        self.mlp = _NoisyMLP(block.mlp)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+@pytest.mark.parametrize("kind, why", [(_TwoArgBlock, "called with 2 positional"),
+                                       (_NoisyBlock, "draw random numbers")])
+def test_mlps_the_tiles_would_change_are_profiled_untiled_saying_why(kind, why):
+    """An MLP called with two tensors (Bloom's) and one with functional dropout: the profiler
+    tries the tiles, finds the model changed or failing, and plans with the model's own MLPs."""
+    m = _shared_norm_gpt(kind=kind)
+    x, y = synthetic_batch(LONG, 2, seed=1)
+    p = profile_model(m, lambda m: m(x, y), micro_batch=2, seq_len=LONG.block_size, progress=False,
+                      mlp_tiling=True)
+    assert p.mlp is None and why in p.mlp_unsupported, p.mlp_unsupported
+    assert search(p, machine("h100-80gb").profile(host_memory=8 * GiB)).knobs.mlp_tile == 0
+
+
+def test_16_bit_weight_gradients_are_summed_over_the_tiles_in_fp32():
+    """bf16 weights, 32 tiles: the weight gradients are as close to the fp64 ones as the untiled
+    MLP's (a bf16 running sum over the tiles would round 32 times)."""
+    from protrain.runtime.tiled_mlp import tiled_mlp
+    torch.manual_seed(0)
+    mlp = GPT(LONG).transformer.h[0].mlp
+    x = torch.randn(2048, LONG.n_embd, dtype=torch.float64)
+    g = torch.randn(2048, LONG.n_embd, dtype=torch.float64)
+
+    def grads(module, dtype, tile=None):
+        module = copy.deepcopy(module).to(dtype)
+        y = tiled_mlp(module, x.to(dtype), tile) if tile else module(x.to(dtype))
+        y.backward(g.to(dtype))
+        return [p.grad.double() for p in module.parameters()]
+    ref = grads(mlp, torch.float64)
+    err = lambda got: max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))  # noqa: E731
+    tiled = grads(mlp, torch.bfloat16, tile=64)
+    assert all(p.dtype == torch.float64 for p in tiled)
+    assert err(tiled) <= 1.3 * err(grads(mlp, torch.bfloat16))

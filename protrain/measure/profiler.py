@@ -345,7 +345,7 @@ class _Tracer:
             tiled_mlp, with_norm = [], False
             if measure_mlp:
                 self.bar.set_postfix_str("tiled MLP")
-                tiled_mlp, with_norm = self._tiled_mlp_passes(tokens)
+                tiled_mlp, with_norm, mlp_unsupported = self._tiled_mlp_passes(tokens)
         finally:
             self.bar.close()
         hooked = sum(s.fwd_time + s.bwd_time for s in stats)
@@ -422,6 +422,18 @@ class _Tracer:
         total = sum(p.numel() for p in block.parameters())
         return sum(p.numel() for m in mods for p in m.parameters()) / total if total else 0.0
 
+    def _loss(self, grad: bool) -> tuple[torch.Tensor, list]:
+        """The model's loss on the profiled batch from the profiled RNG and buffers (forward
+        only), and the random generators' states after it."""
+        self.rng.restore()
+        self.module_state.restore_buffers()
+        with torch.set_grad_enabled(grad):
+            loss = self.step(self.model).detach().float().clone()
+        states = [torch.get_rng_state()]
+        if self.device.type == "cuda":
+            states.append(torch.cuda.get_rng_state(self.device))
+        return loss, states
+
     def _norm_fusable(self) -> bool:
         """Whether each block's MLP's pre-norm can run inside the MLP's tiles
         (tiled_mlp.MLPTiling ``with_norm``): the blocks have one, and the model's loss with it
@@ -431,33 +443,74 @@ class _Tracer:
         from ..runtime.tiled_mlp import MLPTiling, TiledMLPError, find_pre_norms
         if self.stream or find_pre_norms(self.blocks) is None:
             return False
-
-        def loss():
-            self.rng.restore()
-            self.module_state.restore_buffers()
-            with torch.no_grad():
-                return self.step(self.model).detach().clone()
-        own = loss()
+        own, _ = self._loss(grad=False)
         try:
             with MLPTiling(self.blocks, 1 << 62, with_norm=True).active():
-                fused = loss()
+                fused, _ = self._loss(grad=False)
         except TiledMLPError:
             return False
-        return torch.equal(own, fused)
+        return bool(torch.isfinite(own).all()) and torch.equal(own, fused)
 
-    def _tiled_mlp_passes(self, tokens: int) -> tuple[list, bool]:
+    def _tiles_change_nothing(self, tile: int, with_norm: bool) -> str:
+        """Why tiling the MLPs changes the model (empty: it does not): the forward's loss with
+        them tiled against its own - the random generators left in another state (the MLP
+        draws random numbers: functional dropout, whose recompute per tile would draw other
+        masks) or the loss beyond rounding (an MLP that mixes tokens: a norm over the batch)."""
+        from ..runtime.forward_patches import ForwardPatches
+        from ..runtime.tiled_mlp import MLPTiling, find_mlps
+        drew = []
+
+        def states():
+            out = [torch.get_rng_state()]
+            if self.device.type == "cuda":
+                out.append(torch.cuda.get_rng_state(self.device))
+            return out
+
+        def watched(forward):
+            def run(*args, **kwargs):
+                before = states()
+                try:
+                    return forward(*args, **kwargs)
+                finally:
+                    drew.append(not all(torch.equal(a, b) for a, b in zip(before, states())))
+            return run
+        with ForwardPatches() as patches:
+            for mlp in find_mlps(self.blocks):
+                patches.replace(mlp, watched(mlp.forward))
+            own, _ = self._loss(grad=True)
+        if any(drew):
+            return "the MLPs draw random numbers (dropout), which a recompute per tile would draw again differently"
+        with MLPTiling(self.blocks, tile, with_norm=with_norm).active():
+            tiled, _ = self._loss(grad=True)
+        tol = 1e-4 if self.params[0].element_size() >= 4 else 2e-2
+        if not bool(torch.isfinite(own).all()) or not torch.allclose(tiled, own, rtol=tol, atol=0.0):
+            return (f"the loss with the MLPs over tiles ({tiled.item():.6g}) is not the model's own "
+                    f"({own.item():.6g}): the MLPs mix tokens")
+        return ""
+
+    def _tiled_mlp_passes(self, tokens: int) -> tuple[list, bool, str]:
         """The parts' statistics from memory passes with every block's MLP over tiles of a half,
-        a quarter and an eighth of the batch's tokens: [(tile, stats), ...], longest first; and
-        whether the MLPs' pre-norms ran inside the tiles (``_norm_fusable``)."""
+        a quarter and an eighth of the batch's tokens: [(tile, stats), ...], longest first;
+        whether the MLPs' pre-norms ran inside the tiles (``_norm_fusable``); and why the MLPs
+        cannot be tiled after all ([] then): the tiled MLP changed the loss, or failed on this
+        model (an MLP called with more than one tensor, or one that needs its input's batch
+        and sequence dimensions)."""
         from ..runtime.tiled_mlp import MLPTiling
-        out = []
-        with_norm = self._norm_fusable()
-        for tile in (-(-tokens // 2), -(-tokens // 4), -(-tokens // 8)):
-            stats = [_PartStats() for _ in range(self.n_parts)]
-            with MLPTiling(self.blocks, tile, with_norm=with_norm).active():
-                self._memory_pass(stats)
-            out.append((tile, stats))
-        return out, with_norm
+        tiles = (-(-tokens // 2), -(-tokens // 4), -(-tokens // 8))
+        try:
+            with_norm = self._norm_fusable()
+            why = self._tiles_change_nothing(tiles[-1], with_norm)
+            if why:
+                return [], False, why
+            out = []
+            for tile in tiles:
+                stats = [_PartStats() for _ in range(self.n_parts)]
+                with MLPTiling(self.blocks, tile, with_norm=with_norm).active():
+                    self._memory_pass(stats)
+                out.append((tile, stats))
+        except Exception as e:  # noqa: BLE001 - a model the tiles do not fit plans with its own MLPs
+            return [], False, f"the tiled MLP failed on the profiled batch ({type(e).__name__}: {str(e)[:200]})"
+        return out, with_norm, ""
 
     def _in_call_order(self, calls: "_CallOrder") -> None:
         """Put the blocks in the order the warm-up ran them (the part boundaries, and the

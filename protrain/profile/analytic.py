@@ -229,8 +229,8 @@ def analytic_profile(shape: ModelShape, hw: HardwareProfile) -> ModelProfile:
     # ffn-wide tensors (its input stays saved) nor makes its widest temporary; the tiles'
     # outputs are joined into one more hidden-wide tensor. A tile's forward holds its
     # ffn-wide temporaries, its backward the recomputed tile's saved tensors and their
-    # gradients, with the input's gradient (hidden-wide) and the MLP's weight gradients,
-    # summed over the tiles, held throughout.
+    # gradients, with the input's gradient (hidden-wide) and the MLP's weight gradients held
+    # throughout: their sums over the tiles (fp32 for 16-bit weights) and one tile's.
     # The MLP's pre-norm runs in the tiles too (its output goes to the MLP alone): the block no
     # longer saves the norm's tensors nor its output, only its input - LayerNorm saved that
     # input already (-1 hidden-wide), RMSNorm an fp32 copy and the normalised input (-3); a
@@ -244,7 +244,7 @@ def analytic_profile(shape: ModelShape, hw: HardwareProfile) -> ModelProfile:
         fwd_peak_per_tile_token=wide_tile * f * a + (norm_saved + 1) * h * a,
         bwd_peak_per_token=-(bwd_transient // max(sbf, 1)) * f * a + h * a,
         bwd_peak_per_tile_token=(wide_saved + wide_tile) * f * a + 2 * (norm_saved + 1) * h * a,
-        bwd_time_per_token=2 * mlp_params / rate, bwd_peak_fixed=mlp_params * a, with_norm=True)
+        bwd_time_per_token=2 * mlp_params / rate, bwd_peak_fixed=mlp_params * (max(a, 4) + a), with_norm=True)
     return ModelProfile(name=shape.name, source="analytic", device="analytic",
                         param_bytes=shape.dtype_bytes, params=tuple(params), parts=tuple(parts),
                         micro_batch=b, seq_len=s, heads=shape.heads,

@@ -175,9 +175,9 @@ class MLPProfile:
     bwd_time_per_token: float
     """Backward's extra time per token: the MLP's forward again, tile by tile."""
     bwd_peak_fixed: float = 0.0
-    """Bytes the tiled backward adds whatever the tokens: the MLP's weight gradients, summed
-    over the tiles in one tensor each (analytic profiles; a measured profile has them inside
-    ``bwd_peak_per_token``)."""
+    """Bytes the tiled backward adds whatever the tokens: the MLP's weight gradients, their sums
+    over the tiles (fp32 for 16-bit weights) and one tile's (analytic profiles; a measured
+    profile has them inside ``bwd_peak_per_token``, at the profiled length)."""
     with_norm: bool = False
     """Whether the MLP's pre-norm runs inside the tiles too (protrain.runtime.tiled_mlp's
     ``with_norm``; checked on the model by the profiler): the figures are for that."""

@@ -18,6 +18,7 @@ installs ``MLPTiling`` for its life.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Sequence
 
@@ -36,16 +37,29 @@ class TiledMLPError(RuntimeError):
     """An MLP that cannot be tiled (the message names the module and the fix)."""
 
 
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter's gradient is summed over the tiles in: fp32 for 16-bit parameters
+    (a 16-bit running sum would round once per tile), else its own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 class _TiledMLP(torch.autograd.Function):
     """``forward(x)`` over tiles of ``tile`` tokens; the parameters are inputs so that their
-    gradients leave in one piece."""
+    gradients leave in one piece. The recompute in backward runs under the autocast state the
+    forward ran under (as torch's checkpoint does)."""
 
     @staticmethod
     def forward(ctx, forward, tile: int, x: torch.Tensor, *params: nn.Parameter) -> torch.Tensor:
         ctx.forward, ctx.tile, ctx.params = forward, tile, params
+        kind = x.device.type
+        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         ctx.save_for_backward(x)
         with torch.no_grad():
-            return torch.cat([forward(t) for t in x.split(tile, dim=TILE_DIM)], dim=TILE_DIM)
+            outs = [forward(t) for t in x.split(tile, dim=TILE_DIM)]
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            raise TiledMLPError(f"protrain: the MLP returned {type(outs[0]).__name__}, not one tensor, "
+                                f"which tiles cannot join; set protrain.mlp_tile to 0")
+        return torch.cat(outs, dim=TILE_DIM)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -56,29 +70,36 @@ class _TiledMLP(torch.autograd.Function):
         dx = torch.empty_like(x) if want_x else None
         sums: list[torch.Tensor | None] = [None] * len(params)
         start = 0
+        kind, enabled, dtype = ctx.autocast
         for xt, gt in zip(x.split(ctx.tile, dim=TILE_DIM), grad.split(ctx.tile, dim=TILE_DIM)):
             xt = xt.detach().requires_grad_(want_x)
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
                 yt = ctx.forward(xt)
             got = torch.autograd.grad(yt, ([xt] if want_x else []) + params, gt, allow_unused=True)
+            del yt                          # the tile's graph goes before the next tile's
             if want_x:
                 dx.narrow(TILE_DIM, start, xt.shape[TILE_DIM]).copy_(got[0])
                 got = got[1:]
             for k, g in enumerate(got):
                 if g is not None:
-                    sums[k] = g if sums[k] is None else sums[k].add_(g)
+                    if sums[k] is None:
+                        sums[k] = g.to(sum_dtype(g.dtype), copy=g.dtype != sum_dtype(g.dtype))
+                    else:
+                        sums[k].add_(g)
             start += xt.shape[TILE_DIM]
+            got = g = None                  # this tile's gradients go before the next tile's
         out: list[torch.Tensor | None] = [None] * len(ctx.params)
         for i, s in zip(want, sums):
-            out[i] = s
+            out[i] = s if s is None else s.to(params[want.index(i)].dtype)
         return (None, None, dx, *out)
 
 
-def unsupported(mlp: nn.Module) -> str | None:
+def unsupported(mlp: nn.Module, dropout: bool = True) -> str | None:
     """Why ``mlp`` cannot be tiled (None: it can): a mixture of experts (its router's outputs,
     which the load-balancing loss reads, would be taken tile by tile), forward hooks on it or
-    inside it (they would see each tile, not the MLP's call), a dropout that is active in
-    training (its recompute would draw other masks)."""
+    inside it (they would see each tile, not the MLP's call), with ``dropout`` a dropout module
+    that is active in training (its recompute would draw other masks; functional dropout and
+    other randomness the profiler catches: ``measure.profiler``'s tiling check)."""
     for name, m in mlp.named_modules():
         where = f"{type(mlp).__name__}{'.' + name if name else ''}"
         kind = type(m).__name__.lower()
@@ -87,6 +108,8 @@ def unsupported(mlp: nn.Module) -> str | None:
                     f"statistics a tiled MLP would take tile by tile")
         if m._forward_hooks or m._forward_pre_hooks:
             return f"{where} has forward hooks, which would see each tile rather than the MLP's call"
+        if not dropout:
+            continue
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             return (f"{type(mlp).__name__}{'.' + name if name else ''} has dropout p={m.p}, which a "
                     f"recompute per tile would draw again differently")
@@ -165,35 +188,50 @@ class MLPTiling:
         """Tile from now until ``remove``: the runtime's way, for its whole life - a checkpointed
         block's recompute (in backward, outside any forward) must tile as its forward did, or
         it would save other tensors than the forward did."""
-        why = next((w for w in map(unsupported, self.mlps) if w and "dropout" not in w), None)
+        why = next((w for w in (unsupported(m, dropout=False) for m in self.mlps) if w), None)
         if why:
             raise TiledMLPError(f"protrain: the MLPs cannot be tiled: {why}; set protrain.mlp_tile to 0")
         if self._patches is None:
             self._patches = ForwardPatches()
             for i, mlp in enumerate(self.mlps):
                 if self.norms is None:
-                    self._patches.replace(mlp, (lambda m, f: lambda x: tiled_mlp(m, x, self.tile, f))(mlp, mlp.forward))
+                    self._patches.replace(mlp, self._tiles(i, mlp, mlp.forward))
                 else:
                     self._fuse(i, mlp, self.norms[i])
         return self
 
+    def _tiles(self, i: int, mlp: nn.Module, forward, norm: nn.Module | None = None, before=None):
+        """The tiled forward of block ``i``'s MLP: one tensor in (else refused by name: the
+        tiles are rows of one input), ``before(x)`` checked first."""
+        def tiles(*args, **kwargs):
+            if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+                raise TiledMLPError(
+                    f"protrain: block {i}'s MLP ({type(mlp).__name__}) was called with "
+                    f"{len(args)} positional and {len(kwargs)} keyword arguments; a tiled MLP takes "
+                    f"one tensor; set protrain.mlp_tile to 0")
+            if before is not None:
+                before(args[0])
+            return tiled_mlp(mlp, args[0], self.tile, forward, norm=norm)
+        return tiles
+
     def _fuse(self, i: int, mlp: nn.Module, norm: nn.Module) -> None:
-        norm_forward, mlp_forward, handed = norm.forward, mlp.forward, [None]
+        norm_forward, mlp_forward = norm.forward, mlp.forward
+        handed: list = [None]           # a weak reference to the norm's last input
 
         def norm_pass(x):
-            handed[0] = x
+            handed[0] = weakref.ref(x)
             return x
 
-        def mlp_tiles(x):
-            if handed[0] is not x:
+        def check(x):
+            given = handed[0]() if handed[0] is not None else None
+            handed[0] = None
+            if given is not x:
                 raise TiledMLPError(
                     f"protrain: block {i}'s MLP was given something other than its norm's output, which "
                     f"the tiled MLP normalises itself (mlp_tile with the norm fused); set protrain.mlp_tile "
                     f"to 0")
-            handed[0] = None
-            return tiled_mlp(mlp, x, self.tile, lambda t: mlp_forward(norm_forward(t)), norm=norm)
         self._patches.replace(norm, norm_pass)
-        self._patches.replace(mlp, mlp_tiles)
+        self._patches.replace(mlp, self._tiles(i, mlp, lambda t: mlp_forward(norm_forward(t)), norm, check))
 
     def remove(self) -> None:
         """The MLPs' own forwards back."""
