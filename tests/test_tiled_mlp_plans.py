@@ -378,3 +378,27 @@ def test_every_family_trains_tiled_like_deepspeed_or_is_refused_by_name(tmp_path
         assert abs(a - b) <= 1e-6 * abs(b)
     for n, w in ds["weights"].items():
         assert torch.allclose(pt["weights"][n], w, rtol=1e-4, atol=1e-5), n
+
+
+def test_tiled_mlps_beside_swapped_and_host_input_blocks_with_late_copies(monkeypatch):
+    """The tiled MLP saves only its input, through the runtime's saved-tensor hooks: in a swapped
+    block that input is copied off on the offload queue and back before the tiles' recompute.
+    With every side-queue copy held back as late as CUDA may run it and destinations poisoned
+    (tests/deferred_streams.py), the run equals the same plan with the copies run at once, bit
+    for bit, and plain DeepSpeed to 1e-6."""
+    from deferred_streams import deferred_streams
+    pins = dict(PINS, chunk_size="230KiB", n_persist=2, n_buffer=2, n_checkpoint=2, n_swap=1,
+                ckpt_input="host", mlp_tile=32)
+    ref_losses, _ = deepspeed_run(UNTIED, "{}", 4)
+    now, _, engine = train(with_protrain(base_config(), **pins), UNTIED, 4)
+    engine.destroy()
+    with deferred_streams(monkeypatch) as made:
+        late, _, engine = train(with_protrain(base_config(), **pins), UNTIED, 4)
+        modes = "".join(m.letter for m in engine.protrain_plan.block_modes)
+        assert "S" in modes and "H" in modes and engine.protrain_runtime.mlp_tiling is not None
+        assert engine.protrain_runtime.activations.stats["swapped_bytes"] > 0
+        engine.destroy()
+    assert made[-1].copies > 0
+    assert late == now
+    for a, b in zip(late, ref_losses):
+        assert abs(a - b) <= 1e-6 * abs(b)

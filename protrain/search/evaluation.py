@@ -121,6 +121,21 @@ def simulate_points(profile, hw, config, acts: ActivationConfigs, grid: Candidat
     return t
 
 
+def _tiled(profile: ModelProfile, knob: str, tile: int, current: int, figures, unsupported: str,
+           what: str, verb: str, transform) -> ModelProfile:
+    """``profile`` with ``knob`` at ``tile`` (``transform``), or why a profile tiled otherwise or
+    without the tiled figures cannot give it."""
+    if tile == current:
+        return profile
+    if current or figures is None:
+        raise InfeasibleError(
+            f"{knob}={tile}: the profile's {what} "
+            + (f"{verb} tiled at {current} tokens" if current else
+               f"cannot be tiled ({unsupported or 'not measured'})")
+            + f"; use {knob}=0" + ("" if current else f" (the model's own {what})"))
+    return transform(profile, tile)
+
+
 def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
              config: PlannerConfig | None = None, *, alternatives=(), search_seconds=0.0,
              evaluated=1, total=1, check_fit: bool = False,
@@ -130,22 +145,10 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
     replaces ProTrain's block layout for the same counts (a framework that can only checkpoint
     the first blocks natively, as Megatron's ``--recompute-method block``)."""
     config = config or PlannerConfig()
-    if knobs.head_tile != profile.head_tile:
-        if profile.head_tile or profile.head is None:
-            raise InfeasibleError(
-                f"head_tile={knobs.head_tile}: the profile's head "
-                + (f"is tiled at {profile.head_tile} tokens" if profile.head_tile else
-                   f"cannot be tiled ({profile.head_unsupported or 'not measured'})")
-                + "; use head_tile=0" + ("" if profile.head_tile else " (the model's own head)"))
-        profile = with_head_tile(profile, knobs.head_tile)
-    if knobs.mlp_tile != profile.mlp_tile:
-        if profile.mlp_tile or profile.mlp is None:
-            raise InfeasibleError(
-                f"mlp_tile={knobs.mlp_tile}: the profile's MLPs "
-                + (f"are tiled at {profile.mlp_tile} tokens" if profile.mlp_tile else
-                   f"cannot be tiled ({profile.mlp_unsupported or 'not measured'})")
-                + "; use mlp_tile=0" + ("" if profile.mlp_tile else " (the model's own MLPs)"))
-        profile = with_mlp_tile(profile, knobs.mlp_tile)
+    profile = _tiled(profile, "head_tile", knobs.head_tile, profile.head_tile, profile.head,
+                     profile.head_unsupported, "head", "is", with_head_tile)
+    profile = _tiled(profile, "mlp_tile", knobs.mlp_tile, profile.mlp_tile, profile.mlp,
+                     profile.mlp_unsupported, "MLPs", "are", with_mlp_tile)
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     layout = build_layout(profile, knobs.chunk_size // profile.param_bytes)
     modes = _checked_block_modes(profile, layout, knobs, block_modes)

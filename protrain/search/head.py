@@ -13,7 +13,7 @@ is refused by name.
 """
 from __future__ import annotations
 
-from ..config import ConfigError, PlannerConfig
+from ..config import PlannerConfig
 from ..plan import Plan
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
@@ -36,22 +36,9 @@ def default_tile(profile: ModelProfile) -> int:
 
 
 def tile_candidates(profile: ModelProfile, config: PlannerConfig) -> tuple[int, ...]:
-    """The head_tile values the loop plans: the pin (checked), or 0 and ``default_tile`` where
-    the head can be tiled and the tile is shorter than the micro-batch."""
-    if profile.head_tile:                          # a profile already tiled (a re-search of it)
-        return (profile.head_tile,)
-    pin = config.pins.head_tile
-    if pin is not None:
-        if pin and profile.head is None:
-            raise ConfigError(
-                f"protrain.head_tile = {pin}: this model's head and loss cannot be computed over "
-                f"tiles ({profile.head_unsupported or 'the profile did not measure a tiled head'}); "
-                f"set it to 0 or \"auto\"")
-        return (pin,)
-    if profile.head is None or profile.tokens is None:
-        return (0,)
-    t = default_tile(profile)
-    return (0, t) if t < profile.tokens else (0,)
+    """The head_tile values the loop plans (``tiles.values``)."""
+    return tiles.values(profile, config, "head_tile", profile.head_tile, profile.head,
+                        profile.head_unsupported, "head and loss", lambda: default_tile(profile))
 
 
 HEAD = TileKnob("head_tile", tile_candidates, with_head_tile,

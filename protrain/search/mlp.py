@@ -13,7 +13,7 @@ refused by name.
 """
 from __future__ import annotations
 
-from ..config import ConfigError, PlannerConfig
+from ..config import PlannerConfig
 from ..plan import Plan
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
@@ -34,22 +34,9 @@ def default_tile(profile: ModelProfile) -> int:
 
 
 def tile_candidates(profile: ModelProfile, config: PlannerConfig) -> tuple[int, ...]:
-    """The mlp_tile values the loop plans: the pin (checked), or 0 and ``default_tile`` where
-    the MLPs can be tiled and the tile is shorter than the micro-batch."""
-    if profile.mlp_tile:                           # a profile already tiled (a re-search of it)
-        return (profile.mlp_tile,)
-    pin = config.pins.mlp_tile
-    if pin is not None:
-        if pin and profile.mlp is None:
-            raise ConfigError(
-                f"protrain.mlp_tile = {pin}: this model's MLPs cannot be computed over tiles "
-                f"({profile.mlp_unsupported or 'the profile did not measure a tiled MLP'}); "
-                f"set it to 0 or \"auto\"")
-        return (pin,)
-    if profile.mlp is None or profile.tokens is None or not profile.n_blocks:
-        return (0,)
-    t = default_tile(profile)
-    return (0, t) if t < profile.tokens else (0,)
+    """The mlp_tile values the loop plans (``tiles.values``)."""
+    return tiles.values(profile, config, "mlp_tile", profile.mlp_tile, profile.mlp,
+                        profile.mlp_unsupported, "MLPs", lambda: default_tile(profile))
 
 
 MLP = TileKnob("mlp_tile", tile_candidates, with_mlp_tile,

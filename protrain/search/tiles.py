@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ..config import PlannerConfig
+from ..config import ConfigError, PlannerConfig
 from ..plan import Plan
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
@@ -38,6 +38,26 @@ class TileKnob:
     """The profile with the value applied."""
     what: Callable[[int], str]
     """The value in words, for the plan's notes."""
+
+
+def values(profile: ModelProfile, config: PlannerConfig, knob: str, current: int, figures,
+           unsupported: str, what: str, default: Callable[[], int]) -> tuple[int, ...]:
+    """A tile knob's values to plan: ``current`` where the profile is tiled already (a
+    re-search of it), the pin (refused by name above 0 without the tiled ``figures``), or 0 and
+    ``default()`` where the tiled figures exist and the tile is shorter than the micro-batch."""
+    if current:
+        return (current,)
+    pin = getattr(config.pins, knob)
+    if pin is not None:
+        if pin and figures is None:
+            raise ConfigError(
+                f"protrain.{knob} = {pin}: this model's {what} cannot be computed over tiles "
+                f"({unsupported or 'the profile did not measure it tiled'}); set it to 0 or \"auto\"")
+        return (pin,)
+    if figures is None or profile.tokens is None:
+        return (0,)
+    t = default()
+    return (0, t) if t < profile.tokens else (0,)
 
 
 def search(knob: TileKnob, inner: Inner, profile: ModelProfile, hw: HardwareProfile,
