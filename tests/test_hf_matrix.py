@@ -313,7 +313,11 @@ def test_a_model_built_after_the_arguments_under_zero3_trains_like_deepspeed_zer
                              built_after_args=True, name="deepspeed"), str(tmp_path))
     assert pt["built_partitioned"] and ds["built_partitioned"]
     assert pt["engine"] == "ProTrainEngine" and pt["offloaded"]
-    assert pt["losses"] == ds["losses"]
+    # ZeRO-3's Adam runs over its flat partition, whose SIMD blocks and scalar tail split
+    # the elements elsewhere than per-tensor calls do: the weights differ in the last bits
+    # after a step, and so may the next losses (equal on one VM, 3e-7 apart on an AMD EPYC).
+    assert pt["losses"][0] == ds["losses"][0]
+    assert torch.allclose(torch.tensor(pt["losses"]), torch.tensor(ds["losses"]), rtol=1e-6, atol=0)
     for n, w in ds["weights"].items():
         assert torch.allclose(pt["weights"][n], w, rtol=0, atol=1e-6), n
         assert torch.equal(pt["final_saved"][n].float(), pt["weights"][n]), n

@@ -214,3 +214,56 @@ def test_one_copy_engine_for_both_directions_sits_between():
     modes = [SWAP, SWAP, NONE, NONE]
     times = [run_on(slow_link(copy_engines=e), prof, 1, 2, modes)["iter_time"] for e in (2, 1, 0)]
     assert times[0] < times[1] < times[2]
+
+
+def _lowest_first(arrivals: dict[int, float], turn: float) -> dict[int, tuple[float, float]]:
+    """The worker's order, simulated apart: whenever the CPU is free it takes the lowest chunk
+    whose gradients are on the host (``arrivals``), each for ``turn`` seconds."""
+    t, pending, out = 0.0, set(), {}
+    events = sorted(arrivals.items(), key=lambda kv: kv[1])
+    while events or pending:
+        while events and events[0][1] <= t:
+            pending.add(events.pop(0)[0])
+        if not pending:
+            t = events[0][1]
+            continue
+        c = min(pending)
+        pending.discard(c)
+        out[c] = (t, t + turn)
+        t += turn
+    return out
+
+
+def test_exact_updates_run_lowest_chunk_first_and_carry_into_the_next_forward():
+    """Without clipping, CPU Adam slower than backward: six offloaded chunks' gradients land
+    faster than their updates (10 s each) end. The CPU takes the lowest pending chunk first
+    (the runtime's worker does), so what backward leaves runs in the next forward's upload
+    order and that forward waits for its first offloaded chunk, not the whole backlog -
+    checked against a simulation of that order written apart, and against the gradient order
+    the model priced before (issue 37 item 3)."""
+    hw = slow_link(cpu_adam_rate=10.0)
+    profile = chain_profile((100,) * 6, fwd=10.0, bwd=4.0)
+    layout = build_layout(profile, 100)
+    trace: list = []
+    t = simulate(profile, layout, hw, 1, 2, np.array([[NONE] * 6]), carry_over=True, trace=trace)
+    landed = {int(label.split()[1]): end for lane, what, label, start, end in trace
+              if lane == "d2h" and what == "offload"}
+    updates = {int(label.split()[1]): (start, end) for lane, what, label, start, end in trace
+               if lane == "cpu_adam"}
+    assert sorted(landed) == list(range(1, 7))
+    assert updates == _lowest_first(landed, 10.0)
+    ends = [updates[c][1] for c in range(1, 7)]
+    assert ends != sorted(ends, reverse=True)           # not the order the gradients landed in
+    # The iteration: the device's work, then the next forward's uploads each after its update.
+    device_end = max(end for lane, what, *_, end in trace if lane == "compute")
+    ups = {int(label.split()[1]): start for lane, what, label, start, end in trace
+           if lane == "h2d" and what == "upload" and start < t.fwd_time[0]}
+    late = max(updates[c][1] - device_end - ups[c] for c in ups)
+    assert t.iter_time[0] == pytest.approx(max(device_end + max(late, 0.0), 60.0))
+    # In gradient order chunk 1 would be updated last: the next forward would wait longer.
+    fifo_end, fifo = 0.0, {}
+    for c in sorted(landed, reverse=True):
+        fifo_end = max(fifo_end, landed[c]) + 10.0
+        fifo[c] = fifo_end
+    fifo_late = max(fifo[c] - device_end - ups[c] for c in ups)
+    assert fifo_late >= late + 10.0

@@ -56,6 +56,8 @@ def simulate_backward(costs: StepCosts, q: QueueState) -> np.ndarray:
         # A buffer was reused before its chunk was done with: n_buffer is below
         # layout.min_buffers(n_persist), which callers must not ask for.
         raise ValueError("n_buffer too small for this chunk layout (see ChunkLayout.min_buffers)")
+    if costs.cpu_overlap and costs.optimizer_step and not costs.inline:
+        serve_pending(costs, q, np.inf)        # what is left: lowest chunk first
     q.cpu_busy += q.check_busy
     return q.comp
 
@@ -165,8 +167,14 @@ def _offload_gradient(costs: StepCosts, q: QueueState, c: int, grad_out: np.ndar
         q.join_copy_queues()
     if not costs.optimizer_step:
         return
-    if costs.cpu_overlap:
+    if costs.cpu_overlap and costs.inline:
         _update_now(costs, q, c, offl, d_end, costs.t_adam[c], "adam")
+    elif costs.cpu_overlap:
+        serve_pending(costs, q, d_end)
+        drive = offl & costs.on_drive(c)
+        if drive.any():          # in the order their reads were started: as gradients land
+            _update_now(costs, q, c, drive, d_end, costs.t_adam[c], "adam")
+        _push_pending(q, c, offl & ~drive, d_end)
     elif costs.spec_from is not None:
         spec = offl & (c >= costs.spec_from)
         # States on the drive need no backup: the speculative ones go to the other slot.
@@ -196,6 +204,39 @@ def _update_now(costs: StepCosts, q: QueueState, c: int, which: np.ndarray, d_en
     q.cpu_busy += np.where(which, turn, 0.0)
     if costs.inline:                   # between two parts' compute
         q.comp = np.where(which, c_end, q.comp)
+
+
+def _push_pending(q: QueueState, c: int, which: np.ndarray, d_end: np.ndarray) -> None:
+    """Chunk c's exact update waits for the CPU (plans ``which``), its gradients on the host
+    at ``d_end``."""
+    rows = np.flatnonzero(which)
+    if not len(rows):
+        return
+    q.grads_at[c, rows] = d_end[rows]
+    q.pending[q.n_pending[rows], rows] = c
+    q.n_pending[rows] += 1
+
+
+def serve_pending(costs: StepCosts, q: QueueState, until) -> None:
+    """The CPU takes pending exact updates, the lowest chunk first (the runtime's worker does:
+    the next forward needs the lowest offloaded chunk first), each whenever it is free before
+    ``until`` (the next gradient's landing; inf: all of them). Gradients land in descending
+    chunk order, so during backward that is the one that landed last, and what backward leaves
+    runs in the next forward's upload order."""
+    until = np.broadcast_to(until, q.cpu.shape)
+    while True:
+        rows = np.flatnonzero((q.n_pending > 0) & (q.cpu <= until))
+        if not len(rows):
+            return
+        q.n_pending[rows] -= 1
+        j = q.pending[q.n_pending[rows], rows]
+        turn = costs.t_adam[j]
+        start = np.maximum(q.cpu[rows], q.grads_at[j, rows])
+        q.cpu[rows] = start + turn
+        q.done_at[j, rows] = start + turn
+        q.cpu_busy[rows] += turn
+        if q.trace is not None and rows[0] == 0:
+            q.record("cpu_adam", "adam", f"chunk {j[0]}", start[0], start[0] + turn[0])
 
 
 def _host_check(costs: StepCosts, q: QueueState, c: int, which: np.ndarray, d_end: np.ndarray) -> None:

@@ -188,6 +188,15 @@ class QueueState:
     deferred: list[tuple[int, np.ndarray, np.ndarray, np.ndarray | float]]
     """Updates left for after backward: (chunk, which plans, grads on host at, extra time: the
     restore before a redo)."""
+    pending: np.ndarray
+    """[chunks + 1, K] the exact updates whose gradients are on the host and which the CPU has
+    not taken yet, as a stack per plan (``n_pending`` deep): pushed as gradients land, in
+    descending chunk index, so its top is the lowest pending chunk - the one the runtime's
+    worker takes next (``time_backward``, forward order)."""
+    n_pending: np.ndarray
+    """[K] depth of ``pending``."""
+    grads_at: np.ndarray
+    """[chunks, K] when each offloaded chunk's gradients were on the host."""
     trace: list | None
     """(lane, what, label, start, end) of every piece of work of the first plan, or None."""
 
@@ -202,7 +211,9 @@ class QueueState:
                    up_start=np.zeros((n_chunks, k_plans)), done_at=np.zeros((n_chunks, k_plans)),
                    spec_ready=(np.full((n_chunks, k_plans), np.inf)
                                if costs.spec_from is not None else None),
-                   deferred=[], trace=trace)
+                   deferred=[], pending=np.zeros((n_chunks + 1, k_plans), dtype=np.int64),
+                   n_pending=np.zeros(k_plans, dtype=np.int64),
+                   grads_at=np.zeros((n_chunks, k_plans)), trace=trace)
 
     def record(self, lane: str, what: str, label: str, start, end, mask=True) -> None:
         """Trace one piece of work of the first plan, where that plan runs it (``mask``)."""

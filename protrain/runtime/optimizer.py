@@ -5,7 +5,9 @@
 - An offloaded chunk's gradients are written into its device buffer over the parameters
   (backward no longer needs them once their gradient exists), copied to the host when the
   chunk's backward is done, and updated by CPU Adam as soon as they land, overlapping the
-  rest of backward. When the step needs something global first (the gradient norm for
+  rest of backward - the lowest pending chunk first (``_update_lowest``): the one the next
+  forward uploads first, so what backward's gradients outran runs on into that forward in its
+  upload order, each chunk's upload waiting for its own update. When the step needs something global first (the gradient norm for
   clipping, the overflow check for fp16 loss scaling) the update is *speculative*: it assumes
   no clipping and no overflow, keeps a copy of the chunk's master, exp_avg and exp_avg_sq from
   just before, and leaves the gradients untouched; ``step`` then commits it, or restores the
@@ -156,6 +158,14 @@ class HostWorker:
             if self._error is not None:
                 raise RuntimeError("protrain: host-side work failed on the other lane")
 
+    def drain_side(self) -> None:
+        """Wait for the side lane's tasks (the accumulations), not the worker's."""
+        if self.threaded:
+            self._side_q.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("protrain: host-side optimizer work failed") from err
+
     def drain(self) -> None:
         if self.threaded:
             self._side_q.join()
@@ -303,6 +313,9 @@ class ChunkOptimizer:
         self._queued: set[int] = set()
         """Offloaded chunks whose CPU Adam update of this step was submitted (main thread's
         view: the worker may still be running it)."""
+        self._pool = _LowestFirst()
+        self._pooled: set[int] = set()
+        """Chunks whose update of this step went through ``_pool`` (main thread's view)."""
         self._left: set[int] = set()
         """Offloaded chunks whose gradients of this micro-batch have left the device. One made
         resident again in the same backward (its part entered again) holds parameters, not
@@ -530,7 +543,12 @@ class ChunkOptimizer:
                                side=True)
         if not boundary or self.first_step_of_plan or c.index in self._queued or c.index in self._late:
             return
-        if not self.speculative:
+        if not self.speculative and self.gas == 1 and not self.chunks.on_nvme(c):
+            self._queued.add(c.index)
+            self._in_forward_order(c, accumulated)
+        elif not self.speculative:
+            # States on the drive: in the order their reads are started (the staging ring's),
+            # as gradients land; these are the last chunks, needed last by the next forward.
             self._queued.add(c.index)
             use = self._want(c)
             self._submit_after(accumulated, lambda c=c, use=use: self._host_update(c, None, None, "adam", use))
@@ -543,6 +561,31 @@ class ChunkOptimizer:
             # Accumulated gradients: their part of the verdict is taken on the host, by the
             # worker after this micro-step's accumulation, while backward goes on.
             self._submit_after(accumulated, lambda c=c: self._check(c))
+
+    def _in_forward_order(self, c: Chunk, accumulated: threading.Event | None) -> None:
+        """Submit ``c``'s exact update to the pool the worker takes the lowest chunk from; its
+        upload waits for it (``_ready``) from now, not from ``step``."""
+        self._ready[c.index].clear()
+        self._pooled.add(c.index)
+        self._pool.add(c.index, accumulated)
+        self.worker.submit(self._update_lowest)
+
+    def _update_lowest(self) -> None:
+        """Worker: the exact update of the lowest pooled chunk whose gradients are accumulated
+        (else the lowest), then its accumulator cleared and its upload let go. Gradients land
+        in descending chunk order, so in backward this is the latest, and what backward leaves
+        runs in the next forward's upload order: that forward waits for its first offloaded
+        chunk's update, not for the whole backlog (issue 37). One task per pooled chunk."""
+        i, accumulated = self._pool.take()
+        c = self.chunks.chunks[i]
+        try:
+            if accumulated is not None:
+                self.worker.wait_for(accumulated)
+            self._host_update(c, None)
+            if self.gas > 1 and c.grad_acc is not None:
+                c.grad_acc.zero_()          # the next step's accumulation starts from zero
+        finally:
+            self._ready[i].set()
 
     def _submit_after(self, accumulated: threading.Event | None, fn: Callable[[], None]) -> None:
         """Queue ``fn`` on the worker, to run once ``accumulated`` (the side lane's
@@ -591,7 +634,10 @@ class ChunkOptimizer:
         """The accumulation boundary's update. Sets ``overflow`` and ``global_grad_norm``."""
         t0 = time.perf_counter()
         self.boundary_backward_done = False
-        self._wait_for_gradients()
+        # Exact updates (no verdict to wait for) run on past step() into the next forward.
+        # (not yet with accumulation: its side lane's ordering with the carried updates is
+        # unproven, so step() waits for them as before).
+        self._wait_for_gradients(updates=self.speculative or self.gas > 1 or not self.carry_over)
         self.overflow = False
         self.global_grad_norm = None
         if self.step_state is StepState.IDLE:
@@ -618,6 +664,7 @@ class ChunkOptimizer:
                 self.worker.drain()
             self.speculation_on = not clipped
         self._queued.clear()
+        self._pooled.clear()
         self._left.clear()
         self._checks.clear()
         self._fresh.clear()
@@ -625,10 +672,14 @@ class ChunkOptimizer:
         self.first_step_of_plan = False
         self.stats.exposed_s = time.perf_counter() - t0 + self._take_waited()
 
-    def _wait_for_gradients(self) -> None:
+    def _wait_for_gradients(self, updates: bool = True) -> None:
         """Every gradient of the step on the host: the worker's tasks done (accumulation,
-        speculative updates), every offloaded chunk's gradient copy landed."""
-        self.worker.drain()
+        speculative updates; with ``updates`` False only the accumulations), every offloaded
+        chunk's gradient copy landed."""
+        if updates:
+            self.worker.drain()
+        else:
+            self.worker.drain_side()
         for c in self.chunks.offloaded():
             self.streams.host_wait(c.grads_on_host)
 
@@ -696,6 +747,11 @@ class ChunkOptimizer:
                     for s, step in zip(c.slots, speculation.steps):
                         s.step = step
                     self.stats.rollbacks += 1
+            elif c.index in self._pooled:      # updated exactly, or being: its task lets it go
+                self.stats.overlapped_chunks += 1
+                for s in c.slots:
+                    s.has_grad = False
+                continue
             elif c.index in self._queued:
                 action = None              # updated exactly during backward
                 self.stats.overlapped_chunks += 1
@@ -832,12 +888,14 @@ class ChunkOptimizer:
         for c in self.chunks.offloaded():
             self.chunks.evict(c)
             if c.index not in self._fresh:
+                self.wait_host_ready(c)      # an update carried over reads its region
                 self._host_grads(c).zero_()
 
     def _reset(self) -> None:
         self.wait_collectives()            # before their gradients are zeroed
         self._persistent_done.clear()
         self._queued.clear()
+        self._pooled.clear()
         self._left.clear()
         self._speculations.clear()
         self._checks.clear()
@@ -1222,6 +1280,26 @@ class ChunkOptimizer:
             if c.shadow is not None and c.grad_acc is None:
                 with self.chunks.host_states(c):
                     c.shadow.copy_(c.master)
+
+
+class _LowestFirst:
+    """Exact updates submitted in backward and not yet taken by the worker: chunk index -> the
+    side lane's accumulation it waits for, or None. The main thread adds, the worker takes."""
+
+    def __init__(self):
+        self._pending: dict[int, threading.Event | None] = {}
+        self._lock = threading.Lock()
+
+    def add(self, i: int, accumulated: threading.Event | None) -> None:
+        with self._lock:
+            self._pending[i] = accumulated
+
+    def take(self) -> tuple[int, threading.Event | None]:
+        """The lowest chunk whose gradients are accumulated (else the lowest), removed."""
+        with self._lock:
+            done = [i for i, e in self._pending.items() if e is None or e.is_set()]
+            i = min(done or self._pending)
+            return i, self._pending.pop(i)
 
 
 def _has_inf_or_nan(x: torch.Tensor) -> torch.Tensor:

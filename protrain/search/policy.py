@@ -33,10 +33,11 @@ def carries_over(config: PlannerConfig, hw: HardwareProfile) -> bool:
 
 def weak_cpu_bound(config: PlannerConfig, hw: HardwareProfile) -> bool:
     """Whether CPU Adam may end after the step's device work by less than its chain through
-    backward: updates carried into the next forward - those left for after backward, or, on a
-    CPU "device" whose CPU Adam has a thread, any (the next forward's first upload waits for
-    compute there, not only for its update)."""
-    return carries_over(config, hw) and (not config.cpu_optim_overlap or hw.copy_engines <= 0)
+    backward: updates carried into the next forward, which waits only for the chunks it
+    uploads - those left for after backward (clipping, fp16), or those backward's gradients
+    outran (the worker takes the lowest chunk first, so the next forward's first uploads
+    find their updates done)."""
+    return carries_over(config, hw)
 
 
 def checks_on_host(config: PlannerConfig) -> bool:
