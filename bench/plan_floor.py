@@ -9,7 +9,8 @@ divided by its floor: the largest of
 - each PCIe direction: the plan's bytes per iteration over the machine's bandwidth;
 - CPU Adam: the offloaded chunks' parameters (this rank's shard) at the machine's rate,
   nothing else (no backup, no check, no verdict);
-- the drive: each direction's bytes (activations, optimizer states) over its bandwidth.
+- the drive: its bytes both ways (activations, optimizer states) over its bandwidth: reads and
+  writes share the drive's time (``HardwareProfile.nvme_duplex`` off, as for the presets).
 
 The floor is computed here from the plan's own figures (its knobs, block modes, bytes moved)
 and the profile's per-part times, by code independent of the cost model's scheduling: only a
@@ -42,7 +43,7 @@ DRIVES = (None, 12.0)           # no drive; a 12 GB/s NVMe drive (compatibility 
 GPU = "h100-80gb"
 HOST = "1TiB"
 QUICK = [("llama2-7b", 4, 8192, None), ("llama2-13b", 8, 8192, None),
-         ("llama2-13b", 2, 4096, 12.0), ("llama2-70b", 1, 4096, 12.0)]
+         ("llama2-13b", 2, 4096, 12.0), ("llama2-7b", 1, 2048, 12.0)]
 
 
 def plan_case(model: str, mb: int, seq: int, drive: float | None) -> dict | None:
@@ -86,10 +87,10 @@ def floor_of(model: str, mb: int, seq: int, drive: float | None, plan: dict) -> 
         "CPU Adam": offloaded / hw.cpu_adam_rate,
     }
     if drive:
+        # Activations written and read back, states read and written back: the drive's two
+        # directions share its time (the preset's drive is not nvme_duplex).
         bw = drive * 1e9
-        state_each_way = pred.get("nvme_state_io_bytes", 0) / 2
-        act = pred.get("ssd_bytes", 0)
-        terms["drive"] = (act + state_each_way) / bw
+        terms["drive"] = (2 * pred.get("ssd_bytes", 0) + pred.get("nvme_state_io_bytes", 0)) / bw
     binding = max(terms, key=terms.get)
     return {"terms": terms, "floor": terms[binding], "binding": binding}
 

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--nvme-free", type=_size, default=None, metavar="SIZE",
                    help="free space on the drive, shared by a node's ranks (default 1TiB)")
     h.add_argument("--gds", action="store_true", help="the SSD path supports GPUDirect Storage")
+    h.add_argument("--nvme-duplex", action="store_true",
+                   help="the drive reads and writes at --nvme GB/s each at once (default: the two "
+                        "share its time, as the probe finds for most drives)")
     h.add_argument("--world", type=int, default=1, metavar="N",
                    help="ranks of the launch (one GPU each): model states are sharded over them and "
                         "the planner chooses the Ulysses sequence-parallel degree P among them")
@@ -306,7 +309,8 @@ def _analytic_model(args):
         hw = replace(hw, cpu_adam_rate=args.cpu_adam_rate)
     if args.nvme:
         hw = replace(hw, nvme_write_bandwidth=args.nvme * 1e9, nvme_read_bandwidth=args.nvme * 1e9,
-                     nvme_gds=args.gds, nvme_free_bytes=args.nvme_free or 2**40)
+                     nvme_gds=args.gds, nvme_duplex=args.nvme_duplex,
+                     nvme_free_bytes=args.nvme_free or 2**40)
     if not hw.peak_flops:
         hw = replace(hw, peak_flops=machine(args.gpu).bf16_flops)
     return shape, hw

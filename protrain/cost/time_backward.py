@@ -25,7 +25,7 @@ import numpy as np
 
 from ..block_mode import CKPT, CKPT_HOST, CKPT_SSD, SEL, SSD, SWAP
 from .time_queues import QueueState, StepCosts
-from .time_state_io import staged_update
+from .time_state_io import nvme_turn, staged_update, staged_update_masked
 
 
 def simulate_backward(costs: StepCosts, q: QueueState) -> np.ndarray:
@@ -172,9 +172,8 @@ def _offload_gradient(costs: StepCosts, q: QueueState, c: int, grad_out: np.ndar
     elif costs.cpu_overlap:
         serve_pending(costs, q, d_end)
         drive = offl & costs.on_drive(c)
-        if drive.any():          # in the order their reads were started: as gradients land
-            _update_now(costs, q, c, drive, d_end, costs.t_adam[c], "adam")
-        _push_pending(q, c, offl & ~drive, d_end)
+        push_drive(q, c, drive, d_end, d_end)       # its read wanted as its gradients land
+        push_pending(q, c, offl & ~drive, d_end)
     elif costs.spec_from is not None:
         spec = offl & (c >= costs.spec_from)
         # States on the drive need no backup: the speculative ones go to the other slot.
@@ -197,7 +196,7 @@ def _update_now(costs: StepCosts, q: QueueState, c: int, which: np.ndarray, d_en
     """Chunk c's update on the CPU queue during backward, once its gradient is on the host
     (and its states, where they are on the drive: ``cost.time_state_io``); ``t_turn``: its
     time there (the update, or the speculation's check, backup and update)."""
-    c_end, turn = staged_update(costs, q, c, which, q.cpu, d_end, t_turn)
+    c_end, turn = staged_update_masked(costs, q, c, which, d_end, q.cpu, d_end, t_turn)
     q.record("cpu_adam", what, f"chunk {c}", c_end - turn, c_end, which)
     q.cpu = np.where(which, c_end, q.cpu)
     q.done_at[c] = c_end
@@ -206,24 +205,71 @@ def _update_now(costs: StepCosts, q: QueueState, c: int, which: np.ndarray, d_en
         q.comp = np.where(which, c_end, q.comp)
 
 
-def _push_pending(q: QueueState, c: int, which: np.ndarray, d_end: np.ndarray) -> None:
+def push_pending(q: QueueState, c: int, which: np.ndarray, d_end: np.ndarray, extra=0.0) -> None:
     """Chunk c's exact update waits for the CPU (plans ``which``), its gradients on the host
-    at ``d_end``."""
+    at ``d_end``; ``extra``: seconds before it on the CPU queue (a restore)."""
     rows = np.flatnonzero(which)
     if not len(rows):
         return
-    q.grads_at[c, rows] = d_end[rows]
+    q.grads_at[c, rows] = np.broadcast_to(d_end, which.shape)[rows]
+    if np.any(extra):
+        q.extra[c, rows] = np.broadcast_to(extra, which.shape)[rows]
     q.pending[q.n_pending[rows], rows] = c
     q.n_pending[rows] += 1
 
 
-def serve_pending(costs: StepCosts, q: QueueState, until) -> None:
-    """The CPU takes pending exact updates, the lowest chunk first (the runtime's worker does:
-    the next forward needs the lowest offloaded chunk first), each whenever it is free before
-    ``until`` (the next gradient's landing; inf: all of them). Gradients land in descending
-    chunk order, so during backward that is the one that landed last, and what backward leaves
-    runs in the next forward's upload order."""
+def push_drive(q: QueueState, c: int, which: np.ndarray, d_end, want, extra=0.0) -> None:
+    """Chunk c, its states on the drive, joins the pending updates (plans ``which``) behind
+    those of the drive before it, its states' read wanted at ``want``."""
+    rows = np.flatnonzero(which)
+    if not len(rows):
+        return
+    shape = which.shape
+    q.grads_at[c, rows] = np.broadcast_to(d_end, shape)[rows]
+    q.extra[c, rows] = np.broadcast_to(extra, shape)[rows]
+    q.want_at[c, rows] = np.broadcast_to(want, shape)[rows]
+    q.nvq[q.nv_tail[rows], rows] = c
+    q.nv_tail[rows] += 1
+
+
+def serve_pending(costs: StepCosts, q: QueueState, until, label=None) -> None:
+    """The CPU takes pending updates, each whenever it is free before ``until`` (the next
+    gradient's landing; inf: all of them): of those in host memory the lowest chunk first
+    (the runtime's worker does: the next forward needs the lowest offloaded chunk first;
+    gradients land in descending chunk order, so during backward that is the one that landed
+    last, and what backward leaves runs in the next forward's upload order), interleaved in
+    proportion with those on the drive, in their FIFO's order (``time_state_io.nvme_turn``:
+    the drive reads the next one's states while the CPU updates the others). ``label(j)``:
+    what the trace calls an update of chunk j (default "adam")."""
     until = np.broadcast_to(until, q.cpu.shape)
+    if not costs.any_nvme:
+        _serve_in_host(costs, q, until, label)
+        return
+    while True:
+        has_h = q.n_pending > 0
+        has_d = q.nv_head < q.nv_tail
+        rows = np.flatnonzero((has_h | has_d) & (q.cpu <= until))
+        if not len(rows):
+            return
+        pick = nvme_turn(q.taken[:, rows], q.totals[:, rows], has_d[rows], has_h[rows])
+        hr, dr = rows[~pick], rows[pick]
+        if len(hr):
+            q.n_pending[hr] -= 1
+            j = q.pending[q.n_pending[hr], hr]
+            free = np.maximum(q.cpu[hr], q.grads_at[j, hr]) + q.extra[j, hr]
+            _served(costs, q, hr, j, free, free + costs.t_adam[j], 1, label)
+        if len(dr):
+            j = q.nvq[q.nv_head[dr], dr]
+            q.nv_head[dr] += 1
+            free = np.maximum(q.cpu[dr], q.grads_at[j, dr]) + q.extra[j, dr]
+            start, end = staged_update(costs, q, dr, j, q.want_at[j, dr], free, q.grads_at[j, dr],
+                                       costs.t_adam[j])
+            _served(costs, q, dr, j, start, end, 0, label)
+
+
+def _serve_in_host(costs: StepCosts, q: QueueState, until, label) -> None:
+    """``serve_pending`` where no plan keeps states on the drive (and nothing waits before an
+    update: during backward): lowest chunk first."""
     while True:
         rows = np.flatnonzero((q.n_pending > 0) & (q.cpu <= until))
         if not len(rows):
@@ -236,7 +282,21 @@ def serve_pending(costs: StepCosts, q: QueueState, until) -> None:
         q.done_at[j, rows] = start + turn
         q.cpu_busy[rows] += turn
         if q.trace is not None and rows[0] == 0:
-            q.record("cpu_adam", "adam", f"chunk {j[0]}", start[0], start[0] + turn[0])
+            q.record("cpu_adam", label(int(j[0])) if label else "adam", f"chunk {j[0]}", start[0], start[0] + turn[0])
+
+
+def _served(costs: StepCosts, q: QueueState, rows, j, start, end, kind: int, label) -> None:
+    """Book the updates of chunks ``j`` (one per plan of ``rows``) that ran [start, end)."""
+    extra = q.extra[j, rows]
+    q.cpu[rows] = end
+    q.done_at[j, rows] = end
+    q.cpu_busy[rows] += costs.t_adam[j] + extra
+    q.taken[kind, rows] += 1
+    if q.trace is not None and rows[0] == 0:
+        if extra[0] > 0:
+            q.record("cpu_adam", "rollback", f"chunk {j[0]}", start[0] - extra[0], start[0])
+        q.record("cpu_adam", label(int(j[0])) if label else "adam", f"chunk {j[0]}",
+                 end[0] - costs.t_adam[j[0]], end[0])
 
 
 def _host_check(costs: StepCosts, q: QueueState, c: int, which: np.ndarray, d_end: np.ndarray) -> None:

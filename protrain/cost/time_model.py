@@ -36,6 +36,7 @@ from ..layout import ChunkLayout
 from .time_backward import simulate_backward
 from .time_forward import simulate_forward
 from .time_queues import QueueState, step_costs
+from .time_state_io import drive_time
 from .time_step_end import simulate_step_end
 
 
@@ -58,8 +59,9 @@ class TimePrediction:
     h2d_bytes: np.ndarray
     d2h_bytes: np.ndarray
     drive_time: np.ndarray | None = None
-    """Seconds the drive is busy in its busier direction: activations of SSD blocks and
-    optimizer states of NVMe chunks (``cost.time_state_io``)."""
+    """Seconds the drive is busy, both directions together (its busier direction where they
+    are independent): activations of SSD blocks and optimizer states of NVMe chunks
+    (``cost.time_state_io``)."""
     spec_useful: np.ndarray | None = None
     """With ``speculate_from``: how many of the speculating chunks (from the first one CPU
     Adam reaches) had their backup done before backward's end - the rest would only have
@@ -107,5 +109,5 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
         iter_time=end.iter_time, fwd_time=fwd_end, bwd_time=bwd_end - fwd_end,
         gpu_optim_time=end.gpu_optim_time, cpu_optim_time=q.cpu_busy,
         cpu_optim_exposed=end.cpu_optim_exposed,
-        h2d_bytes=q.h2d_bytes, d2h_bytes=q.d2h_bytes, drive_time=q.drive_busy.max(axis=0),
+        h2d_bytes=q.h2d_bytes, d2h_bytes=q.d2h_bytes, drive_time=drive_time(costs, q),
         spec_useful=(q.spec_ready < bwd_end[None, :]).sum(axis=0) if q.spec_ready is not None else None)

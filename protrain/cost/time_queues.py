@@ -17,6 +17,7 @@ from .chunk_times import allreduce_times, backup_times, check_times, chunk_trans
 from .host_share import RankRates, rank_rates
 from ..layout import ChunkLayout
 from .memory import ckpt_input_bytes, offload_bytes, part_modes
+from ..state_tier import STAGING_SLOTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,8 @@ class StepCosts:
     speculation_wrong: bool
     carry_over: bool
     """As ``simulate``'s arguments of the same names."""
+    any_nvme: bool = False
+    """Some plan keeps states on the drive (else the CPU queue's simpler paths serve)."""
 
     @property
     def k_plans(self) -> int:
@@ -147,7 +150,7 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
         saved=saved, w_time=w_time, r_time=r_time, serial=serial,
         inline=serial and not hw.cpu_adam_thread, shared=hw.copy_engines == 1, gds=gds,
         optimizer_step=optimizer_step, cpu_overlap=cpu_overlap, checks_on_host=checks_on_host,
-        speculation_wrong=speculation_wrong, carry_over=carry_over)
+        speculation_wrong=speculation_wrong, carry_over=carry_over, any_nvme=bool((nnvme > 0).any()))
 
 
 @dataclass(slots=True)
@@ -197,6 +200,31 @@ class QueueState:
     """[K] depth of ``pending``."""
     grads_at: np.ndarray
     """[chunks, K] when each offloaded chunk's gradients were on the host."""
+    extra: np.ndarray
+    """[chunks, K] seconds on the CPU queue before a pending chunk's update (the restore
+    before a redo)."""
+    nvq: np.ndarray
+    """[chunks + 1, K] the pending updates of chunks on the drive, a FIFO per plan from
+    ``nv_head`` to ``nv_tail``: the order their reads were wanted in (``cost.time_state_io``)."""
+    nv_head: np.ndarray
+    nv_tail: np.ndarray
+    want_at: np.ndarray
+    """[chunks, K] when a chunk on the drive had its states' read wanted."""
+    taken: np.ndarray
+    """[2, K] updates the CPU took from the pending ones: of chunks on the drive, in host memory."""
+    totals: np.ndarray
+    """[2, K] the pending updates of a step in all, on the drive and in host memory
+    (``time_state_io.nvme_turn`` interleaves them in proportion)."""
+    drive_q: np.ndarray
+    """[2, K] the drive's queue for the states (reads; [1] the write-backs where the two
+    directions are independent) free at."""
+    slots: np.ndarray
+    """[STAGING_SLOTS, K] when the staging buffers of the last uses of states are free, the
+    oldest first (inf: its write-back not issued yet)."""
+    w_iss: np.ndarray
+    w_len: np.ndarray
+    """[K] the last write-back of states: issued at and seconds (on a shared drive it is
+    served with the next read, in issue order), or with independent directions its end."""
     trace: list | None
     """(lane, what, label, start, end) of every piece of work of the first plan, or None."""
 
@@ -213,7 +241,13 @@ class QueueState:
                                if costs.spec_from is not None else None),
                    deferred=[], pending=np.zeros((n_chunks + 1, k_plans), dtype=np.int64),
                    n_pending=np.zeros(k_plans, dtype=np.int64),
-                   grads_at=np.zeros((n_chunks, k_plans)), trace=trace)
+                   grads_at=np.zeros((n_chunks, k_plans)), extra=np.zeros((n_chunks, k_plans)),
+                   nvq=np.zeros((n_chunks + 1, k_plans), dtype=np.int64),
+                   nv_head=np.zeros(k_plans, dtype=np.int64), nv_tail=np.zeros(k_plans, dtype=np.int64),
+                   want_at=np.zeros((n_chunks, k_plans)), taken=np.zeros((2, k_plans)),
+                   totals=np.stack([costs.nnvme, n_chunks - costs.npers - costs.nnvme]).astype(np.float64),
+                   drive_q=np.zeros((2, k_plans)), slots=np.zeros((STAGING_SLOTS, k_plans)),
+                   w_iss=np.full(k_plans, -np.inf), w_len=np.zeros(k_plans), trace=trace)
 
     def record(self, lane: str, what: str, label: str, start, end, mask=True) -> None:
         """Trace one piece of work of the first plan, where that plan runs it (``mask``)."""

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .time_queues import QueueState, StepCosts
-from .time_state_io import drive_floor, staged_turn, staged_update
+from .time_backward import push_pending, push_drive, serve_pending
+from .time_state_io import drain_drive, drive_floor
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,24 +54,47 @@ def simulate_step_end(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> S
 
 
 def _deferred_updates(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> None:
-    """The updates left for after backward, each after its gradient landed and backward ended:
-    the CPU queue's end in the order backward issued them; each chunk's own end (``done_at``,
-    the trace) in chunk order, the order the runtime runs what step() leaves (the next
-    forward's upload order)."""
-    t_adam = costs.t_adam
-    tail = np.maximum(q.cpu, bwd_end)
-    for c, offl, d_end, extra in q.deferred:
-        turn = staged_turn(costs, c, t_adam[c])
-        c_end = np.maximum(np.maximum(q.cpu, d_end), bwd_end) + turn + extra
-        q.cpu = np.where(offl, c_end, q.cpu)
-        q.cpu_busy += np.where(offl, turn + extra, 0.0)
+    """The updates left for after backward, each after its gradient landed and backward ended,
+    in the order the runtime runs what step() leaves: those in host memory in chunk order
+    (the next forward's upload order), interleaved in proportion with those on the drive,
+    also in chunk order, their reads wanted at the verdict (``serve_pending``)."""
+    if not q.deferred:
+        drain_drive(costs, q)
+        return
+    if not costs.any_nvme:
+        _deferred_in_host(costs, q, bwd_end)
+        return
+    some = np.logical_or.reduce([offl for _, offl, _, _ in q.deferred])
+    q.cpu = np.where(some, np.maximum(q.cpu, bwd_end), q.cpu)     # after the verdict
+    q.taken[:] = 0.0
+    q.totals[:] = 0.0
+    for c, offl, d_end, extra in sorted(q.deferred, key=lambda d: d[0], reverse=True):
+        drive = offl & costs.on_drive(c)
+        push_pending(q, c, offl & ~drive, d_end, extra)
+        q.totals[1] += offl & ~drive
     for c, offl, d_end, extra in sorted(q.deferred, key=lambda d: d[0]):
-        start = np.maximum(tail, d_end)
-        q.record("cpu_adam", "rollback", f"chunk {c}", start, start + extra, offl & (np.asarray(extra) > 0))
-        # States on the drive are read before the update and written back after it (their
-        # rollback is the read itself: the old slot).
-        u_end, turn = staged_update(costs, q, c, offl, start + extra, d_end, t_adam[c])
-        tail = np.where(offl, u_end, tail)
-        q.done_at[c] = np.where(offl, tail, q.done_at[c])
-        redo = costs.speculation_wrong and c >= np.asarray(costs.spec_from).reshape(-1)[0]
-        q.record("cpu_adam", "redo" if redo else "adam", f"chunk {c}", tail - turn, tail, offl)
+        drive = offl & costs.on_drive(c)
+        push_drive(q, c, drive, d_end, bwd_end, extra)
+        q.totals[0] += drive
+    redo_from = (np.asarray(costs.spec_from).reshape(-1)[0]
+                 if costs.speculation_wrong and costs.spec_from is not None else None)
+    serve_pending(costs, q, np.inf,
+                  label=lambda j: "redo" if redo_from is not None and j >= redo_from else "adam")
+    drain_drive(costs, q)
+
+
+def _deferred_in_host(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> None:
+    """``_deferred_updates`` where no plan keeps states on the drive: in chunk order."""
+    tail = np.maximum(q.cpu, bwd_end)
+    redo_from = (np.asarray(costs.spec_from).reshape(-1)[0]
+                 if costs.speculation_wrong and costs.spec_from is not None else None)
+    for c, offl, d_end, extra in sorted(q.deferred, key=lambda d: d[0]):
+        start = np.maximum(tail, d_end) + extra
+        end = start + costs.t_adam[c]
+        tail = np.where(offl, end, tail)
+        q.done_at[c] = np.where(offl, end, q.done_at[c])
+        q.cpu_busy += np.where(offl, costs.t_adam[c] + extra, 0.0)
+        q.record("cpu_adam", "rollback", f"chunk {c}", start - extra, start, offl & (np.asarray(extra) > 0))
+        q.record("cpu_adam", "redo" if redo_from is not None and c >= redo_from else "adam",
+                 f"chunk {c}", start, end, offl)
+    q.cpu = np.where(np.logical_or.reduce([offl for _, offl, _, _ in q.deferred]), tail, q.cpu)

@@ -299,9 +299,33 @@ def probe_collective(dp, device: torch.device, size_mib: int = 64) -> float:
     return buf.numel() * (dp.world - 1) / dp.world / t
 
 
+DUPLEX_SHARE = 0.7
+"""A drive counts as reading and writing independently (``HardwareProfile.nvme_duplex``) where
+half the probe file read while the other half was written took at most this share of the
+two done one after the other: each direction kept most of its bandwidth."""
+
+
+def _both_directions(store, f, buf: torch.Tensor, w_per_byte: float, r_per_byte: float) -> bool:
+    """Whether reading one half of ``f`` while writing the other half (as the staging ring
+    reads one chunk's states while writing back another's) took at most ``DUPLEX_SHARE`` of
+    the time the two take one after the other at the bandwidths just measured."""
+    half = buf.numel() // 2 // 4096 * 4096
+    if half == 0:
+        return False
+    t0 = time.perf_counter()
+    w = store.write(f, half, buf[half:2 * half])
+    r = store.read(f, 0, buf[:half])
+    w.result()
+    os.fsync(f.fd)
+    r.result()
+    together = time.perf_counter() - t0
+    return together <= DUPLEX_SHARE * half * (w_per_byte + r_per_byte)
+
+
 def probe_storage(root, device: torch.device, size_mib: int = 256) -> dict:
     """NVMe figures of an SSD path with the backend the runtime will use: write and read
-    bandwidth (bytes/s, best of 2), whether it is GPUDirect Storage, the free bytes. The test
+    bandwidth (bytes/s, best of 2), whether the two run side by side at about those rates
+    (``_both_directions``), whether it is GPUDirect Storage, the free bytes. The test
     file is ``size_mib`` or half the free space, whichever is smaller (a drive with little
     room is measured less precisely rather than refused; the plan may need far less)."""
     import logging
@@ -340,8 +364,10 @@ def probe_storage(root, device: torch.device, size_mib: int = 256) -> dict:
             t0 = time.perf_counter()
             store.read(f, 0, buf).result()
             best_r = min(best_r, time.perf_counter() - t0)
+        duplex = _both_directions(store, f, buf, best_w / nbytes, best_r / nbytes)
         f.close()
         result = {"nvme_write_bandwidth": nbytes / best_w, "nvme_read_bandwidth": nbytes / best_r,
+                  "nvme_duplex": duplex,
                   "nvme_gds": bool(getattr(store, "gds", False)), "backend": store.name}
     finally:
         store.close()

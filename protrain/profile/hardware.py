@@ -81,6 +81,11 @@ class HardwareProfile(JsonValue):
     nvme_gds: bool = False
     """GPUDirect Storage: NVMe traffic bypasses host memory and does not share PCIe queues
     with chunk traffic (compatibility mode and POSIX bounce through the host and do)."""
+    nvme_duplex: bool = False
+    """The drive read and wrote at about their own bandwidths at once in the probe
+    (``measure.probe.probe_storage``): the step-time model gives reads and writes a queue
+    each. False (published machines, or not measured): they share the drive's time, as a
+    drive's flash usually makes them."""
     nvme_free_bytes: int = 0
     """Free space on the SSD path."""
     nvme_held_bytes: int = 0

@@ -51,6 +51,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -313,7 +314,7 @@ class ChunkOptimizer:
         self._queued: set[int] = set()
         """Offloaded chunks whose CPU Adam update of this step was submitted (main thread's
         view: the worker may still be running it)."""
-        self._pool = _LowestFirst()
+        self._pool = _Pool([self.chunks.on_nvme(c) for c in offloaded])
         self._pooled: set[int] = set()
         """Chunks whose update of this step went through ``_pool`` (main thread's view)."""
         self._left: set[int] = set()
@@ -543,12 +544,13 @@ class ChunkOptimizer:
                                side=True)
         if not boundary or self.first_step_of_plan or c.index in self._queued or c.index in self._late:
             return
-        if not self.speculative and self.gas == 1 and not self.chunks.on_nvme(c):
+        if not self.speculative and self.gas == 1:
             self._queued.add(c.index)
-            self._in_forward_order(c, accumulated)
+            # States on the drive: their read starts now, in the order the pool takes them.
+            self._in_forward_order(c, accumulated, self._want(c))
         elif not self.speculative:
-            # States on the drive: in the order their reads are started (the staging ring's),
-            # as gradients land; these are the last chunks, needed last by the next forward.
+            # With accumulation, as gradients land; states on the drive in the order their
+            # reads are started (the staging ring's).
             self._queued.add(c.index)
             use = self._want(c)
             self._submit_after(accumulated, lambda c=c, use=use: self._host_update(c, None, None, "adam", use))
@@ -562,26 +564,28 @@ class ChunkOptimizer:
             # worker after this micro-step's accumulation, while backward goes on.
             self._submit_after(accumulated, lambda c=c: self._check(c))
 
-    def _in_forward_order(self, c: Chunk, accumulated: threading.Event | None) -> None:
-        """Submit ``c``'s exact update to the pool the worker takes the lowest chunk from; its
-        upload waits for it (``_ready``) from now, not from ``step``."""
+    def _in_forward_order(self, c: Chunk, accumulated: threading.Event | None, use=None) -> None:
+        """Submit ``c``'s exact update to the pool the worker takes from (``_Pool``; ``use``:
+        its states' read from the drive, started); its upload waits for it (``_ready``) from
+        now, not from ``step``."""
         self._ready[c.index].clear()
         self._pooled.add(c.index)
-        self._pool.add(c.index, accumulated)
+        self._pool.add(c.index, accumulated, use)
         self.worker.submit(self._update_lowest)
 
     def _update_lowest(self) -> None:
-        """Worker: the exact update of the lowest pooled chunk whose gradients are accumulated
-        (else the lowest), then its accumulator cleared and its upload let go. Gradients land
-        in descending chunk order, so in backward this is the latest, and what backward leaves
-        runs in the next forward's upload order: that forward waits for its first offloaded
-        chunk's update, not for the whole backlog (issue 37). One task per pooled chunk."""
-        i, accumulated = self._pool.take()
+        """Worker: the exact update of the chunk the pool gives (``_Pool.take``: the lowest in
+        host memory, or the next on the drive), then its accumulator cleared and its upload let
+        go. Gradients land in descending chunk order, so in backward this is the latest, and
+        what backward leaves runs in the next forward's upload order: that forward waits for
+        its first offloaded chunk's update, not for the whole backlog (issue 37). One task per
+        pooled chunk."""
+        i, accumulated, use = self._pool.take()
         c = self.chunks.chunks[i]
         try:
             if accumulated is not None:
                 self.worker.wait_for(accumulated)
-            self._host_update(c, None)
+            self._host_update(c, None, None, "adam", use)
             if self.gas > 1 and c.grad_acc is not None:
                 c.grad_acc.zero_()          # the next step's accumulation starts from zero
         finally:
@@ -734,8 +738,11 @@ class ChunkOptimizer:
         return coef, clip_coef is not None and float(clip_coef) != 1.0
 
     def _finish_offloaded(self, coef: torch.Tensor | None, clipped: bool) -> None:
-        """What is left of each offloaded chunk's update, decided here and done on the worker
-        in chunk order (the next forward's upload order)."""
+        """What is left of each offloaded chunk's update, decided here and done on the worker:
+        first what needs no update (commits), then the updates in chunk order (the next
+        forward's upload order), those of chunks on the drive interleaved in proportion
+        (``interleaved``), in chunk order too."""
+        left = []
         for c in sorted(self.chunks.offloaded(), key=lambda c: c.index):
             speculation = self._speculations.pop(c.index, None)
             if speculation is not None and speculation.applied:
@@ -759,7 +766,12 @@ class ChunkOptimizer:
                 action = "update"
             # Hyperparameters as of now: a scheduler steps after this returns.
             segments = self._hypers(c) if action in ("redo", "update") else None
-            use = self._settle_on_drive(c, action)
+            left.append((c, action, speculation, segments))
+        works = [x for x in left if x[1] in ("redo", "update")]
+        order = [x for x in left if x[1] not in ("redo", "update")] + interleaved(
+            [x for x in works if not self.chunks.on_nvme(x[0])], [x for x in works if self.chunks.on_nvme(x[0])])
+        for c, action, speculation, segments in order:
+            use = self._settle_on_drive(c, action)         # reads wanted in the worker's order
             self._ready[c.index].clear()
             self.worker.submit(lambda c=c, a=action, speculation=speculation, coef=coef, seg=segments,
                                use=use: self._finish_chunk(c, a, speculation, coef, seg, use))
@@ -1282,24 +1294,65 @@ class ChunkOptimizer:
                     c.shadow.copy_(c.master)
 
 
-class _LowestFirst:
-    """Exact updates submitted in backward and not yet taken by the worker: chunk index -> the
-    side lane's accumulation it waits for, or None. The main thread adds, the worker takes."""
+def interleaved(in_host: list, on_drive: list) -> list:
+    """Both lists in one, each in its own order, those ``on_drive`` spread in proportion to
+    the counts: the drive's next where its share of what was taken is not ahead, as
+    ``_Pool.take`` and ``cost.time_state_io.nvme_turn`` decide."""
+    out, h, d = [], 0, 0
+    while h < len(in_host) or d < len(on_drive):
+        if d < len(on_drive) and (d * len(in_host) <= h * len(on_drive) or h == len(in_host)):
+            out.append(on_drive[d])
+            d += 1
+        else:
+            out.append(in_host[h])
+            h += 1
+    return out
 
-    def __init__(self):
+
+class _Pool:
+    """Exact updates submitted in backward and not yet taken by the worker. Chunks in host
+    memory: index -> the side lane's accumulation it waits for (or None), taken lowest first.
+    Chunks with states on the drive: (index, accumulation, use) in the order their reads were
+    wanted (the staging ring serves them in that order), interleaved with the others in
+    proportion to their counts (``cost.time_state_io.nvme_turn``, the same rule): while the
+    worker updates a chunk in host memory the drive reads the next one's states. The main
+    thread adds, the worker takes."""
+
+    def __init__(self, on_drive: list[bool]):
+        """``on_drive``: per offloaded chunk, whether its states are on the drive."""
         self._pending: dict[int, threading.Event | None] = {}
+        self._drive: deque = deque()
+        self._totals = (sum(on_drive), len(on_drive) - sum(on_drive))
+        self._taken = [0, 0]
+        """This round's updates taken from the drive and from host memory (a round ends when
+        the pool empties: one step's updates)."""
         self._lock = threading.Lock()
 
-    def add(self, i: int, accumulated: threading.Event | None) -> None:
+    def add(self, i: int, accumulated: threading.Event | None, use=None) -> None:
         with self._lock:
-            self._pending[i] = accumulated
+            if use is None:
+                self._pending[i] = accumulated
+            else:
+                self._drive.append((i, accumulated, use))
 
-    def take(self) -> tuple[int, threading.Event | None]:
-        """The lowest chunk whose gradients are accumulated (else the lowest), removed."""
+    def take(self):
+        """(index, accumulation, use): the next on the drive where its turn has come (or
+        nothing else is pending), else the lowest in host memory whose gradients are
+        accumulated (else the lowest). Removed."""
         with self._lock:
-            done = [i for i, e in self._pending.items() if e is None or e.is_set()]
-            i = min(done or self._pending)
-            return i, self._pending.pop(i)
+            drive = bool(self._drive)
+            behind = self._taken[0] * self._totals[1] <= self._taken[1] * self._totals[0]
+            if drive and (behind or not self._pending):
+                self._taken[0] += 1
+                item = self._drive.popleft()
+            else:
+                self._taken[1] += 1
+                done = [i for i, e in self._pending.items() if e is None or e.is_set()]
+                i = min(done or self._pending)
+                item = (i, self._pending.pop(i), None)
+            if not self._drive and not self._pending:
+                self._taken = [0, 0]
+            return item
 
 
 def _has_inf_or_nan(x: torch.Tensor) -> torch.Tensor:

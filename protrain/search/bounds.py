@@ -72,7 +72,7 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
         bwd_lb = np.maximum(np.maximum(bwd_compute, reup + swap_bytes / rr.h2d), ssd_in)
     else:   # bounced through the host: on the upload queue with the chunk re-uploads
         bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / rr.h2d + ssd_in)
-    adam = _suffix(t_adam)[np_idx] + drive_wait_top(profile, layout, hw, config)[np.asarray(n_nvme)]
+    adam = _suffix(t_adam)[np_idx]
     cpu_lb = _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, bwd_lb,
                                   t_down, adam, n_nvme)
     lb = np.maximum(fwd_lb + np.maximum(bwd_lb + gpu, cpu_lb),
@@ -109,18 +109,6 @@ def degree_floor(profile: ModelProfile, hw: HardwareProfile, config: PlannerConf
     return np.maximum(fwd + bwd + gpu, cpu) + (config.grad_accumulation_steps - 1) * (fwd + bwd)
 
 
-def drive_wait_top(profile: ModelProfile, layout, hw: HardwareProfile, config: PlannerConfig) -> np.ndarray:
-    """At index k: what the last k chunks' turns on the CPU queue take beyond their updates
-    (and host checks) when their states are on the drive - the read or write-back where it
-    outlasts them (``cost.time_state_io.staged_turn``)."""
-    world = config.data_parallel_size
-    t_read, t_write = state_io_times(layout, hw, world, profile.param_bytes < 4, speculative_writes(config))
-    _, _, t_adam = chunk_transfer_times(layout, profile, hw, world)
-    checks = check_times(layout, hw, world) if checks_on_host(config) and not config.cpu_optim_overlap else 0.0
-    wait = np.maximum(np.maximum(t_read, t_write) - t_adam - checks, 0.0)
-    return np.concatenate([[0.0], np.cumsum(wait[::-1])])
-
-
 def drive_bound(layout, profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig, ssd,
                 n_nvme) -> np.ndarray:
     """The drive's floor under a step with states on it (``cost.time_state_io.drive_floor``):
@@ -133,7 +121,8 @@ def drive_bound(layout, profile: ModelProfile, hw: HardwareProfile, config: Plan
     t_read, t_write = state_io_times(layout, hw, config.data_parallel_size, profile.param_bytes < 4,
                                      speculative_writes(config))
     top = lambda t: np.concatenate([[0.0], np.cumsum(t[::-1])])   # noqa: E731  (last k chunks)
-    floor = np.maximum(top(t_read)[n_nvme] + ssd / rr.nvme_read, top(t_write)[n_nvme] + ssd / rr.nvme_write)
+    reads, writes = top(t_read)[n_nvme] + ssd / rr.nvme_read, top(t_write)[n_nvme] + ssd / rr.nvme_write
+    floor = np.maximum(reads, writes) if hw.nvme_duplex else reads + writes
     return np.where(n_nvme > 0, floor, 0.0)
 
 
@@ -185,9 +174,9 @@ class SpeculatingIterationBound:
     where the two cross (one search over prefix sums of the layout's chunks from the top, the
     same for every plan of the layout; the falling side taken as its running minimum, which
     only lowers it). Chunks with states on the drive (the last ``n_nvme``) need no backup:
-    ``at`` and ``least`` count those of the others among the top s. Their turns
-    take the drive's time where it outlasts the update (``drive_wait_top``): in ``chain``
-    all of them, in ``after`` (``at`` only) those left for after backward. For a model
+    ``at`` and ``least`` count those of the others among the top s. Their reads and
+    write-backs are left out: the CPU queue interleaves them with the chunks in host memory
+    (``cost.time_state_io``), and the drive's time is a bound of its own (``drive_bound``). For a model
     bound by its CPU Adam this lies within a few hundredths of a per cent of the simulated time, where the CPU's busy time alone leaves out the backups,
     the updates after backward and the copies around them."""
 
@@ -205,12 +194,10 @@ class SpeculatingIterationBound:
         self.backward, self.checks = backward, checks
         self.n_nvme = np.broadcast_to(np.asarray(n_nvme), np.shape(self.n_off))
         self.backup_shift = self.backup_top[self.n_nvme]
-        self.wait_top = drive_wait_top(profile, layout, hw, config)
-        self.wait = self.wait_top[self.n_nvme]
         lead = first_gradient(profile, layout) + (t_down[-1] if nch else 0.0)
         self.lead = np.where(self.n_off > 0, lead, 0.0)
         # What every count's chain shares, summed in _chain's order (the same floats).
-        self._base = self.lead + self.adam + self.wait + self.checks
+        self._base = self.lead + self.adam + self.checks
         self._offloading = self.n_off > 0
         self._last = np.maximum(self.n_off - 1, 0)
 
@@ -223,10 +210,9 @@ class SpeculatingIterationBound:
 
     def at(self, s, rows=...):
         """The bound with the top ``s`` offloaded chunks speculating (of plans ``rows``)."""
-        n_off, n_nvme, wait = self.n_off[rows], self.n_nvme[rows], self.wait[rows]
+        n_off, n_nvme = self.n_off[rows], self.n_nvme[rows]
         backward = np.broadcast_to(self.backward, np.shape(self.n_off))[rows]
-        waits = wait - self.wait_top[np.minimum(s, n_nvme)]
-        after = np.where(s < n_off, backward + self.adam[rows] + waits - self.adam_top[s] + self.up_next[s],
+        after = np.where(s < n_off, backward + self.adam[rows] - self.adam_top[s] + self.up_next[s],
                          backward)
         backups = self.backup_top[s] - self.backup_top[np.minimum(s, n_nvme)]
         return np.maximum(self._chain(s, backups, rows), after)
@@ -239,7 +225,7 @@ class SpeculatingIterationBound:
         # The backups of the top s: none up to n_nvme, then those above it - the crossing in
         # the first range, else in the second (both searches over one array for every plan).
         rise = self.up_next + fall
-        goal = self.backward - self.checks - self.lead - self.wait
+        goal = self.backward - self.checks - self.lead
         s_cross = np.searchsorted(rise, goal, side="left")
         beyond = np.flatnonzero(s_cross > self.n_nvme)
         s_cross[beyond] = np.searchsorted(self.backup_top + self.up_next + fall,

@@ -44,7 +44,8 @@ def max_ssd_blocks(profile: ModelProfile, hw: HardwareProfile, states_busy: floa
 
 def least_state_drive_time(profile: ModelProfile, config: PlannerConfig, hw: HardwareProfile, caps,
                            budget: float) -> float:
-    """Seconds the drive writes optimizer states in every plan: where no plan fits the host
+    """Seconds the drive writes optimizer states in every plan (and reads them, where the two
+    share the drive's time: ``HardwareProfile.nvme_duplex``): where no plan fits the host
     without the drive (not even with the most persistent chunks the device takes and no
     swapped activations), the write-backs of the fewest chunks' states that fit it, over the
     chunk sizes ``caps`` (the pin where n_nvme is pinned); else 0."""
@@ -61,9 +62,11 @@ def least_state_drive_time(profile: ModelProfile, config: PlannerConfig, hw: Har
         k = (config.pins.n_nvme if config.pins.n_nvme is not None else
              0 if excess <= 0 else int(np.searchsorted(top, excess + ring, side="left")))
         if k <= layout.n_chunks - np_hi:
-            t_write = state_io_times(layout, hw, config.data_parallel_size, profile.param_bytes < 4,
-                                     speculative_writes(config))[1]
-            least = min(least, float(t_write[layout.n_chunks - k:].sum()))
+            t_read, t_write = state_io_times(layout, hw, config.data_parallel_size, profile.param_bytes < 4,
+                                             speculative_writes(config))
+            # On a drive whose reads and writes share its time (cost.time_state_io), both.
+            busy = t_write if hw.nvme_duplex else t_read + t_write
+            least = min(least, float(busy[layout.n_chunks - k:].sum()))
     return least if np.isfinite(least) else 0.0
 
 

@@ -40,7 +40,8 @@ def with_storage_and_links(hw: HardwareProfile, *, device: torch.device, ssd_pat
         if verbose:
             print(f"ProTrain: SSD tier at {ssd_path} via {ssd['backend']}: write "
                   f"{ssd['nvme_write_bandwidth'] / 1e9:.2f} GB/s, read "
-                  f"{ssd['nvme_read_bandwidth'] / 1e9:.2f} GB/s, "
+                  f"{ssd['nvme_read_bandwidth'] / 1e9:.2f} GB/s "
+                  f"({'each at once' if ssd['nvme_duplex'] else 'sharing the drive'}), "
                   f"{fmt_bytes(ssd['nvme_free_bytes'])} free", flush=True)
         hw = replace(hw, **{k: v for k, v in ssd.items() if k != "backend"})
     if world > 1:
