@@ -20,6 +20,7 @@ says which. Planning only (CPU; no GPU needed).
 
     python bench/plan_floor.py                       # the full grid, a table, bench/results/plan_floor.json
     python bench/plan_floor.py --quick               # four cases (the CI smoke, tests/test_bench.py)
+    python bench/plan_floor.py --models llama2-7b --save /tmp/floor-7b.json   # one preset's 24 cases
 """
 from __future__ import annotations
 
@@ -95,38 +96,52 @@ def floor_of(model: str, mb: int, seq: int, drive: float | None, plan: dict) -> 
     return {"terms": terms, "floor": terms[binding], "binding": binding}
 
 
-def run(cases, out: Path | None) -> dict:
+def run(cases, out: Path | None, progress: bool = False) -> dict:
+    """Plan every case, each row printed as it is done with ``progress``; the JSON (``out``)
+    rewritten after each case, so a run cut short keeps what it planned."""
     rows = []
     t0 = time.perf_counter()
-    for model, mb, seq, drive in cases:
+    for k, (model, mb, seq, drive) in enumerate(cases):
+        t_case = time.perf_counter()
         plan = plan_case(model, mb, seq, drive)
-        if plan is None:
-            continue
-        f = floor_of(model, mb, seq, drive, plan)
-        it = plan["prediction"]["iter_time"]
-        rows.append({"model": model, "micro_batch": mb, "seq": seq, "drive_gbps": drive,
-                     "predicted_s": it, "floor_s": f["floor"], "ratio": it / f["floor"],
-                     "binding": f["binding"], "terms_s": f["terms"],
-                     "knobs": plan["knobs"]})
-    ratios = [r["ratio"] for r in rows]
-    result = {"command": "python " + " ".join(sys.argv), "gpu": GPU, "host_memory": HOST,
-              "cases": len(cases), "feasible": len(rows),
-              "median_ratio": statistics.median(ratios) if ratios else None,
-              "max_ratio": max(ratios) if ratios else None,
-              "seconds": time.perf_counter() - t0, "rows": rows}
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        if plan is not None:
+            f = floor_of(model, mb, seq, drive, plan)
+            it = plan["prediction"]["iter_time"]
+            rows.append({"model": model, "micro_batch": mb, "seq": seq, "drive_gbps": drive,
+                         "predicted_s": it, "floor_s": f["floor"], "ratio": it / f["floor"],
+                         "binding": f["binding"], "terms_s": f["terms"],
+                         "knobs": plan["knobs"], "plan_seconds": time.perf_counter() - t_case})
+        if progress:
+            print(f"[{k + 1}/{len(cases)}] " + (_row(rows[-1]) if plan is not None else
+                                                f"{model} mb {mb} seq {seq} drive {drive}: no plan fits"),
+                  flush=True)
+        result = _summary(cases, rows, t0)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=1))
     return result
+
+
+def _summary(cases, rows, t0) -> dict:
+    ratios = [r["ratio"] for r in rows]
+    return {"command": "python " + " ".join(sys.argv), "gpu": GPU, "host_memory": HOST,
+            "cases": len(cases), "feasible": len(rows),
+            "median_ratio": statistics.median(ratios) if ratios else None,
+            "max_ratio": max(ratios) if ratios else None,
+            "seconds": time.perf_counter() - t0, "rows": rows}
+
+
+def _row(r: dict) -> str:
+    d = f"{r['drive_gbps']:.0f}" if r["drive_gbps"] else "-"
+    return (f"{r['model']:<11} {r['micro_batch']:>2} {r['seq']:>5} {d:>5} "
+            f"{r['predicted_s']:>9.3f}s {r['floor_s']:>8.3f}s {r['ratio']:>6.3f}  {r['binding']}")
 
 
 def print_table(result: dict) -> None:
     print(f"{'model':<11} {'mb':>2} {'seq':>5} {'drive':>5} {'predicted':>10} {'floor':>9} "
           f"{'ratio':>6}  binding")
     for r in result["rows"]:
-        d = f"{r['drive_gbps']:.0f}" if r["drive_gbps"] else "-"
-        print(f"{r['model']:<11} {r['micro_batch']:>2} {r['seq']:>5} {d:>5} "
-              f"{r['predicted_s']:>9.3f}s {r['floor_s']:>8.3f}s {r['ratio']:>6.3f}  {r['binding']}")
+        print(_row(r))
     if result["rows"]:
         print(f"{result['feasible']} feasible of {result['cases']} cases: predicted / floor median "
               f"{result['median_ratio']:.3f}, max {result['max_ratio']:.3f} "
@@ -138,11 +153,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="four cases (CI's smoke)")
     ap.add_argument("--save", default=None, help="JSON path (default bench/results/plan_floor.json; "
                                                  "--quick: none)")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated presets of the grid")
     args = ap.parse_args(argv)
-    cases = QUICK if args.quick else list(itertools.product(MODELS, MICRO_BATCHES, SEQS, DRIVES))
+    models = args.models.split(",")
+    cases = QUICK if args.quick else list(itertools.product(models, MICRO_BATCHES, SEQS, DRIVES))
     out = Path(args.save) if args.save else (None if args.quick else
                                              Path(__file__).parent / "results" / "plan_floor.json")
-    result = run(cases, out)
+    result = run(cases, out, progress=not args.quick)
     print_table(result)
     return result
 
