@@ -188,6 +188,11 @@ class Plan(JsonValue):
     """Knobs the user fixed."""
     alternatives: tuple[Alternative, ...] = ()
     search_seconds: float = 0.0
+    fastest_step: float = 0.0
+    """The fastest step time the search found among the plans it compared (the hedge may pick
+    a slower one that moves fewer bytes: ``notes`` says so); outer loops (tiles, where the
+    checkpointed inputs go) compare their variants by it. 0 where not recorded (plans made
+    by ``evaluate`` alone, older files): ``fastest()`` is the plan's own step then."""
     candidates_evaluated: int = 0
     candidates_total: int = 0
     notes: tuple[str, ...] = field(default=())
@@ -242,6 +247,11 @@ class Plan(JsonValue):
         if None not in (self.seq_len, seq_len) and self.seq_len != seq_len:
             return f"it was made for sequence length {self.seq_len}, this run's batches have {seq_len}"
         return None
+
+    def fastest(self) -> float:
+        """The fastest step the search found for this plan's variant (``fastest_step``), or the
+        plan's own where not recorded."""
+        return self.fastest_step or self.prediction.step_time
 
     def layout(self):
         """The chunk layout this plan runs with."""

@@ -349,6 +349,9 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
         # ... and the per-chunk CPU-optimizer bound refined just before simulating
         refined = bounds.refine_cpu_bound(prof, hw, config, acts, grid, idx)
         assert (refined <= t * (1 + 1e-12)).all()
+        # ... and the pair floor an outer loop's incumbent prunes with before fitting
+        pf = bounds.pair_floor(prof, hw, config, acts, grid.layout, grid.a, grid.n_persist)
+        assert (pf <= grid.lower_bound * (1 + 1e-12)).all()
         # The closed-form bytes the hedge orders by equal what the simulation moves.
         args = (prof, grid.layout, hw, grid.n_persist, grid.n_buffer, acts.codes(grid.a))
         step = simulate(*args, cpu_overlap=overlap, world=world, n_nvme=grid.n_nvme)
@@ -707,3 +710,31 @@ def test_a_grid_in_blocks_is_the_grid_in_one(case, ssd, spec, monkeypatch):
                 assert x.dtype == y.dtype and np.array_equal(x, y), name
                 checked += len(x)
     assert checked
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_incumbent_prunes_points_before_they_are_fitted_and_changes_nothing(overlap):
+    """``loop.search(beat=...)`` (an outer loop's incumbent): the points whose ``pair_floor``
+    lies above it are left out before their buffers, host memory and bounds are worked out;
+    a plan below it is the one the full search finds, and none below the fastest is None. On
+    llama2-7b with a drive, a beat just above the fastest leaves out most points."""
+    from protrain.search import space
+    from protrain.search.loop import search as inner
+    hw = replace(machine("h100-80gb").profile(host_memory=128 * GiB), nvme_write_bandwidth=12e9,
+                 nvme_read_bandwidth=12e9, nvme_gds=True, nvme_free_bytes=2**40)
+    prof = analytic_profile(replace(PRESETS["llama2-7b"], micro_batch=4, seq_len=1024), hw)
+    config = PlannerConfig(cpu_optim_overlap=overlap, cpu_optim_speculative=not overlap)
+    full = inner(prof, hw, config)
+    fastest = full.fastest()
+    assert full.prediction.step_time > fastest * 1.001     # the hedge's pick lies past the beat
+    pruned = inner(prof, hw, config, beat=fastest * 1.001)
+    assert pruned.knobs == full.knobs and pruned.fastest() == fastest
+    assert pruned.candidates_total < 0.5 * full.candidates_total
+    assert inner(prof, hw, config, beat=fastest * 0.999) is None
+    budget = hw.device_memory / (1 + config.memory_margin)
+    acts = space.activation_configs(prof, config, hw)
+    stats: dict = {}
+    cap = full.knobs.chunk_size // prof.param_bytes
+    grid = space.candidate_grid(prof, hw, config, acts, cap, budget, stats, fastest * 1.001)
+    every = space.candidate_grid(prof, hw, config, acts, cap, budget, {})
+    assert stats["beaten"] > 0 and len(grid.lower_bound) < len(every.lower_bound)

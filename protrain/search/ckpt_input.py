@@ -11,7 +11,9 @@ profile, so the inner search (loop.py) runs once per value, with the value pinne
 stay on the device unless moving them gives a plan faster beyond the cost model's error band
 (moving them costs copy time and host memory or drive bandwidth the other knobs could use);
 each moved variant is searched only below the step it must beat (``loop.search``'s ``beat``),
-so a variant that cannot win costs its grid and little else. A pin fixes the value.
+so a variant that cannot win costs little: its floor (``space.search_floor``) or its points'
+(``bounds.pair_floor``) rule it out before its grid is fitted. Values are compared by their
+fastest plans (``Plan.fastest``: ``tiles.choose`` says why). A pin fixes the value.
 """
 from __future__ import annotations
 
@@ -110,8 +112,7 @@ def _to_beat(value: str, plans: dict[str, Plan], tolerance: float) -> float:
     the device plan's beyond the error band, and every other place's found so far."""
     if value == "device":
         return float("inf")
-    t = [p.prediction.step_time / (1 + tolerance) if v == "device" else p.prediction.step_time
-         for v, p in plans.items()]
+    t = [p.fastest() / (1 + tolerance) if v == "device" else p.fastest() for v, p in plans.items()]
     return min(t, default=float("inf"))
 
 
@@ -124,13 +125,19 @@ def may_gain(plan: Plan) -> bool:
 
 
 def choose_input(plans: dict[str, Plan], tolerance: float) -> str:
-    """``"device"`` unless a plan with the inputs moved is faster beyond ``tolerance``; of the
-    moved ones the faster (host memory before the drive at equal times)."""
-    fastest = min(plans, key=lambda v: (plans[v].prediction.step_time, CKPT_INPUTS.index(v)))
-    if "device" in plans and \
-            plans["device"].prediction.step_time <= plans[fastest].prediction.step_time * (1 + tolerance):
+    """``"device"`` unless a place for the inputs gives a plan faster beyond ``tolerance``; of
+    the moved ones the faster (host memory before the drive at equal times). Compared by each
+    place's fastest plan (``Plan.fastest``, as ``tiles.choose`` says why)."""
+    fastest = min(plans, key=lambda v: (plans[v].fastest(), CKPT_INPUTS.index(v)))
+    if "device" in plans and plans["device"].fastest() <= plans[fastest].fastest() * (1 + tolerance):
         return "device"
     return fastest
+
+
+def _fastest(plan: Plan) -> str:
+    """" (fastest ...)" where the hedge picked a plan slower than the place's fastest."""
+    f = plan.fastest()
+    return f" (fastest {fmt_seconds(f)})" if f < plan.prediction.step_time else ""
 
 
 def _reasons(values, plans, failures, slower, chosen) -> list[str]:
@@ -144,11 +151,11 @@ def _reasons(values, plans, failures, slower, chosen) -> list[str]:
             out.append(f"{what} does not fit: {need}")
         elif v in slower:
             out.append(f"{what}: no plan below {fmt_seconds(slower[v])} per step (faster than the "
-                       f"others, the device plan beyond the runtime model's error band)")
+                       f"others' fastest, the device plans' beyond the runtime model's error band)")
         elif v in plans:
             pr = plans[v].prediction
-            out.append(f"{what}: step {fmt_seconds(pr.step_time)}, peak {fmt_bytes(pr.peak_device_bytes)}"
-                       + (" - chosen" if v == chosen else ""))
+            out.append(f"{what}: step {fmt_seconds(pr.step_time)}{_fastest(plans[v])}, peak "
+                       f"{fmt_bytes(pr.peak_device_bytes)}" + (" - chosen" if v == chosen else ""))
     return out
 
 

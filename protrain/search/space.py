@@ -16,7 +16,7 @@ from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..units import fmt_bytes
-from .bounds import degree_floor, forward_write_bound, step_lower_bound
+from .bounds import degree_floor, forward_write_bound, pair_floor, step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .infeasible import InfeasibleError
 from .policy import (backup_from_top, drive_states_possible, norm_scratch, pinned_speculation,
@@ -216,18 +216,21 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
 
 
 def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
-                   acts: ActivationConfigs, chunk_numel: int, budget: float, stats: dict) -> CandidateGrid:
+                   acts: ActivationConfigs, chunk_numel: int, budget: float, stats: dict,
+                   beat: float = np.inf) -> CandidateGrid:
     """The points of chunks of ``chunk_numel`` elements that fit ``budget`` (device bytes, the
     margin taken off), the host memory and the drive, with their lower bounds and bytes moved.
     ``stats`` gathers what the nearest misses needed (``host_needed``, ``buffers_needed``)
-    over the chunk sizes, for the diagnosis when nothing fits."""
+    over the chunk sizes, for the diagnosis when nothing fits, and ``beaten``: the points
+    that fit the device left out because ``beat`` (an outer loop's incumbent) rules them out
+    (``bounds.pair_floor``)."""
     layout = build_layout(profile, chunk_numel)
     fits, nps = _fitting_configs(profile, hw, config, acts, layout, budget)
     # In blocks of configurations (each with every n_persist), in the grid's order: every
     # column is elementwise over the points, and a block's temporaries stay in the cache.
     step = max(1, _BLOCK // len(nps))
     seen = dict(any_buffers=False, least_buffers=1 << 30)
-    blocks = [_grid_block(profile, hw, config, acts, layout, budget, stats, seen, fits[lo:lo + step], nps)
+    blocks = [_grid_block(profile, hw, config, acts, layout, budget, stats, seen, fits[lo:lo + step], nps, beat)
               for lo in range(0, max(len(fits), 1), step)]
     if config.pins.n_buffer is not None and seen["least_buffers"] < 1 << 30 and not seen["any_buffers"]:
         stats["buffers_needed"] = min(stats.get("buffers_needed", 1 << 30), seen["least_buffers"])
@@ -239,11 +242,11 @@ _BLOCK = 1 << 16
 
 
 def _grid_block(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
-                seen: dict, fits: np.ndarray, nps: np.ndarray) -> tuple:
+                seen: dict, fits: np.ndarray, nps: np.ndarray, beat: float) -> tuple:
     """The columns of ``CandidateGrid`` (after the layout) for the points of configurations
-    ``fits`` that fit."""
+    ``fits`` that fit (and whose ``pair_floor`` does not rule them out against ``beat``)."""
     a_idx, np_idx, nb, nbmin, peak, host, nv = _fitting_points(profile, hw, config, acts, layout, budget,
-                                                               stats, seen, fits, nps)
+                                                               stats, seen, fits, nps, beat)
     bound = step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nb, host, nv)
     lb, fwd_lb, dev_lb, tail_lb = (np.broadcast_to(x, np.shape(a_idx)) for x in bound)
     # Bytes per micro-step: offloaded chunks up in forward and their gradients down; chunks
@@ -310,7 +313,7 @@ def _fitting_configs(profile, hw, config, acts: ActivationConfigs, layout, budge
 
 
 def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
-                    seen: dict, fits: np.ndarray, nps: np.ndarray):
+                    seen: dict, fits: np.ndarray, nps: np.ndarray, beat: float = np.inf):
     """(activation configuration, n_persist, n_buffer, least n_buffer, device peak, host
     bytes, n_nvme) of the points of configurations ``fits`` x ``nps`` that fit, each with the
     most buffers that fit and the fewest chunks with states on the drive that fit the host
@@ -337,6 +340,12 @@ def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget
     # n_persist); at least the chunks one part spans are needed.
     dev_ok = np.flatnonzero((peak <= budget) & (nb >= nbmin) & (nb <= nch - np_idx))
     a_idx, np_idx, nb, nbmin, peak = (x.take(dev_ok) for x in (a_idx, np_idx, nb, nbmin, peak))
+    if beat < np.inf and len(a_idx):
+        # What cannot beat the incumbent is not fitted (a bound summed in another order than
+        # the simulation: the search's rounding allowance, loop.BOUND_ROUNDING).
+        keep = np.flatnonzero(pair_floor(profile, hw, config, acts, layout, a_idx, np_idx) <= beat * (1 + 1e-9))
+        stats["beaten"] = stats.get("beaten", 0) + len(a_idx) - len(keep)
+        a_idx, np_idx, nb, nbmin, peak = (x.take(keep) for x in (a_idx, np_idx, nb, nbmin, peak))
     host = host_state[np_idx] + acts.swap_host[a_idx]
     nv, host, drive = _drive_states(profile, hw, config, layout, np_idx, host,
                                     activation_file_space(acts.ssd[a_idx], profile.n_blocks), stats)

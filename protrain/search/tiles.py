@@ -7,7 +7,9 @@ untiled plan wins unless a tiled one is faster beyond the cost model's error ban
 where tiling reorders sums (rounding-level differences). The untiled value is searched first;
 a tiled one only where the untiled plan trades memory for time (``ckpt_input.may_gain``) or
 does not fit, and then below the step it must beat (the inner searches' ``beat``), so a
-variant that cannot win costs its grid and little else. A pin fixes the value.
+variant that cannot win costs little: its floor (``space.search_floor``) or its points'
+(``bounds.pair_floor``) rule it out before its grid is fitted. Values are compared by their
+fastest plans (``Plan.fastest``: ``choose`` says why). A pin fixes the value.
 """
 from __future__ import annotations
 
@@ -75,8 +77,8 @@ def search(knob: TileKnob, inner: Inner, profile: ModelProfile, hw: HardwareProf
     for t in values:
         if t and 0 in plans and not may_gain(plans[0]):
             break                                  # nothing to trade memory for
-        to_beat = min([beat] + [p.prediction.step_time / (1 + config.time_tolerance) if v == 0
-                                else p.prediction.step_time for v, p in plans.items()])
+        to_beat = min([beat] + [p.fastest() / (1 + config.time_tolerance) if v == 0
+                                else p.fastest() for v, p in plans.items()])
         try:
             found = inner(knob.transform(profile, t), hw, config, beat=to_beat)
         except InfeasibleError as e:
@@ -100,9 +102,13 @@ def search(knob: TileKnob, inner: Inner, profile: ModelProfile, hw: HardwareProf
 
 
 def choose(plans: dict[int, Plan], tolerance: float) -> int:
-    """The untiled value (0) unless a tiled plan is faster beyond ``tolerance``."""
-    fastest = min(plans, key=lambda t: (plans[t].prediction.step_time, t))
-    if 0 in plans and plans[0].prediction.step_time <= plans[fastest].prediction.step_time * (1 + tolerance):
+    """The untiled value (0) unless a tiled value's fastest plan is faster than the untiled's
+    fastest beyond ``tolerance``. The values are compared by their fastest plans (``Plan.fastest``),
+    not by the hedge's picks: the hedge picks among plans the model cannot tell apart, and a
+    value whose pick is slower than its fastest has not shown it is slower (the inner searches
+    prune against these same figures, so a value that cannot win costs little)."""
+    fastest = min(plans, key=lambda t: (plans[t].fastest(), t))
+    if 0 in plans and plans[0].fastest() <= plans[fastest].fastest() * (1 + tolerance):
         return 0
     return fastest
 
@@ -117,15 +123,21 @@ def _reasons(knob, values, plans, failures, slower, chosen) -> list[str]:
                     else str(e).split(";")[0])
             out.append(f"{what} does not fit: {need}")
         elif t in slower:
-            out.append(f"{what}: no plan below {fmt_seconds(slower[t])} per step (the untiled plan's "
+            out.append(f"{what}: no plan below {fmt_seconds(slower[t])} per step (the untiled plans' fastest "
                        f"beyond the runtime model's error band)")
         elif t in plans:
             pr = plans[t].prediction
-            out.append(f"{what}: step {fmt_seconds(pr.step_time)}, peak {fmt_bytes(pr.peak_device_bytes)} "
-                       f"at {pr.peak_at}" + (" - chosen" if t == chosen else ""))
+            out.append(f"{what}: step {fmt_seconds(pr.step_time)}{_fastest(plans[t])}, peak "
+                       f"{fmt_bytes(pr.peak_device_bytes)} at {pr.peak_at}" + (" - chosen" if t == chosen else ""))
         else:
             out.append(f"{what}: not tried (the untiled plan keeps every activation and chunk on the device)")
     return out
+
+
+def _fastest(plan: Plan) -> str:
+    """" (fastest ...)" where the hedge picked a plan slower than the variant's fastest."""
+    f = plan.fastest()
+    return f" (fastest {fmt_seconds(f)})" if f < plan.prediction.step_time else ""
 
 
 __all__ = ["TileKnob", "search", "choose"]
