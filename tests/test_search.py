@@ -362,6 +362,16 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
         assert np.allclose(grid.moved, sim, rtol=1e-12, atol=0)
         checked += len(idx)
         on_drive += int((grid.n_nvme > 0).sum())
+    # Each pair's bounds (search.pairs: the search fits a pair only once they say it may be
+    # needed) lie below every point of the pair, step and bytes.
+    from protrain.search import pairs
+    for cap, block in itertools.product(chunk_capacities(prof, sizes), (3, pairs.BLOCK_CONFIGS)):
+        ps = pairs.pair_space(prof, hw, config, acts, cap, budget, block)
+        for v in range(len(ps.bound)):
+            g = pairs.fit_pairs(prof, hw, config, acts, ps, np.array([v]), budget, {})
+            assert (ps.bound[v] <= g.lower_bound * (1 + 1e-12)).all()
+            assert (ps.moved[v] <= g.moved).all()
+        assert ps.fitted.all()
     assert checked > 0
     if ssd == "gds" and host < 64 * MiB:      # the host-bound case puts states on the drive
         assert on_drive > 0
@@ -713,28 +723,37 @@ def test_a_grid_in_blocks_is_the_grid_in_one(case, ssd, spec, monkeypatch):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_an_incumbent_prunes_points_before_they_are_fitted_and_changes_nothing(overlap):
-    """``loop.search(beat=...)`` (an outer loop's incumbent): the points whose ``pair_floor``
-    lies above it are left out before their buffers, host memory and bounds are worked out;
-    a plan below it is the one the full search finds, and none below the fastest is None. On
-    llama2-7b with a drive, a beat just above the fastest leaves out most points."""
-    from protrain.search import space
-    from protrain.search.loop import search as inner
+def test_the_search_fits_only_the_points_its_pairs_bounds_may_need(overlap, monkeypatch):
+    """The search fits a pair of the space (a block of activation configurations with one
+    n_persist: search.pairs) only once its bounds say a point in it may be the fastest or in
+    the hedge's band below the fewest bytes found: on llama2-7b with a drive, under half the
+    points that fit, and the plan of every point evaluated (the brute-force order's: tests
+    above). With an incumbent (``beat``, an outer loop's) just above the fastest, the same
+    plan (the band past it fitted too); below the fastest, None."""
+    from protrain.search import loop, pairs, space
+    fitted = []
+    real = pairs.fit_pairs
+    monkeypatch.setattr(loop, "fit_pairs", lambda *a: fitted.append(len((g := real(*a)).lower_bound)) or g)
     hw = replace(machine("h100-80gb").profile(host_memory=128 * GiB), nvme_write_bandwidth=12e9,
                  nvme_read_bandwidth=12e9, nvme_gds=True, nvme_free_bytes=2**40)
     prof = analytic_profile(replace(PRESETS["llama2-7b"], micro_batch=4, seq_len=1024), hw)
     config = PlannerConfig(cpu_optim_overlap=overlap, cpu_optim_speculative=not overlap)
-    full = inner(prof, hw, config)
-    fastest = full.fastest()
-    assert full.prediction.step_time > fastest * 1.001     # the hedge's pick lies past the beat
-    pruned = inner(prof, hw, config, beat=fastest * 1.001)
-    assert pruned.knobs == full.knobs and pruned.fastest() == fastest
-    assert pruned.candidates_total < 0.5 * full.candidates_total
-    assert inner(prof, hw, config, beat=fastest * 0.999) is None
+    full = loop.search(prof, hw, config)
+    n_full, fitted[:] = sum(fitted), []
     budget = hw.device_memory / (1 + config.memory_margin)
     acts = space.activation_configs(prof, config, hw)
+    every = sum(len(space.candidate_grid(prof, hw, config, acts, cap, budget, {}).lower_bound)
+                for cap in space.candidate_capacities(prof, config))
+    assert 0 < n_full < 0.5 * every
+    fastest = full.fastest()
+    assert full.prediction.step_time > fastest * 1.001     # the hedge's pick lies past the beat
+    pruned = loop.search(prof, hw, config, beat=fastest * 1.001)
+    assert pruned.knobs == full.knobs and pruned.fastest() == fastest
+    assert sum(fitted) <= n_full
+    assert loop.search(prof, hw, config, beat=fastest * 0.999) is None
+    # candidate_grid's own pruning against an incumbent (bounds.pair_floor)
     stats: dict = {}
     cap = full.knobs.chunk_size // prof.param_bytes
     grid = space.candidate_grid(prof, hw, config, acts, cap, budget, stats, fastest * 1.001)
-    every = space.candidate_grid(prof, hw, config, acts, cap, budget, {})
-    assert stats["beaten"] > 0 and len(grid.lower_bound) < len(every.lower_bound)
+    assert stats["beaten"] > 0 and len(grid.lower_bound) < len(
+        space.candidate_grid(prof, hw, config, acts, cap, budget, {}).lower_bound)

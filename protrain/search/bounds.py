@@ -48,13 +48,16 @@ def _suffix(t: np.ndarray) -> np.ndarray:
 
 
 def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
-                     acts: ActivationConfigs, layout, a_idx, np_idx, nb, host, n_nvme=0):
+                     acts: ActivationConfigs, layout, a_idx, np_idx, nb, host, n_nvme=0, *, nvme_most=None):
     """A lower bound on the time of an optimizer step for points (activation configuration
     ``a_idx``, ``np_idx`` persistent chunks, ``nb`` buffers, ``host`` bytes of host memory,
     ``n_nvme`` chunks with states on the drive; ``host`` None: ``pair_floor``'s relaxations): each resource alone (see cost.time_model for
     the queues; states on the drive only delay CPU Adam's updates, and the drive is a floor),
     for the boundary micro-step and for the (gas - 1) others. Returns (bound, forward's part, the device's backward and optimizer,
-    the accumulation micro-steps): the parts ``refine_cpu_bound`` rebuilds it from."""
+    the accumulation micro-steps): the parts ``refine_cpu_bound`` rebuilds it from.
+    ``nvme_most``: for a set of points (pairs.pair_space), at least each one's chunks on the
+    drive, where ``n_nvme`` is at most each one's (the drive's floor rises with them, the
+    verdict's chain falls)."""
     world = config.data_parallel_size
     nch = layout.n_chunks
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
@@ -74,7 +77,7 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
         bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / rr.h2d + ssd_in)
     adam = _suffix(t_adam)[np_idx]
     cpu_lb = _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, bwd_lb,
-                                  t_down, adam, n_nvme)
+                                  t_down, adam, n_nvme if nvme_most is None else nvme_most)
     lb = fwd_lb + np.maximum(bwd_lb + gpu, cpu_lb)
     if host is not None:
         lb = np.maximum(lb, drive_bound(layout, profile, hw, config, acts.ssd[a_idx], n_nvme))

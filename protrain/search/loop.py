@@ -23,7 +23,7 @@ its runner-ups and notes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -38,10 +38,13 @@ from .candidates import ActivationConfigs, CandidateGrid
 from .diagnosis import diagnose_infeasible
 from .evaluation import evaluate, simulate_points
 from .policy import planned_state_bytes
-from .space import (activation_configs, candidate_capacities, candidate_grid, least_state_drive_time,
+from .pairs import PairSpace, fit_pairs, pair_space
+from .space import (activation_configs, candidate_capacities, least_state_drive_time, note_buffers,
                     reupload_bytes, search_floor)
 
 _BATCH = 2048
+_FIT_POINTS = 16384
+"""Points' worth of pairs fitted at a time, in bound order, while the fastest time is sought."""
 _SWEEP = 128
 """Buffer counts per point tried in one round of the tie refinement (``_bisect_buffers``)."""
 EXACT_SIMULATIONS = 8192
@@ -63,6 +66,9 @@ starts); at 1e-4 the 70B with a drive, clipping off, simulated 84 k plans to con
 BOUND_ROUNDING = 1e-9
 
 
+_POINT_COLUMNS = tuple(f.name for f in fields(CandidateGrid) if f.name != "layout")
+
+
 def plan_key(iter_time: float, peak: int, knobs: tuple) -> tuple:
     """Order between plans the model tells apart: faster, then smaller peak, then smaller knobs."""
     return (iter_time, peak, knobs)
@@ -76,23 +82,32 @@ def hedged_key(moved: float, iter_time: float, peak: int, knobs: tuple) -> tuple
 
 @dataclass
 class _SearchState:
-    """What the search knows of every candidate as it goes: one row per point of every chunk
-    size's grid (row ``local[i]`` of grid ``owner[i]``)."""
+    """What the search knows of every candidate as it goes: the pairs of each chunk size
+    (``pairs``: fitted once their bounds say they may be needed), and one row per point
+    fitted so far (row ``local[i]`` of grid ``owner[i]``)."""
 
     profile: ModelProfile
     hw: HardwareProfile
     config: PlannerConfig
     acts: ActivationConfigs
-    grids: list[CandidateGrid]
-    lower_bound: np.ndarray
+    budget: float
+    spaces: list[PairSpace]
+    stats: dict
+    """What the fitted points' nearest misses needed, for the diagnosis when nothing fits."""
+    grids: list[CandidateGrid] = field(default_factory=list)
+    lower_bound: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """A lower bound on each point's step time, refined just before the point is simulated."""
-    moved: np.ndarray
+    moved: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Bytes each point moves per step (known without simulating)."""
-    owner: np.ndarray
-    local: np.ndarray
-    times: np.ndarray
+    owner: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    local: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    times: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Each point's simulated step time; inf until simulated."""
-    simulated: np.ndarray
+    simulated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    grid_space: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """The chunk size (index into ``spaces``) of each grid."""
+    considered: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    """Points the fastest-time phase has taken (simulated, or ruled out by their refined bound)."""
     best: float = np.inf
     """The fastest step time simulated."""
     evaluated: int = 0
@@ -102,36 +117,91 @@ class _SearchState:
     fewer_buffers: dict[int, tuple[int, int]] = field(default_factory=dict)
     """(n_buffer, peak) of the tied points whose fewest buffers keep their time and bytes."""
 
-    @classmethod
-    def over(cls, profile, hw, config, acts, grids: list[CandidateGrid]) -> _SearchState:
-        """Every point of ``grids``, none simulated yet."""
-        total = sum(len(g.lower_bound) for g in grids)
-        return cls(profile, hw, config, acts, grids,
-                   lower_bound=np.concatenate([g.lower_bound for g in grids]),
-                   moved=np.concatenate([g.moved for g in grids]),
-                   owner=np.concatenate([np.full(len(g.lower_bound), i) for i, g in enumerate(grids)]),
-                   local=np.concatenate([np.arange(len(g.lower_bound)) for g in grids]),
-                   times=np.full(total, np.inf), simulated=np.zeros(total, dtype=bool))
+    def fit(self, pick) -> int:
+        """Fit the unfitted pairs ``pick(space)`` selects (a mask over its pairs); their
+        points join the rows. Returns how many pairs were fitted."""
+        fitted = 0
+        for ps in self.spaces:
+            which = np.flatnonzero(~ps.fitted & pick(ps))
+            if not len(which):
+                continue
+            fitted += len(which)
+            g = fit_pairs(self.profile, self.hw, self.config, self.acts, ps, which, self.budget, self.stats)
+            n = len(g.lower_bound)
+            if not n:
+                continue
+            self.grids.append(g)
+            self.grid_space = np.append(self.grid_space, self.spaces.index(ps))
+            self.lower_bound = np.concatenate([self.lower_bound, g.lower_bound])
+            self.moved = np.concatenate([self.moved, g.moved])
+            self.owner = np.concatenate([self.owner, np.full(n, len(self.grids) - 1)])
+            self.local = np.concatenate([self.local, np.arange(n)])
+            self.times = np.concatenate([self.times, np.full(n, np.inf)])
+            self.simulated = np.concatenate([self.simulated, np.zeros(n, dtype=bool)])
+            self.considered = np.concatenate([self.considered, np.zeros(n, dtype=bool)])
+        return fitted
+
+    def fit_lowest(self, points: int, key=lambda ps: ps.bound, eligible=lambda ps: True) -> None:
+        """Fit the unfitted ``eligible`` pairs lowest in ``key`` (their step bound, else their
+        bytes bound), at least ``points`` points' worth (with every pair tied with the last)."""
+        keys = np.concatenate([key(ps)[~ps.fitted & eligible(ps)] for ps in self.spaces])
+        sizes = np.concatenate([ps.sizes[~ps.fitted & eligible(ps)] for ps in self.spaces])
+        if not len(keys):
+            return
+        order = np.argsort(keys, kind="stable")
+        k = min(int(np.searchsorted(np.cumsum(sizes[order]), points)), len(order) - 1)
+        limit = keys[order[k]]
+        self.fit(lambda ps: eligible(ps) & (key(ps) <= limit))
+
+    def unfitted_least(self, key=lambda ps: ps.bound, eligible=lambda ps: True) -> float:
+        """The lowest ``key`` of an ``eligible`` pair not fitted yet (inf when none is left)."""
+        left = [key(ps)[~ps.fitted & eligible(ps)] for ps in self.spaces]
+        return min((float(x.min()) for x in left if len(x)), default=np.inf)
 
     @property
     def total(self) -> int:
-        return len(self.times)
+        """The candidates: the points fitted, and those in pairs never fitted (their bounds
+        ruled them out before their fit was checked)."""
+        return len(self.times) + sum(ps.unfitted_points() for ps in self.spaces)
+
+    @property
+    def all_fitted(self) -> bool:
+        return all(ps.fitted.all() for ps in self.spaces)
 
     @property
     def band(self) -> float:
         """Step times within the time model's error of the fastest: equally fast to the hedge."""
         return self.best * (1.0 + self.config.time_tolerance)
 
-    def by_grid(self, take: np.ndarray):
-        """(grid, its points among ``take``) for each grid ``take`` touches."""
-        for gi in np.unique(self.owner[take]):
-            yield gi, take[self.owner[take] == gi]
+    def by_layout(self, take: np.ndarray):
+        """(one grid of the points among ``take`` of one chunk size, those points) for each
+        chunk size ``take`` touches: the grids fitted in turns hold a chunk size's points in
+        pieces, and a simulation's cost is mostly per call, not per point."""
+        space_of = self.grid_space[self.owner[take]]
+        for si in np.unique(space_of):
+            rows = take[space_of == si]
+            yield self.rows_grid(rows), rows
 
-    def simulate(self, gi, sel: np.ndarray) -> None:
-        """Simulate points ``sel`` (all of grid ``gi``) with their most buffers."""
-        self.times[sel] = simulate_points(self.profile, self.hw, self.config, self.acts, self.grids[gi],
-                                          self.local[sel])
-        self.simulated[sel] = True
+    def rows_grid(self, rows: np.ndarray) -> CandidateGrid:
+        """A grid of points ``rows`` (of one chunk size), in their order."""
+        owners = self.owner[rows]
+        pieces = np.unique(owners)
+        first = self.grids[pieces[0]]
+        if len(pieces) == 1:
+            return replace(first, **{f: getattr(first, f)[self.local[rows]] for f in _POINT_COLUMNS})
+        cols = {}
+        for f in _POINT_COLUMNS:
+            col = np.empty(len(rows), dtype=getattr(first, f).dtype)
+            for gi in pieces:
+                m = owners == gi
+                col[m] = getattr(self.grids[gi], f)[self.local[rows[m]]]
+            cols[f] = col
+        return replace(first, **cols)
+
+    def simulate(self, grid: CandidateGrid, rows: np.ndarray, sel: np.ndarray) -> None:
+        """Simulate points ``rows[sel]`` (``grid``: ``rows_grid(rows)``) with their most buffers."""
+        self.times[rows[sel]] = simulate_points(self.profile, self.hw, self.config, self.acts, grid, sel)
+        self.simulated[rows[sel]] = True
         self.evaluated += len(sel)
 
     def knobs(self, i: int) -> Knobs:
@@ -167,23 +237,18 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     caps = candidate_capacities(profile, config)
     acts = activation_configs(profile, config, hw, least_state_drive_time(profile, config, hw, caps, budget))
     stats: dict = {}
-    grids = [candidate_grid(profile, hw, config, acts, cap, budget, stats, beat) for cap in caps]
-    if sum(len(g.lower_bound) for g in grids) == 0 and stats.get("beaten"):
-        return None         # points fit the device, and none of them can beat ``beat``
-    if sum(len(g.lower_bound) for g in grids) == 0:
-        raise diagnose_infeasible(profile, hw, config, budget, stats, acts, caps, search=search)
-    st = _SearchState.over(profile, hw, config, acts, grids)
+    spaces = [pair_space(profile, hw, config, acts, cap, budget) for cap in caps]
+    st = _SearchState(profile, hw, config, acts, budget, spaces, stats)
     st.best = beat        # the pruning starts from the incumbent: what cannot beat it is skipped
     _find_fastest(st)
+    if not len(st.times):
+        if not st.all_fitted:
+            return None     # the pairs' bounds rule out every point not fitted against ``beat``
+        for ps in spaces:
+            note_buffers(config, ps.seen, stats)
+        raise diagnose_infeasible(profile, hw, config, budget, stats, acts, caps, search=search)
     if not (st.times < beat).any():
         return None
-    if stats.get("beaten") and st.band > beat:
-        # A plan beats the incumbent: the hedge's band around it reaches past ``beat``, where
-        # the grids left points out. Fit them up to the band, and search those grids.
-        grids = [candidate_grid(profile, hw, config, acts, cap, budget, {}, st.band) for cap in caps]
-        st = _SearchState.over(profile, hw, config, acts, grids)
-        st.best = beat
-        _find_fastest(st)
     _simulate_hedge_band(st)
     tied, target = _hedge_ties(st)
     if config.pins.n_buffer is None:
@@ -199,56 +264,62 @@ def search(profile: ModelProfile, hw: HardwareProfile,
                             total=st.total), notes=notes, fastest_step=float(st.times.min()))
 
 
-def _in_bound_order(lbs: np.ndarray):
-    """Batches of point indices in increasing lower bound: the first few batches from a
-    partial sort (the search usually stops there), the rest from a full one."""
-    head = min(len(lbs), 16 * _BATCH)
-    first = np.argpartition(lbs, head - 1)[:head] if head < len(lbs) else np.arange(len(lbs))
-    first = first[np.argsort(lbs[first], kind="stable")]
-    for lo in range(0, len(first), _BATCH):
-        yield first[lo:lo + _BATCH]
-    if head < len(lbs):
-        rest = np.setdiff1d(np.arange(len(lbs)), first, assume_unique=True)
-        rest = rest[np.argsort(lbs[rest], kind="stable")]
-        for lo in range(0, len(rest), _BATCH):
-            yield rest[lo:lo + _BATCH]
-
-
 def _find_fastest(st: _SearchState) -> None:
-    """The fastest time: points in order of their lower bound until none can beat it. A bound
-    is summed in another order than the simulation: one a rounding error above the best time
-    may still be a plan tied with it (ties go to the lower peak, then the smaller knobs), so it
-    is simulated too."""
+    """The fastest time: points in order of their lower bound until none can beat it, the
+    pairs fitted as their bounds come up. A bound is summed in another order than the
+    simulation: one a rounding error above the best time may still be a plan tied with it
+    (ties go to the lower peak, then the smaller knobs), so it is simulated too."""
     tie = 1 + BOUND_ROUNDING
-    lbs = st.lower_bound
-    for take in _in_bound_order(lbs):
-        lowest = lbs[take[0]]
+    while True:
+        nxt = st.unfitted_least()
+        open_ = np.flatnonzero(~st.considered)
+        if not len(open_) and nxt == np.inf:
+            break
+        lbs = st.lower_bound
+        lowest = min(float(lbs[open_].min()) if len(open_) else np.inf, nxt)
         if lowest > st.best * tie:
             break
         if st.evaluated >= EXACT_SIMULATIONS and lowest >= st.best * (1 - TIE_TOLERANCE):
             st.early = (st.total - int(st.simulated.sum()), (st.best - lowest) / st.best)
             break
-        for gi, sel in st.by_grid(take):
-            lbs[sel] = refine_cpu_bound(st.profile, st.hw, st.config, st.acts, st.grids[gi], st.local[sel])
-            sel = sel[lbs[sel] <= st.best * tie]     # best only falls: the others can never win
+        below = open_[lbs[open_] <= nxt] if nxt < np.inf else open_
+        if nxt < np.inf and len(below) < _BATCH:
+            st.fit_lowest(_FIT_POINTS)      # a batch in bound order needs the pairs below it
+            continue
+        if len(below) > 4 * _BATCH:         # the batch's candidates, ties at its edge included
+            below = below[lbs[below] <= np.partition(lbs[below], _BATCH - 1)[_BATCH - 1]]
+        take = below[np.argsort(lbs[below], kind="stable")[:_BATCH]]
+        st.considered[take] = True
+        for g, rows in st.by_layout(take):
+            lbs[rows] = refine_cpu_bound(st.profile, st.hw, st.config, st.acts, g, np.arange(len(rows)))
+            sel = np.flatnonzero(lbs[rows] <= st.best * tie)  # best only falls: the rest can never win
             if len(sel):
-                st.simulate(gi, sel)
-                st.best = min(st.best, st.times[sel].min())
+                st.simulate(g, rows, sel)
+                st.best = min(st.best, st.times[rows[sel]].min())
 
 
 def _simulate_hedge_band(st: _SearchState) -> None:
     """The hedge's candidates: points whose bound lies in the band, by bytes moved (known
     without simulating), until the fewest bytes of a plan found in the band is below every
-    remaining point's."""
+    remaining point's; the pairs whose bounds say they may hold such points fitted as their
+    bytes come up."""
     band = st.band
+    in_band = lambda ps: ps.bound <= band * (1 + BOUND_ROUNDING)    # noqa: E731
+    by_bytes = lambda ps: ps.moved                                 # noqa: E731
     while True:
         least = st.moved[st.times <= band].min()
+        eligible = lambda ps: in_band(ps) & (ps.moved <= least)    # noqa: E731
+        nxt = st.unfitted_least(by_bytes, eligible)
         cand = np.flatnonzero(~st.simulated & (st.lower_bound <= band) & (st.moved <= least))
-        if not len(cand):
+        if not len(cand) and nxt == np.inf:
             break
-        take = cand[np.argsort(st.moved[cand], kind="stable")[:_BATCH]]
-        for gi, sel in st.by_grid(take):
-            st.simulate(gi, sel)
+        below = cand[st.moved[cand] <= nxt] if nxt < np.inf else cand
+        if nxt < np.inf and len(below) < _BATCH:
+            st.fit_lowest(_FIT_POINTS, by_bytes, eligible)
+            continue
+        take = below[np.argsort(st.moved[below], kind="stable")[:_BATCH]]
+        for g, rows in st.by_layout(take):
+            st.simulate(g, rows, np.arange(len(rows)))
 
 
 def _hedge_ties(st: _SearchState) -> tuple[list[int], tuple]:

@@ -229,11 +229,31 @@ def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerCo
     # In blocks of configurations (each with every n_persist), in the grid's order: every
     # column is elementwise over the points, and a block's temporaries stay in the cache.
     step = max(1, _BLOCK // len(nps))
-    seen = dict(any_buffers=False, least_buffers=1 << 30)
+    seen = new_seen()
     blocks = [_grid_block(profile, hw, config, acts, layout, budget, stats, seen, fits[lo:lo + step], nps, beat)
               for lo in range(0, max(len(fits), 1), step)]
+    note_buffers(config, seen, stats)
+    return CandidateGrid(layout, *(np.concatenate([b[k] for b in blocks]) for k in range(12)))
+
+
+def new_seen() -> dict:
+    """What ``_fitting_points`` gathers over a grid's blocks for ``note_buffers``."""
+    return dict(any_buffers=False, least_buffers=1 << 30)
+
+
+def note_buffers(config: PlannerConfig, seen: dict, stats: dict) -> None:
+    """Into ``stats`` (the diagnosis's): the fewest buffers a point of a grid needs, where a
+    pinned n_buffer is below every point's least (``seen``: gathered by ``_fitting_points``)."""
     if config.pins.n_buffer is not None and seen["least_buffers"] < 1 << 30 and not seen["any_buffers"]:
         stats["buffers_needed"] = min(stats.get("buffers_needed", 1 << 30), seen["least_buffers"])
+
+
+def grid_of_pairs(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
+                  seen: dict, a_idx: np.ndarray, np_idx: np.ndarray) -> CandidateGrid:
+    """``candidate_grid`` for the points (``a_idx``, ``np_idx``) alone (pairs.fit_blocks)."""
+    blocks = [_grid_columns(profile, hw, config, acts, layout, budget, stats, seen,
+                            a_idx[lo:lo + _BLOCK], np_idx[lo:lo + _BLOCK], np.inf)
+              for lo in range(0, max(len(a_idx), 1), _BLOCK)]
     return CandidateGrid(layout, *(np.concatenate([b[k] for b in blocks]) for k in range(12)))
 
 
@@ -245,8 +265,15 @@ def _grid_block(profile, hw, config, acts: ActivationConfigs, layout, budget: fl
                 seen: dict, fits: np.ndarray, nps: np.ndarray, beat: float) -> tuple:
     """The columns of ``CandidateGrid`` (after the layout) for the points of configurations
     ``fits`` that fit (and whose ``pair_floor`` does not rule them out against ``beat``)."""
+    a_idx, np_idx = (x.ravel() for x in np.meshgrid(fits, nps, indexing="ij"))
+    return _grid_columns(profile, hw, config, acts, layout, budget, stats, seen, a_idx, np_idx, beat)
+
+
+def _grid_columns(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
+                  seen: dict, a_idx: np.ndarray, np_idx: np.ndarray, beat: float) -> tuple:
+    """``_grid_block`` for the points (``a_idx``, ``np_idx``)."""
     a_idx, np_idx, nb, nbmin, peak, host, nv = _fitting_points(profile, hw, config, acts, layout, budget,
-                                                               stats, seen, fits, nps, beat)
+                                                               stats, seen, a_idx, np_idx, beat)
     bound = step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nb, host, nv)
     lb, fwd_lb, dev_lb, tail_lb = (np.broadcast_to(x, np.shape(a_idx)) for x in bound)
     # Bytes per micro-step: offloaded chunks up in forward and their gradients down; chunks
@@ -313,9 +340,9 @@ def _fitting_configs(profile, hw, config, acts: ActivationConfigs, layout, budge
 
 
 def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
-                    seen: dict, fits: np.ndarray, nps: np.ndarray, beat: float = np.inf):
+                    seen: dict, a_idx: np.ndarray, np_idx: np.ndarray, beat: float = np.inf):
     """(activation configuration, n_persist, n_buffer, least n_buffer, device peak, host
-    bytes, n_nvme) of the points of configurations ``fits`` x ``nps`` that fit, each with the
+    bytes, n_nvme) of the points (``a_idx``, ``np_idx``) that fit, each with the
     most buffers that fit and the fewest chunks with states on the drive that fit the host
     (``_drive_states``). ``seen`` gathers over the blocks of a grid whether any point has a
     pinned n_buffer's least buffers, and the fewest any needs."""
@@ -325,7 +352,6 @@ def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget
     buf = buffer_numel(layout, config.data_parallel_size) * planned_state_bytes(profile, config).buffer
     scratch = norm_scratch(profile, config, layout)
     drive_room = nvme_free_share(hw) / (1.0 + config.memory_margin)
-    a_idx, np_idx = (x.ravel() for x in np.meshgrid(fits, nps, indexing="ij"))
     rem = budget - acts.act_peak[a_idx] - persist[np_idx] - scratch[np_idx]
     nbmin = layout.min_buffers_table()[np_idx]
     if pins.n_buffer is not None:

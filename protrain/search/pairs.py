@@ -1,0 +1,135 @@
+"""The candidate space bounded before it is fitted: per chunk size, the activation
+configurations that fit next to the fewest persistent chunks, sorted by their recompute and
+cut into blocks of ``BLOCK_CONFIGS``; each block with each n_persist is one pair of the space,
+with a lower bound on the step of every point in it and on the bytes it moves. The search
+(loop.py) fits a pair - works out its points' buffers, host memory, chunks on the drive and
+exact bounds (space.grid_of_pairs) - only once its bounds say a point in it may be needed: the
+fastest plan's, in bound order, or the hedge's, within the band and below the fewest bytes
+found. A 70B model with a drive has millions of points, of which a few tens of thousands
+are ever needed.
+
+The bounds are ``bounds.step_lower_bound`` and the bytes of ``space``'s grid, taken at the
+block's least recompute, forward writes, swapped and drive bytes and activation peak (each only
+rises with those), with the host-side figures bounded over the block (``_floors``);
+tests/test_search.py checks every point of a fitted pair against its pair."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..config import PlannerConfig
+from ..cost.memory import activation_file_space, buffer_numel
+from ..layout import ChunkLayout, build_layout
+from ..profile.hardware import HardwareProfile
+from ..profile.model_profile import ModelProfile
+from ..cost.host_share import host_memory_share
+from .bounds import step_lower_bound
+from .candidates import ActivationConfigs, CandidateGrid
+from .policy import norm_scratch, planned_state_bytes
+from .space import (_drive_states, _fitting_configs, _state_io_top, _state_top, chunk_bytes_prefix,
+                    grid_of_pairs, model_state_bytes, new_seen, reupload_bytes)
+
+BLOCK_CONFIGS = 64
+"""Activation configurations per block: fewer bound the points more tightly, more make the
+pairs fewer (their bounds are computed for every pair up front)."""
+
+
+@dataclass
+class PairSpace:
+    """One chunk size's pairs (block of configurations, n_persist), fitted or not."""
+
+    layout: ChunkLayout
+    order: np.ndarray
+    """The configurations that fit next to the fewest persistent chunks, by recompute, then
+    forward's writes."""
+    starts: np.ndarray
+    """Block b holds ``order[starts[b]:starts[b + 1]]``."""
+    block: np.ndarray
+    """[V] each pair's block."""
+    n_persist: np.ndarray
+    """[V] each pair's n_persist."""
+    bound: np.ndarray
+    """[V] a lower bound on the step (``step_lower_bound``) of every point of the pair."""
+    moved: np.ndarray
+    """[V] a lower bound on the bytes every point of the pair moves per step."""
+    fitted: np.ndarray
+    """[V] whether the pair's points are in the search's grids."""
+    seen: dict
+    """What fitting gathers for the diagnosis (``space.note_buffers``)."""
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """[V] points in each pair (before fitting)."""
+        return (self.starts[1:] - self.starts[:-1])[self.block]
+
+    def unfitted_points(self) -> int:
+        return int(self.sizes[~self.fitted].sum())
+
+
+def pair_space(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig, acts: ActivationConfigs,
+               chunk_numel: int, budget: float, block_configs: int = BLOCK_CONFIGS) -> PairSpace:
+    """The pairs of chunks of ``chunk_numel`` elements, none fitted (``budget``: the device's
+    bytes, the margin taken off), in blocks of ``block_configs`` configurations."""
+    layout = build_layout(profile, chunk_numel)
+    fits, nps = _fitting_configs(profile, hw, config, acts, layout, budget)
+    order = fits[np.lexsort((acts.fwd_write[fits], acts.recompute[fits]))]
+    starts = np.append(np.arange(0, len(order), block_configs), len(order)).astype(np.int64)
+    heads = starts[:-1]
+    least = (lambda x: np.minimum.reduceat(x[order], heads)) if len(order) else (lambda x: x[:0])  # noqa: E731
+    # A configuration per block with the least of each figure the bounds rise with.
+    floor_acts = replace(acts, recompute=least(acts.recompute), fwd_write=least(acts.fwd_write),
+                         swap_host=least(acts.swap_host), ssd=least(acts.ssd), act_peak=least(acts.act_peak))
+    block, n_persist = (x.ravel() for x in np.meshgrid(np.arange(len(heads)), nps, indexing="ij"))
+    swap_most = np.maximum.reduceat(acts.swap_host[order], heads) if len(order) else acts.swap_host[:0]
+    bound, moved = _floors(profile, hw, config, floor_acts, swap_most, layout, budget, block, n_persist)
+    return PairSpace(layout, order, starts, block, n_persist, bound, moved,
+                     fitted=np.zeros(len(block), dtype=bool), seen=new_seen())
+
+
+def _floors(profile, hw, config, floor_acts: ActivationConfigs, swap_most, layout, budget: float, block,
+            n_persist):
+    """Per pair: a lower bound on the step (``step_lower_bound``) and on the bytes moved per step
+    (``space._grid_block``'s ``moved``) of each of its points. Both take the most buffers the
+    least activation peak leaves (re-uploads only fall with buffers), the least swapped and
+    drive bytes, and for the drive's floor and bytes the fewest chunks' states on the drive,
+    those the least host bytes need; the verdict's chain takes the most, those the most host
+    bytes need (``swap_most``), and the least host memory a point can hold after moving its
+    states (the speculation's room: a point that moved some holds at least the host share
+    less one chunk's states, for it moved the fewest that fit)."""
+    if not len(block):
+        return np.zeros(0), np.zeros(0)
+    nch = layout.n_chunks
+    persist, host_state = model_state_bytes(profile, config, layout)
+    buf = buffer_numel(layout, config.data_parallel_size) * planned_state_bytes(profile, config).buffer
+    rem = budget - floor_acts.act_peak[block] - persist[n_persist] - norm_scratch(profile, config, layout)[n_persist]
+    nb = (np.full_like(n_persist, config.pins.n_buffer) if config.pins.n_buffer is not None else
+          np.minimum(np.maximum(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0), nch - n_persist))
+    host = host_state[n_persist] + floor_acts.swap_host[block]
+    ssd = activation_file_space(floor_acts.ssd[block], profile.n_blocks)
+    nv = np.minimum(_drive_states(profile, hw, config, layout, n_persist, host, ssd, {})[0], nch - n_persist)
+    nv_most = np.minimum(_drive_states(profile, hw, config, layout, n_persist, host_state[n_persist] +
+                                       swap_most[block], ssd, {})[0], nch - n_persist)
+    top = _state_top(profile, config, layout)
+    host_least = np.where(nv_most > 0, np.minimum(host, host_memory_share(hw) - int(np.diff(top).max(initial=0))),
+                          host)
+    bound = step_lower_bound(profile, hw, config, floor_acts, layout, block, n_persist, nb, host_least, nv,
+                             nvme_most=nv_most)[0]
+    ub = chunk_bytes_prefix(layout, profile, config)
+    moved = config.grad_accumulation_steps * (
+        2.0 * (ub[nch] - ub[n_persist]) + reupload_bytes(layout, profile, config, n_persist, nb) +
+        2.0 * (floor_acts.swap_host[block] + floor_acts.ssd[block])) + _state_io_top(profile, config, layout)[nv]
+    return bound, moved
+
+
+def fit_pairs(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig, acts: ActivationConfigs,
+              ps: PairSpace, which: np.ndarray, budget: float, stats: dict) -> CandidateGrid:
+    """The points of pairs ``which`` that fit (``space.grid_of_pairs``); marks them fitted."""
+    ps.fitted[which] = True
+    b = ps.block[which]
+    lens = ps.starts[b + 1] - ps.starts[b]
+    first = np.repeat(ps.starts[b], lens)
+    offset = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    a_idx = ps.order[first + offset]
+    np_idx = np.repeat(ps.n_persist[which], lens)
+    return grid_of_pairs(profile, hw, config, acts, ps.layout, budget, stats, ps.seen, a_idx, np_idx)
