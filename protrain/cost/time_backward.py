@@ -72,7 +72,8 @@ def _reupload(costs: StepCosts, q: QueueState, j: int, grad_out: np.ndarray, ava
     src = np.minimum(j + costs.nbuf, n_chunks - 1)
     end = np.maximum(np.maximum(q.h2d, np.where(need, grad_out[src, costs.rows], 0.0)),
                      q.comp if costs.serial else 0.0) + costs.t_up[j]
-    q.record("h2d", "upload", f"chunk {j}", end - costs.t_up[j], end, need)
+    if q.trace is not None:
+        q.record("h2d", "upload", f"chunk {j}", end - costs.t_up[j], end, need)
     q.h2d = np.where(need, end, q.h2d)
     avail[j] = np.where(need, end, 0.0)
     if costs.serial:
@@ -100,17 +101,21 @@ def _part_backward(costs: StepCosts, q: QueueState, p: int, avail: np.ndarray,
     rec = full | (m == SEL)
     if chunks:
         all_ready = avail[list(chunks)].max(axis=0)
-        q.record("compute", "recompute", part.name, np.maximum(q.comp, all_ready),
-                 np.maximum(q.comp, all_ready) + redo, rec)
+        if q.trace is not None:
+            q.record("compute", "recompute", part.name, np.maximum(q.comp, all_ready),
+                     np.maximum(q.comp, all_ready) + redo, rec)
         q.comp = np.where(rec, np.maximum(q.comp, all_ready) + redo, q.comp)
         for c, share in zip(reversed(chunks), reversed(costs.layout.part_chunk_share[p])):
-            q.record("compute", "bwd", part.name, np.maximum(q.comp, avail[c]),
-                     np.maximum(q.comp, avail[c]) + part.bwd_time * share)
+            if q.trace is not None:
+                q.record("compute", "bwd", part.name, np.maximum(q.comp, avail[c]),
+                         np.maximum(q.comp, avail[c]) + part.bwd_time * share)
             q.comp = np.maximum(q.comp, avail[c]) + part.bwd_time * share
     else:
-        q.record("compute", "recompute", part.name, q.comp, q.comp + redo, rec)
+        if q.trace is not None:
+            q.record("compute", "recompute", part.name, q.comp, q.comp + redo, rec)
         q.comp = np.where(rec, q.comp + redo, q.comp)
-        q.record("compute", "bwd", part.name, q.comp, q.comp + part.bwd_time)
+        if q.trace is not None:
+            q.record("compute", "bwd", part.name, q.comp, q.comp + part.bwd_time)
         q.comp = q.comp + part.bwd_time
 
 
@@ -122,7 +127,8 @@ def _prefetch_activations(costs: StepCosts, q: QueueState, b: int, start: np.nda
     name, saved, modes = costs.profile.parts[b].name, costs.saved, costs.modes
     sw = (modes[b] == SWAP) | (modes[b] == CKPT_HOST)
     end = np.maximum(q.h2d, start) + saved[b] / costs.rr.h2d
-    q.record("h2d", "swap_in", name, end - saved[b] / costs.rr.h2d, end, sw)
+    if q.trace is not None:
+        q.record("h2d", "swap_in", name, end - saved[b] / costs.rr.h2d, end, sw)
     q.h2d = np.where(sw, end, q.h2d)
     swap_in_end[b] = np.where(sw, end, 0.0)
     q.h2d_bytes += np.where(sw, saved[b], 0)
@@ -132,7 +138,8 @@ def _prefetch_activations(costs: StepCosts, q: QueueState, b: int, start: np.nda
     if sd.any():
         queue = q.ssd_r if costs.gds else q.h2d
         end = np.maximum(queue, start) + costs.r_time[b]
-        q.record("nvme", "nvme_read", name, end - costs.r_time[b], end, sd)
+        if q.trace is not None:
+            q.record("nvme", "nvme_read", name, end - costs.r_time[b], end, sd)
         q.drive_busy[0] += np.where(sd, costs.r_time[b], 0.0)
         if costs.gds:
             q.ssd_r = np.where(sd, end, q.ssd_r)
@@ -151,13 +158,16 @@ def _offload_gradient(costs: StepCosts, q: QueueState, c: int, grad_out: np.ndar
         # queue (the runtime's persistent_backward_done); the step's end waits for what is left.
         start = np.maximum(q.net, q.comp)
         end = start + costs.t_allreduce[c]
-        q.record("collective", "all_reduce", f"chunk {c}", start, end, ~offl)
+        if q.trace is not None:
+            q.record("collective", "all_reduce", f"chunk {c}", start, end, ~offl)
         q.net = np.where(offl, q.net, end)
     if costs.serial and not costs.checks_on_host and costs.t_check[c]:   # the "device" checks, inline
-        q.record("compute", "check", f"chunk {c}", q.comp, q.comp + costs.t_check[c], offl)
+        if q.trace is not None:
+            q.record("compute", "check", f"chunk {c}", q.comp, q.comp + costs.t_check[c], offl)
         q.comp = np.where(offl, q.comp + costs.t_check[c], q.comp)
     d_end = np.maximum(q.d2h, q.comp) + costs.t_down[c]
-    q.record("d2h", "offload", f"chunk {c}", d_end - costs.t_down[c], d_end, offl)
+    if q.trace is not None:
+        q.record("d2h", "offload", f"chunk {c}", d_end - costs.t_down[c], d_end, offl)
     q.d2h = np.where(offl, d_end, q.d2h)
     grad_out[c] = np.where(offl, d_end, q.comp)
     q.d2h_bytes += np.where(offl, costs.chunk_bytes(c), 0)
@@ -197,7 +207,8 @@ def _update_now(costs: StepCosts, q: QueueState, c: int, which: np.ndarray, d_en
     (and its states, where they are on the drive: ``cost.time_state_io``); ``t_turn``: its
     time there (the update, or the speculation's check, backup and update)."""
     c_end, turn = staged_update_masked(costs, q, c, which, d_end, q.cpu, d_end, t_turn)
-    q.record("cpu_adam", what, f"chunk {c}", c_end - turn, c_end, which)
+    if q.trace is not None:
+        q.record("cpu_adam", what, f"chunk {c}", c_end - turn, c_end, which)
     q.cpu = np.where(which, c_end, q.cpu)
     q.done_at[c] = c_end
     q.cpu_busy += np.where(which, turn, 0.0)
@@ -304,7 +315,8 @@ def _host_check(costs: StepCosts, q: QueueState, c: int, which: np.ndarray, d_en
     if not costs.t_host_check[c]:
         return
     end = np.maximum(q.cpu, d_end) + costs.t_host_check[c]
-    q.record("cpu_adam", "check", f"chunk {c}", end - costs.t_host_check[c], end, which)
+    if q.trace is not None:
+        q.record("cpu_adam", "check", f"chunk {c}", end - costs.t_host_check[c], end, which)
     q.check_busy += np.where(which, costs.t_host_check[c], 0.0)
     if costs.inline:
         q.comp = np.where(which, end, q.comp)

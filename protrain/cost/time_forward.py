@@ -37,7 +37,8 @@ def simulate_forward(costs: StepCosts, q: QueueState) -> np.ndarray:
                     _upload(costs, q, uploaded, released, ready)
                     uploaded += 1
                 q.comp = np.maximum(q.comp, ready[c])
-            q.record("compute", "fwd", part.name, q.comp, q.comp + part.fwd_time * share)
+            if q.trace is not None:
+                q.record("compute", "fwd", part.name, q.comp, q.comp + part.fwd_time * share)
             q.comp = q.comp + part.fwd_time * share
         for c in last_of[p]:
             released[c] = q.comp
@@ -55,7 +56,8 @@ def _upload(costs: StepCosts, q: QueueState, j: int, released: np.ndarray, ready
     wait = np.where(offl & (src >= costs.npers), released[np.maximum(src, 0), costs.rows], 0.0)
     q.up_start[j] = np.maximum(np.maximum(q.h2d, wait), q.comp if costs.serial else 0.0)
     end = q.up_start[j] + costs.t_up[j]
-    q.record("h2d", "upload", f"chunk {j}", q.up_start[j], end, offl)
+    if q.trace is not None:
+        q.record("h2d", "upload", f"chunk {j}", q.up_start[j], end, offl)
     q.h2d = np.where(offl, end, q.h2d)
     ready[j] = np.where(offl, end, 0.0)
     if costs.shared:
@@ -69,7 +71,8 @@ def _write_out_activations(costs: StepCosts, q: QueueState, p: int, swap_out_end
     part, saved, modes = costs.profile.parts[p], costs.saved, costs.modes
     sw = (modes[p] == SWAP) | (modes[p] == CKPT_HOST)
     end = np.maximum(q.d2h, q.comp) + saved[p] / costs.rr.d2h
-    q.record("d2h", "swap_out", part.name, end - saved[p] / costs.rr.d2h, end, sw)
+    if q.trace is not None:
+        q.record("d2h", "swap_out", part.name, end - saved[p] / costs.rr.d2h, end, sw)
     q.d2h = np.where(sw, end, q.d2h)
     swap_out_end[p] = np.where(sw, end, 0.0)
     q.d2h_bytes += np.where(sw, saved[p], 0)
@@ -81,7 +84,8 @@ def _write_out_activations(costs: StepCosts, q: QueueState, p: int, swap_out_end
     if sd.any():
         queue = q.ssd_w if costs.gds else q.d2h
         end = np.maximum(queue, q.comp) + costs.w_time[p]
-        q.record("nvme", "nvme_write", part.name, end - costs.w_time[p], end, sd)
+        if q.trace is not None:
+            q.record("nvme", "nvme_write", part.name, end - costs.w_time[p], end, sd)
         q.drive_busy[1] += np.where(sd, costs.w_time[p], 0.0)
         if costs.gds:
             q.ssd_w = np.where(sd, end, q.ssd_w)

@@ -71,7 +71,7 @@ def staged_update(costs: StepCosts, q: QueueState, rows: np.ndarray, j, want, cp
         q.w_iss[rows] = w_end
     else:
         q.w_iss[rows], q.w_len[rows] = end, t_w
-    q.slots[:, rows] = np.roll(q.slots[:, rows], -1, axis=0)
+    q.slots[:-1, rows] = q.slots[1:, rows]                  # the ring moves on by one use
     q.slots[-1, rows] = np.inf if not costs.hw.nvme_duplex else q.w_iss[rows]
     q.drive_busy[0, rows] += t_r
     q.drive_busy[1, rows] += t_w

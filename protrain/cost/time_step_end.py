@@ -36,7 +36,8 @@ def simulate_step_end(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> S
         device_end = np.maximum(bwd_end, q.cpu) + gpu_optim
     else:
         device_end = bwd_end + gpu_optim
-    q.record("compute", "device_adam", "persistent chunks", device_end - gpu_optim, device_end)
+    if q.trace is not None:
+        q.record("compute", "device_adam", "persistent chunks", device_end - gpu_optim, device_end)
     iter_time = np.maximum(device_end, q.cpu)
     # Exposed: CPU Adam past the device's own work. On one timeline (a CPU "device") that is
     # the updates left for after backward (the inline ones count as backward's time).
@@ -94,7 +95,9 @@ def _deferred_in_host(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> N
         tail = np.where(offl, end, tail)
         q.done_at[c] = np.where(offl, end, q.done_at[c])
         q.cpu_busy += np.where(offl, costs.t_adam[c] + extra, 0.0)
-        q.record("cpu_adam", "rollback", f"chunk {c}", start - extra, start, offl & (np.asarray(extra) > 0))
-        q.record("cpu_adam", "redo" if redo_from is not None and c >= redo_from else "adam",
-                 f"chunk {c}", start, end, offl)
+        if q.trace is not None:
+            q.record("cpu_adam", "rollback", f"chunk {c}", start - extra, start, offl & (np.asarray(extra) > 0))
+        if q.trace is not None:
+            q.record("cpu_adam", "redo" if redo_from is not None and c >= redo_from else "adam",
+                     f"chunk {c}", start, end, offl)
     q.cpu = np.where(np.logical_or.reduce([offl for _, offl, _, _ in q.deferred]), tail, q.cpu)

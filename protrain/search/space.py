@@ -152,21 +152,24 @@ def candidate_capacities(profile: ModelProfile, config: PlannerConfig) -> tuple[
 
 def search_floor(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig) -> float:
     """A lower bound on the step time of any plan ``search`` could return for ``profile``,
-    from the chunk layouts and the persistent counts that fit alone (``bounds.degree_floor``):
-    milliseconds, where the search builds and bounds every point. 0 where the search would
-    refuse the configuration (it says why)."""
+    from the chunk layouts and the persistent counts that fit alone (``bounds.degree_floor``),
+    and the drive's time for the optimizer states every plan keeps there
+    (``least_state_drive_time``): milliseconds, where the search builds and bounds every
+    point. 0 where the search would refuse the configuration (it says why)."""
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     budget = hw.device_memory / (1.0 + config.memory_margin)
     try:
         floors = []
-        for cap in candidate_capacities(profile, config):
+        caps = candidate_capacities(profile, config)
+        for cap in caps:
             layout = build_layout(profile, cap)
             nps = _persistent_counts(profile, config, layout, model_state_bytes(profile, config, layout)[0],
                                      budget)
             floors.append(float(degree_floor(profile, hw, config, layout, nps).min()))
+        drive = least_state_drive_time(profile, config, hw, caps, budget)
     except InfeasibleError:
         return 0.0
-    return min(floors, default=0.0)
+    return max(min(floors, default=0.0), drive)
 
 
 _WALK_BATCH = 4096
