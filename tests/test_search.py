@@ -757,3 +757,30 @@ def test_the_search_fits_only_the_points_its_pairs_bounds_may_need(overlap, monk
     grid = space.candidate_grid(prof, hw, config, acts, cap, budget, stats, fastest * 1.001)
     assert stats["beaten"] > 0 and len(grid.lower_bound) < len(
         space.candidate_grid(prof, hw, config, acts, cap, budget, {}).lower_bound)
+
+
+@pytest.mark.parametrize("duplex", [False, True])
+def test_the_speculating_reads_bound_holds_on_a_model_with_most_states_on_the_drive(duplex):
+    """``bounds.refine_speculating_reads`` (the speculating chunks on the drive wait for their
+    states' reads) lies below the simulated step of every point sampled from llama2-7b with
+    96 GiB of host memory and a drive (points that keep states there), and above the coarse
+    bound for some: it is what orders such searches."""
+    from protrain.search import bounds, evaluation, space
+    hw = replace(machine("h100-80gb").profile(host_memory=96 * GiB), nvme_write_bandwidth=12e9,
+                 nvme_read_bandwidth=12e9, nvme_gds=True, nvme_free_bytes=2**40, nvme_duplex=duplex)
+    prof = analytic_profile(replace(PRESETS["llama2-7b"], micro_batch=4, seq_len=1024), hw)
+    config = PlannerConfig(cpu_optim_overlap=False, cpu_optim_speculative=True)
+    budget = hw.device_memory / (1 + config.memory_margin)
+    acts = space.activation_configs(prof, config, hw)
+    raised = 0
+    for cap in space.candidate_capacities(prof, config):
+        grid = space.candidate_grid(prof, hw, config, acts, cap, budget, {})
+        idx = np.flatnonzero(grid.n_nvme > 0)
+        idx = idx[::max(1, len(idx) // 160)][:160]
+        if not len(idx):
+            continue
+        t = evaluation.simulate_points(prof, hw, config, acts, grid, idx)
+        refined = bounds.refine_cpu_bound(prof, hw, config, acts, grid, idx)
+        assert (refined <= t * (1 + 1e-12)).all()
+        raised += int((refined > grid.lower_bound[idx] * (1 + 1e-6)).sum())
+    assert raised > 0

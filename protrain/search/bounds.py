@@ -13,6 +13,7 @@ from ..cost.chunk_times import (backup_times, check_times, chunk_transfer_times,
                                 state_io_times)
 from ..cost.host_share import rank_rates
 from ..profile.hardware import HardwareProfile
+from ..state_tier import STAGING_SLOTS
 from ..profile.model_profile import ModelProfile
 from .candidates import ActivationConfigs, CandidateGrid
 from .policy import checks_on_host, speculation_max, speculative_writes, weak_cpu_bound
@@ -242,6 +243,32 @@ class SpeculatingIterationBound:
         backups = self.backup_top[s] - self.backup_top[np.minimum(s, n_nvme)]
         return np.maximum(self._chain(s, backups, rows), after)
 
+    def with_reads(self, s_max, t_read, t_write, *, shared: bool, pinned: bool) -> np.ndarray:
+        """Per plan: the least over s in [0, s_max] (at s_max where ``pinned``) of ``at(s)`` and
+        ``chain_after_reads`` (``refine_speculating_reads``): a [plans, counts] table."""
+        plans = len(self.n_off)
+        s = np.arange(len(self.adam_top))[None, :]
+        n_off, nv = self.n_off[:, None], self.n_nvme[:, None]
+        backward = np.broadcast_to(self.backward, (plans,))[:, None]
+        adam = self.adam[:, None]
+        after = np.where(s < n_off, backward + adam - self.adam_top[s] + self.up_next[s], backward)
+        backups = self.backup_top[s] - self.backup_top[np.minimum(s, nv)]
+        uploads = np.where(self._offloading[:, None], self.up_next[np.minimum(s, self._last[:, None])], 0.0)
+        chain = self._base[:, None] + backups + uploads
+        # chain_after_reads: the k-th speculating chunk on the drive starts once its read is
+        # done; the CPU has the updates from it on, the backups and the uploads still to do.
+        top = lambda t: np.concatenate([[0.0], np.cumsum(t[::-1])])    # noqa: E731  (last k chunks)
+        k = np.minimum(s, nv)
+        ready = self.lead[:, None] + top(t_read)[k]
+        if shared:
+            ready = ready + top(t_write)[np.maximum(k - STAGING_SLOTS, 0)]
+        drive = np.where(k > 0, ready + adam - self.adam_top[np.maximum(k - 1, 0)] + backups + uploads, -np.inf)
+        value = np.maximum(np.maximum(chain, after), drive)
+        s_max = np.asarray(s_max)
+        if pinned:
+            return value[np.arange(plans), np.minimum(s_max, n_off[:, 0])]
+        return np.where((s <= s_max[:, None]) & (s <= n_off), value, np.inf).min(axis=1)
+
     def least(self, s_max):
         # s < n_off: after(s) >= backward + adam - fall[s], fall nondecreasing; chain(s) >= it
         # from s_cross on.
@@ -337,7 +364,11 @@ def refine_cpu_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
     offload, plus Adam over c and every offloaded chunk below it. Near the optimum of a
     CPU-bound model thousands of plans differ by less than the slack of the coarse bound
     (which counts only the last chunk and no recompute); this one tells them apart."""
-    if not config.cpu_optim_overlap or not len(idx) or weak_cpu_bound(config, hw):
+    if not len(idx):
+        return grid.lower_bound[idx]
+    if speculating_reads(config, hw, grid):
+        return refine_speculating_reads(profile, hw, config, grid, idx)
+    if not config.cpu_optim_overlap or weak_cpu_bound(config, hw):
         return grid.lower_bound[idx]
     layout = grid.layout
     nch = layout.n_chunks
@@ -357,3 +388,42 @@ def refine_cpu_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
     cpu = np.where(npi < nch, chain[np.arange(len(idx)), npi] - adam_upto[npi], 0.0)
     refined = grid.fwd_lb[idx] + np.maximum(grid.dev_lb[idx], cpu) + grid.tail_lb[idx]
     return np.maximum(grid.lower_bound[idx], refined)
+
+
+def speculating_reads(config: PlannerConfig, hw: HardwareProfile, grid: CandidateGrid) -> bool:
+    """Whether ``refine_speculating_reads`` may raise the bounds of ``grid``'s points."""
+    return (not config.cpu_optim_overlap and weak_cpu_bound(config, hw) and config.cpu_optim_speculative
+            and bool((grid.n_nvme > 0).any()))
+
+
+def refine_speculating_reads(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
+                             grid: CandidateGrid, idx: np.ndarray) -> np.ndarray:
+    """A tighter lower bound for points ``idx`` of ``grid`` whose CPU Adam waits for the step's
+    verdict and speculates (``SpeculatingIterationBound``), where some keep states on the
+    drive: the speculating chunks are the top ones, so the first to speculate are those on the
+    drive, each update after its states' read. The read of the k-th of them ends at least the
+    first gradient's landing plus the reads of the k and, on a drive whose reads and writes
+    share its time, the write-backs of the uses ``STAGING_SLOTS`` before it (their buffers
+    free before its read is issued: ``cost.time_state_io``); then the CPU has every update
+    from the k-th on, the backups and the uploads ahead (``chain_after_reads``). The least
+    over the counts s the point may speculate with of the three chains. Computed for the
+    points about to be simulated: a [points, counts] table. Where the drive's reads outpace
+    the speculating updates, this is the bound (8 ranks of a 70B model with most states on
+    a drive: thousands of plans bound within 0.3% of the best, simulated 4% slower)."""
+    base = grid.lower_bound[idx]
+    nv = grid.n_nvme[idx]
+    layout = grid.layout
+    world = config.data_parallel_size
+    npi, nb = grid.n_persist[idx], grid.n_buffer[idx]
+    rr = rank_rates(hw)
+    prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
+    gpu = prefix[npi] / rr.device_adam + allreduce_after_backward(layout, npi, hw, world)
+    bwd_lb = grid.dev_lb[idx] - gpu
+    checks = host_checks(layout, hw, config, npi)
+    sb = SpeculatingIterationBound(profile, layout, hw, config, npi,
+                                   backward_bound(profile, layout, hw, world, npi, nb, bwd_lb), checks, nv)
+    s_max = speculation_max(layout, hw, config, npi, grid.host[idx], nv)
+    t_read, t_write = state_io_times(layout, hw, world, profile.param_bytes < 4, speculative_writes(config))
+    bound = sb.with_reads(s_max, t_read, t_write, shared=not hw.nvme_duplex,
+                          pinned=config.speculate_chunks is not None)
+    return np.maximum(base, bound + grid.tail_lb[idx])

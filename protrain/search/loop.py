@@ -33,7 +33,7 @@ from ..plan import Alternative, Knobs, Plan
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..units import fmt_bytes, fmt_seconds
-from .bounds import refine_cpu_bound
+from .bounds import refine_cpu_bound, refine_speculating_reads, speculating_reads
 from .candidates import ActivationConfigs, CandidateGrid
 from .diagnosis import diagnose_infeasible
 from .evaluation import evaluate, simulate_points
@@ -113,6 +113,9 @@ class _SearchState:
     """The chunk size (index into ``spaces``) of each grid."""
     considered: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     """Points the fastest-time phase has taken (simulated, or ruled out by their refined bound)."""
+    refine_on_fit: bool = True
+    """Whether fitted points get their refined bounds at once (``bounds.speculating_reads``):
+    the fastest-time phase orders by them; the hedge refines only what it would simulate."""
     best: float = np.inf
     """The fastest step time simulated."""
     evaluated: int = 0
@@ -135,6 +138,12 @@ class _SearchState:
             n = len(g.lower_bound)
             if not n:
                 continue
+            if self.refine_on_fit and speculating_reads(self.config, self.hw, g):
+                # Cheap next to a simulation, and it orders the points far better where
+                # speculating updates wait for their states' reads.
+                g.lower_bound = np.concatenate([
+                    refine_speculating_reads(self.profile, self.hw, self.config, g, np.arange(lo, min(lo + 4096, n)))
+                    for lo in range(0, n, 4096)])
             self.grids.append(g)
             self.grid_space = np.append(self.grid_space, self.spaces.index(ps))
             self.lower_bound = np.concatenate([self.lower_bound, g.lower_bound])
@@ -309,16 +318,22 @@ def _find_fastest(st: _SearchState) -> None:
 def _simulate_hedge_band(st: _SearchState) -> None:
     """The hedge's candidates: points whose bound lies in the band, by bytes moved (known
     without simulating), until the fewest bytes of a plan found in the band is below every
-    remaining point's; the pairs whose bounds say they may hold such points fitted as their
-    bytes come up."""
+    remaining point's (or equal, and its time below their bounds); the pairs whose bounds say
+    they may hold such points fitted as their bytes come up."""
     band = st.band
+    st.refine_on_fit = False
     in_band = lambda ps: ps.bound <= band * (1 + BOUND_ROUNDING)    # noqa: E731
     by_bytes = lambda ps: ps.moved                                 # noqa: E731
     while True:
-        least = st.moved[st.times <= band].min()
-        eligible = lambda ps: in_band(ps) & (ps.moved <= least)    # noqa: E731
+        found = st.times <= band
+        least = st.moved[found].min()
+        # A point moving as little as the least found must also be faster than it to win.
+        fastest = st.times[found & (st.moved == least)].min() * (1 + BOUND_ROUNDING)
+        eligible = lambda ps: in_band(ps) & ((ps.moved < least) | ((ps.moved == least) & (ps.bound <= fastest)))  # noqa: E731,E501
         nxt = st.unfitted_least(by_bytes, eligible)
-        cand = np.flatnonzero(~st.simulated & (st.lower_bound <= band) & (st.moved <= least))
+        lbs = st.lower_bound
+        cand = np.flatnonzero(~st.simulated & (lbs <= band) &
+                              ((st.moved < least) | ((st.moved == least) & (lbs <= fastest))))
         if not len(cand) and nxt == np.inf:
             break
         below = cand[st.moved[cand] <= nxt] if nxt < np.inf else cand
@@ -327,7 +342,10 @@ def _simulate_hedge_band(st: _SearchState) -> None:
             continue
         take = below[np.argsort(st.moved[below], kind="stable")[:_BATCH]]
         for g, rows in st.by_layout(take):
-            st.simulate(g, rows, np.arange(len(rows)))
+            lbs[rows] = refine_cpu_bound(st.profile, st.hw, st.config, st.acts, g, np.arange(len(rows)))
+            sel = np.flatnonzero(lbs[rows] <= band)     # the others never enter the band
+            if len(sel):
+                st.simulate(g, rows, sel)
 
 
 def _hedge_ties(st: _SearchState) -> tuple[list[int], tuple]:
