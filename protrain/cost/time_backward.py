@@ -25,7 +25,7 @@ import numpy as np
 
 from ..block_mode import CKPT, CKPT_HOST, CKPT_SSD, SEL, SSD, SWAP
 from .time_queues import QueueState, StepCosts
-from .time_state_io import nvme_turn, staged_update, staged_update_masked
+from .time_state_io import at_rows, nvme_turn, staged_update, staged_update_masked
 
 
 def simulate_backward(costs: StepCosts, q: QueueState) -> np.ndarray:
@@ -222,9 +222,9 @@ def push_pending(q: QueueState, c: int, which: np.ndarray, d_end: np.ndarray, ex
     rows = np.flatnonzero(which)
     if not len(rows):
         return
-    q.grads_at[c, rows] = np.broadcast_to(d_end, which.shape)[rows]
+    q.grads_at[c, rows] = at_rows(d_end, rows)
     if np.any(extra):
-        q.extra[c, rows] = np.broadcast_to(extra, which.shape)[rows]
+        q.extra[c, rows] = at_rows(extra, rows)
     q.pending[q.n_pending[rows], rows] = c
     q.n_pending[rows] += 1
 
@@ -235,10 +235,9 @@ def push_drive(q: QueueState, c: int, which: np.ndarray, d_end, want, extra=0.0)
     rows = np.flatnonzero(which)
     if not len(rows):
         return
-    shape = which.shape
-    q.grads_at[c, rows] = np.broadcast_to(d_end, shape)[rows]
-    q.extra[c, rows] = np.broadcast_to(extra, shape)[rows]
-    q.want_at[c, rows] = np.broadcast_to(want, shape)[rows]
+    q.grads_at[c, rows] = at_rows(d_end, rows)
+    q.extra[c, rows] = at_rows(extra, rows)
+    q.want_at[c, rows] = at_rows(want, rows)
     q.nvq[q.nv_tail[rows], rows] = c
     q.nv_tail[rows] += 1
 

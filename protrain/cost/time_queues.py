@@ -39,6 +39,8 @@ class StepCosts:
     """[K] device buffers the offloaded chunks cycle through."""
     nnvme: np.ndarray
     """[K] chunks whose optimizer states are on the drive (the last ones)."""
+    drive_rows: np.ndarray
+    """[chunks, K] whether chunk c's states are on the drive (``on_drive``)."""
     t_up: np.ndarray
     t_down: np.ndarray
     t_adam: np.ndarray
@@ -92,7 +94,7 @@ class StepCosts:
 
     def on_drive(self, c: int) -> np.ndarray:
         """[K] whether chunk c's states are on the drive."""
-        return c >= self.layout.n_chunks - self.nnvme
+        return self.drive_rows[c]
 
     def chunk_bytes(self, c: int):
         """Bytes this rank copies to upload or offload chunk c (its shard)."""
@@ -144,7 +146,8 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
               if rr.nvme_read > 0 else saved * 0)
     return StepCosts(
         profile=profile, layout=layout, hw=hw, rr=rr, world=world, modes=modes, npers=npers,
-        nbuf=nbuf, nnvme=nnvme, t_up=t_up, t_down=t_down, t_adam=t_adam, t_sread=t_sread,
+        nbuf=nbuf, nnvme=nnvme, drive_rows=np.arange(n_chunks)[:, None] >= (n_chunks - nnvme)[None, :],
+        t_up=t_up, t_down=t_down, t_adam=t_adam, t_sread=t_sread,
         t_swrite=t_swrite, t_check=t_check, t_allreduce=allreduce_times(layout, hw, world),
         t_host_check=t_host_check, spec_from=spec_from, t_backup=t_backup, t_spec=t_spec,
         saved=saved, w_time=w_time, r_time=r_time, serial=serial,

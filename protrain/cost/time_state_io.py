@@ -91,13 +91,16 @@ def staged_update_masked(costs: StepCosts, q: QueueState, c: int, which: np.ndar
     end = start + t_turn
     rows = np.flatnonzero(which & costs.on_drive(c))
     if len(rows):
-        t = np.broadcast_to(t_turn, start.shape)[rows]
-        s, e = staged_update(costs, q, rows, c, np.broadcast_to(want, start.shape)[rows],
-                             np.broadcast_to(cpu_free, start.shape)[rows],
-                             np.broadcast_to(ready, start.shape)[rows], t)
+        s, e = staged_update(costs, q, rows, c, at_rows(want, rows), at_rows(cpu_free, rows),
+                             at_rows(ready, rows), at_rows(t_turn, rows))
         start, end = start.copy(), end.copy()
         start[rows], end[rows] = s, e
     return end, end - start
+
+
+def at_rows(x, rows: np.ndarray):
+    """``x`` (per plan, or one value for all) at plans ``rows``."""
+    return x[rows] if np.ndim(x) else x
 
 
 def drain_drive(costs: StepCosts, q: QueueState) -> None:

@@ -52,7 +52,7 @@ _FIT_POINTS = 16384
 """Points' worth of pairs fitted at a time, in bound order, while the fastest time is sought."""
 _SWEEP = 128
 """Buffer counts per point tried in one round of the tie refinement (``_bisect_buffers``)."""
-EXACT_SIMULATIONS = 8192
+EXACT_SIMULATIONS = 2048
 """Simulations after which the search accepts a plan within ``TIE_TOLERANCE`` of the best
 unsimulated bound instead of simulating every near-tie. Models whose step is bound by one
 resource (CPU Adam on a 70B model) have tens of thousands of plans within a few milliseconds
