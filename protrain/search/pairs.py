@@ -1,6 +1,7 @@
 """The candidate space bounded before it is fitted: per chunk size, the activation
-configurations that fit next to the fewest persistent chunks, sorted by their recompute and
-cut into blocks of ``BLOCK_CONFIGS``; each block with each n_persist is one pair of the space,
+configurations that fit next to the fewest persistent chunks, sorted by their recompute (in
+``RECOMPUTE_BUCKETS`` ranges) and then their swapped and drive bytes, and cut into blocks of
+``BLOCK_CONFIGS``; each block with each n_persist is one pair of the space,
 with a lower bound on the step of every point in it and on the bytes it moves. The search
 (loop.py) fits a pair - works out its points' buffers, host memory, chunks on the drive and
 exact bounds (space.grid_of_pairs) - only once its bounds say a point in it may be needed: the
@@ -31,6 +32,8 @@ from .space import (_drive_states, _fitting_configs, _state_io_top, _state_top, 
                     grid_of_pairs, model_state_bytes, new_seen, reupload_bytes)
 
 BLOCK_CONFIGS = 64
+RECOMPUTE_BUCKETS = 64
+"""Recompute ranges the configurations are grouped by before their moved bytes (``pair_space``)."""
 """Activation configurations per block: fewer bound the points more tightly, more make the
 pairs fewer (their bounds are computed for every pair up front)."""
 
@@ -41,8 +44,8 @@ class PairSpace:
 
     layout: ChunkLayout
     order: np.ndarray
-    """The configurations that fit next to the fewest persistent chunks, by recompute, then
-    forward's writes."""
+    """The configurations that fit next to the fewest persistent chunks, by recompute range,
+    then swapped and drive bytes, then recompute."""
     starts: np.ndarray
     """Block b holds ``order[starts[b]:starts[b + 1]]``."""
     block: np.ndarray
@@ -73,7 +76,12 @@ def pair_space(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig
     bytes, the margin taken off), in blocks of ``block_configs`` configurations."""
     layout = build_layout(profile, chunk_numel)
     fits, nps = _fitting_configs(profile, hw, config, acts, layout, budget)
-    order = fits[np.lexsort((acts.fwd_write[fits], acts.recompute[fits]))]
+    # By recompute in buckets, then the bytes swapped and written to the drive: a block's
+    # configurations alike in both (its step bound follows the recompute, its bytes the rest).
+    rec = acts.recompute[fits]
+    span = float(rec.max() - rec.min()) if len(rec) else 0.0
+    bucket = np.floor((rec - rec.min()) / span * RECOMPUTE_BUCKETS).astype(np.int64) if span > 0 else rec * 0
+    order = fits[np.lexsort((rec, acts.swap_host[fits] + acts.ssd[fits], bucket))]
     starts = np.append(np.arange(0, len(order), block_configs), len(order)).astype(np.int64)
     heads = starts[:-1]
     least = (lambda x: np.minimum.reduceat(x[order], heads)) if len(order) else (lambda x: x[:0])  # noqa: E731
