@@ -194,7 +194,10 @@ class Plan(JsonValue):
     checkpointed inputs go) compare their variants by it. 0 where not recorded (plans made
     by ``evaluate`` alone, older files): ``fastest()`` is the plan's own step then."""
     candidates_evaluated: int = 0
+    """Simulations the search ran."""
     candidates_total: int = 0
+    """The points the search considered: those it fitted that fit the budgets, and those in
+    blocks its bounds ruled out before fitting them (``search.pairs``: their fit unchecked)."""
     notes: tuple[str, ...] = field(default=())
     params: tuple[ParamRecord, ...] = ()
     """The parameters in execution order (from the profile): with them a saved plan rebuilds
@@ -389,7 +392,7 @@ class Plan(JsonValue):
                            f"{ak.n_selective:<4} " + (f"{ak.n_nvme:<4} " if nvme else "") +
                            f"{fmt_seconds(a.iter_time):<11} {fmt_bytes(a.peak_device_bytes):<11} "
                            f"{fmt_bytes(a.host_bytes)}")
-        out.append(f"  search: {self.candidates_total} feasible candidates, {self.candidates_evaluated} "
+        out.append(f"  search: {self.candidates_total} candidates, {self.candidates_evaluated} "
                    f"simulated, {fmt_seconds(self.search_seconds)} ({self.profile_source} profile)")
         out += [f"  note: {n}" for n in self.notes]
         return "\n".join(out)

@@ -8,7 +8,11 @@ fastest), so it adds no points. Points are evaluated in
 order of a lower bound on their iteration time (compute alone, each copy queue alone, the CPU
 optimizer alone) and the search stops when no remaining bound can beat the best time found:
 the answer equals a brute-force search over all five knobs (tests check it), in a fraction of
-its time.
+its time. The points themselves are worked out (fitted) only as the bounds reach them: the
+space comes in pairs of a block of activation configurations and an n_persist, each with
+bounds on its points' step and bytes (``search.pairs``), fitted in bound order for the
+fastest time and in bytes order for the hedge. After ``EXACT_SIMULATIONS`` the search accepts
+a plan within ``TIE_TOLERANCE`` of the best bound left (the notes say so).
 
 The search hedges against the cost model's own error: every plan predicted within
 ``PlannerConfig.time_tolerance`` of the fastest counts as equally fast, and among those the one
