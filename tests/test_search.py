@@ -349,9 +349,6 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
         # ... and the per-chunk CPU-optimizer bound refined just before simulating
         refined = bounds.refine_cpu_bound(prof, hw, config, acts, grid, idx)
         assert (refined <= t * (1 + 1e-12)).all()
-        # ... and the pair floor an outer loop's incumbent prunes with before fitting
-        pf = bounds.pair_floor(prof, hw, config, acts, grid.layout, grid.a, grid.n_persist)
-        assert (pf <= grid.lower_bound * (1 + 1e-12)).all()
         # The closed-form bytes the hedge orders by equal what the simulation moves.
         args = (prof, grid.layout, hw, grid.n_persist, grid.n_buffer, acts.codes(grid.a))
         step = simulate(*args, cpu_overlap=overlap, world=world, n_nvme=grid.n_nvme)
@@ -751,12 +748,6 @@ def test_the_search_fits_only_the_points_its_pairs_bounds_may_need(overlap, monk
     assert pruned.knobs == full.knobs and pruned.fastest() == fastest
     assert sum(fitted) <= n_full
     assert loop.search(prof, hw, config, beat=fastest * 0.999) is None
-    # candidate_grid's own pruning against an incumbent (bounds.pair_floor)
-    stats: dict = {}
-    cap = full.knobs.chunk_size // prof.param_bytes
-    grid = space.candidate_grid(prof, hw, config, acts, cap, budget, stats, fastest * 1.001)
-    assert stats["beaten"] > 0 and len(grid.lower_bound) < len(
-        space.candidate_grid(prof, hw, config, acts, cap, budget, {}).lower_bound)
 
 
 @pytest.mark.parametrize("duplex", [False, True])

@@ -52,7 +52,7 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
                      acts: ActivationConfigs, layout, a_idx, np_idx, nb, host, n_nvme=0, *, nvme_most=None):
     """A lower bound on the time of an optimizer step for points (activation configuration
     ``a_idx``, ``np_idx`` persistent chunks, ``nb`` buffers, ``host`` bytes of host memory,
-    ``n_nvme`` chunks with states on the drive; ``host`` None: ``pair_floor``'s relaxations): each resource alone (see cost.time_model for
+    ``n_nvme`` chunks with states on the drive): each resource alone (see cost.time_model for
     the queues; states on the drive only delay CPU Adam's updates, and the drive is a floor),
     for the boundary micro-step and for the (gas - 1) others. Returns (bound, forward's part, the device's backward and optimizer,
     the accumulation micro-steps): the parts ``refine_cpu_bound`` rebuilds it from.
@@ -79,9 +79,8 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
     adam = _suffix(t_adam)[np_idx]
     cpu_lb = _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, bwd_lb,
                                   t_down, adam, n_nvme if nvme_most is None else nvme_most)
-    lb = fwd_lb + np.maximum(bwd_lb + gpu, cpu_lb)
-    if host is not None:
-        lb = np.maximum(lb, drive_bound(layout, profile, hw, config, acts.ssd[a_idx], n_nvme))
+    lb = np.maximum(fwd_lb + np.maximum(bwd_lb + gpu, cpu_lb),
+                    drive_bound(layout, profile, hw, config, acts.ssd[a_idx], n_nvme))
     tail = np.zeros(len(lb))
     if config.grad_accumulation_steps > 1:
         # A micro-step without the optimizer ends with backward's compute (cost.time_model does
@@ -89,19 +88,6 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
         tail = (config.grad_accumulation_steps - 1) * (fwd_lb + bwd_lb)
         lb = lb + tail
     return lb, fwd_lb, bwd_lb + gpu, tail
-
-
-def pair_floor(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig, acts: ActivationConfigs,
-               layout, a_idx, np_idx) -> np.ndarray:
-    """A lower bound on ``step_lower_bound`` of every point with activation configuration
-    ``a_idx`` and ``np_idx`` persistent chunks, whatever its buffers, host memory and chunks on
-    the drive (what fitting them costs to find): every buffer (no re-upload), every offloaded
-    chunk's states on the drive for the verdict's chain (no backups) and its speculation
-    unlimited by host memory (each only lowers the bound), no drive floor. The search prunes
-    the points an outer loop's incumbent rules out with it, before fitting them."""
-    nch = layout.n_chunks
-    return step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nch - np.asarray(np_idx),
-                            None, None)[0]
 
 
 def degree_floor(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig, layout,
@@ -160,17 +146,12 @@ def _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, 
                                 - fwd_lb)
         if not config.cpu_optim_overlap:
             world = config.data_parallel_size
-            relaxed = host is None          # pair_floor: whatever the host and drive
-            n_off = nch - np.asarray(np_idx)
             sb = SpeculatingIterationBound(profile, layout, hw, config, np_idx,
                                            backward_bound(profile, layout, hw, world, np_idx, nb, bwd_lb),
-                                           checks, n_off if relaxed else n_nvme)
-            if relaxed:
-                bound = sb.least(n_off)     # the least over every count
-            else:
-                s_max = speculation_max(layout, hw, config, np_idx, host, n_nvme)
-                bound = sb.at(s_max) if config.speculate_chunks is not None else sb.least(s_max)
-            cpu_lb = np.maximum(cpu_lb, bound - fwd_lb)
+                                           checks, n_nvme)
+            s_max = speculation_max(layout, hw, config, np_idx, host, n_nvme)
+            cpu_lb = np.maximum(cpu_lb, (sb.at(s_max) if config.speculate_chunks is not None
+                                         else sb.least(s_max)) - fwd_lb)
         return cpu_lb
     if config.cpu_optim_overlap:
         # CPU Adam starts at the earliest once the last chunk's gradient is complete (after

@@ -12,7 +12,7 @@ stay on the device unless moving them gives a plan faster beyond the cost model'
 (moving them costs copy time and host memory or drive bandwidth the other knobs could use);
 each moved variant is searched only below the step it must beat (``loop.search``'s ``beat``),
 so a variant that cannot win costs little: its floor (``space.search_floor``) or its points'
-(``bounds.pair_floor``) rule it out before its grid is fitted. Values are compared by their
+bounds (``search.pairs``) rule it out before its points are fitted. Values are compared by their
 fastest plans (``Plan.fastest``: ``tiles.choose`` says why). A pin fixes the value.
 """
 from __future__ import annotations

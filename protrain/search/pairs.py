@@ -29,7 +29,7 @@ from .bounds import step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .policy import norm_scratch, planned_state_bytes
 from .space import (_drive_states, _fitting_configs, _state_io_top, _state_top, chunk_bytes_prefix,
-                    grid_of_pairs, model_state_bytes, new_seen, reupload_bytes)
+                    grid_of_pairs, model_state_bytes, most_buffers, new_seen, reupload_bytes)
 
 BLOCK_CONFIGS = 64
 RECOMPUTE_BUCKETS = 64
@@ -111,8 +111,7 @@ def _floors(profile, hw, config, floor_acts: ActivationConfigs, swap_most, layou
     persist, host_state = model_state_bytes(profile, config, layout)
     buf = buffer_numel(layout, config.data_parallel_size) * planned_state_bytes(profile, config).buffer
     rem = budget - floor_acts.act_peak[block] - persist[n_persist] - norm_scratch(profile, config, layout)[n_persist]
-    nb = (np.full_like(n_persist, config.pins.n_buffer) if config.pins.n_buffer is not None else
-          np.minimum(np.maximum(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0), nch - n_persist))
+    nb = most_buffers(config, rem, buf, nch - n_persist)
     host = host_state[n_persist] + floor_acts.swap_host[block]
     ssd = activation_file_space(floor_acts.ssd[block], profile.n_blocks)
     nv = np.minimum(_drive_states(profile, hw, config, layout, n_persist, host, ssd, {})[0], nch - n_persist)

@@ -16,7 +16,7 @@ from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..units import fmt_bytes
-from .bounds import degree_floor, forward_write_bound, pair_floor, step_lower_bound
+from .bounds import degree_floor, forward_write_bound, step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .infeasible import InfeasibleError
 from .policy import (backup_from_top, drive_states_possible, norm_scratch, pinned_speculation,
@@ -219,21 +219,19 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
 
 
 def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
-                   acts: ActivationConfigs, chunk_numel: int, budget: float, stats: dict,
-                   beat: float = np.inf) -> CandidateGrid:
+                   acts: ActivationConfigs, chunk_numel: int, budget: float, stats: dict) -> CandidateGrid:
     """The points of chunks of ``chunk_numel`` elements that fit ``budget`` (device bytes, the
     margin taken off), the host memory and the drive, with their lower bounds and bytes moved.
     ``stats`` gathers what the nearest misses needed (``host_needed``, ``buffers_needed``)
-    over the chunk sizes, for the diagnosis when nothing fits, and ``beaten``: the points
-    that fit the device left out because ``beat`` (an outer loop's incumbent) rules them out
-    (``bounds.pair_floor``)."""
+    over the chunk sizes, for the diagnosis when nothing fits. Every point at once: the search
+    fits its pairs as their bounds reach them (``search.pairs``); tests compare against this."""
     layout = build_layout(profile, chunk_numel)
     fits, nps = _fitting_configs(profile, hw, config, acts, layout, budget)
     # In blocks of configurations (each with every n_persist), in the grid's order: every
     # column is elementwise over the points, and a block's temporaries stay in the cache.
     step = max(1, _BLOCK // len(nps))
     seen = new_seen()
-    blocks = [_grid_block(profile, hw, config, acts, layout, budget, stats, seen, fits[lo:lo + step], nps, beat)
+    blocks = [_grid_block(profile, hw, config, acts, layout, budget, stats, seen, fits[lo:lo + step], nps)
               for lo in range(0, max(len(fits), 1), step)]
     note_buffers(config, seen, stats)
     return CandidateGrid(layout, *(np.concatenate([b[k] for b in blocks]) for k in range(12)))
@@ -253,9 +251,9 @@ def note_buffers(config: PlannerConfig, seen: dict, stats: dict) -> None:
 
 def grid_of_pairs(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
                   seen: dict, a_idx: np.ndarray, np_idx: np.ndarray) -> CandidateGrid:
-    """``candidate_grid`` for the points (``a_idx``, ``np_idx``) alone (pairs.fit_blocks)."""
+    """``candidate_grid`` for the points (``a_idx``, ``np_idx``) alone (``pairs.fit_pairs``)."""
     blocks = [_grid_columns(profile, hw, config, acts, layout, budget, stats, seen,
-                            a_idx[lo:lo + _BLOCK], np_idx[lo:lo + _BLOCK], np.inf)
+                            a_idx[lo:lo + _BLOCK], np_idx[lo:lo + _BLOCK])
               for lo in range(0, max(len(a_idx), 1), _BLOCK)]
     return CandidateGrid(layout, *(np.concatenate([b[k] for b in blocks]) for k in range(12)))
 
@@ -265,18 +263,18 @@ _BLOCK = 1 << 16
 
 
 def _grid_block(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
-                seen: dict, fits: np.ndarray, nps: np.ndarray, beat: float) -> tuple:
+                seen: dict, fits: np.ndarray, nps: np.ndarray) -> tuple:
     """The columns of ``CandidateGrid`` (after the layout) for the points of configurations
-    ``fits`` that fit (and whose ``pair_floor`` does not rule them out against ``beat``)."""
+    ``fits`` x ``nps`` that fit."""
     a_idx, np_idx = (x.ravel() for x in np.meshgrid(fits, nps, indexing="ij"))
-    return _grid_columns(profile, hw, config, acts, layout, budget, stats, seen, a_idx, np_idx, beat)
+    return _grid_columns(profile, hw, config, acts, layout, budget, stats, seen, a_idx, np_idx)
 
 
 def _grid_columns(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
-                  seen: dict, a_idx: np.ndarray, np_idx: np.ndarray, beat: float) -> tuple:
+                  seen: dict, a_idx: np.ndarray, np_idx: np.ndarray) -> tuple:
     """``_grid_block`` for the points (``a_idx``, ``np_idx``)."""
     a_idx, np_idx, nb, nbmin, peak, host, nv = _fitting_points(profile, hw, config, acts, layout, budget,
-                                                               stats, seen, a_idx, np_idx, beat)
+                                                               stats, seen, a_idx, np_idx)
     bound = step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nb, host, nv)
     lb, fwd_lb, dev_lb, tail_lb = (np.broadcast_to(x, np.shape(a_idx)) for x in bound)
     # Bytes per micro-step: offloaded chunks up in forward and their gradients down; chunks
@@ -288,6 +286,14 @@ def _grid_columns(profile, hw, config, acts: ActivationConfigs, layout, budget: 
         2.0 * (ub[layout.n_chunks] - ub[np_idx]) + reupload_bytes(layout, profile, config, np_idx, nb) +
         2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx])) + _state_io_top(profile, config, layout)[nv]
     return a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, dev_lb, tail_lb, moved, nv
+
+
+def most_buffers(config: PlannerConfig, rem, buf: int, offloaded) -> np.ndarray:
+    """Per point: the pinned n_buffer, else the most buffers of ``buf`` bytes that ``rem``
+    device bytes hold, at most the ``offloaded`` chunks (more buffers never delay anything)."""
+    if config.pins.n_buffer is not None:
+        return np.full(np.shape(offloaded), config.pins.n_buffer, dtype=np.int64)
+    return np.minimum(np.maximum(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0), offloaded)
 
 
 def model_state_bytes(profile: ModelProfile, config: PlannerConfig, layout) -> tuple[np.ndarray, np.ndarray]:
@@ -343,7 +349,7 @@ def _fitting_configs(profile, hw, config, acts: ActivationConfigs, layout, budge
 
 
 def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
-                    seen: dict, a_idx: np.ndarray, np_idx: np.ndarray, beat: float = np.inf):
+                    seen: dict, a_idx: np.ndarray, np_idx: np.ndarray):
     """(activation configuration, n_persist, n_buffer, least n_buffer, device peak, host
     bytes, n_nvme) of the points (``a_idx``, ``np_idx``) that fit, each with the
     most buffers that fit and the fewest chunks with states on the drive that fit the host
@@ -357,10 +363,7 @@ def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget
     drive_room = nvme_free_share(hw) / (1.0 + config.memory_margin)
     rem = budget - acts.act_peak[a_idx] - persist[np_idx] - scratch[np_idx]
     nbmin = layout.min_buffers_table()[np_idx]
-    if pins.n_buffer is not None:
-        nb = np.full_like(np_idx, pins.n_buffer)
-    else:
-        nb = np.minimum(np.maximum(np.floor(np.maximum(rem, -1) / buf).astype(np.int64), 0), nch - np_idx)
+    nb = most_buffers(config, rem, buf, nch - np_idx)
     peak = acts.act_peak[a_idx] + persist[np_idx] + nb * buf + scratch[np_idx]
     if pins.n_buffer is not None and len(nbmin):
         seen["any_buffers"] |= bool((nb >= nbmin).any())
@@ -369,12 +372,6 @@ def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget
     # n_persist); at least the chunks one part spans are needed.
     dev_ok = np.flatnonzero((peak <= budget) & (nb >= nbmin) & (nb <= nch - np_idx))
     a_idx, np_idx, nb, nbmin, peak = (x.take(dev_ok) for x in (a_idx, np_idx, nb, nbmin, peak))
-    if beat < np.inf and len(a_idx):
-        # What cannot beat the incumbent is not fitted (a bound summed in another order than
-        # the simulation: the search's rounding allowance, loop.BOUND_ROUNDING).
-        keep = np.flatnonzero(pair_floor(profile, hw, config, acts, layout, a_idx, np_idx) <= beat * (1 + 1e-9))
-        stats["beaten"] = stats.get("beaten", 0) + len(a_idx) - len(keep)
-        a_idx, np_idx, nb, nbmin, peak = (x.take(keep) for x in (a_idx, np_idx, nb, nbmin, peak))
     host = host_state[np_idx] + acts.swap_host[a_idx]
     nv, host, drive = _drive_states(profile, hw, config, layout, np_idx, host,
                                     activation_file_space(acts.ssd[a_idx], profile.n_blocks), stats)

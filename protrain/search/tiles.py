@@ -8,7 +8,7 @@ where tiling reorders sums (rounding-level differences). The untiled value is se
 a tiled one only where the untiled plan trades memory for time (``ckpt_input.may_gain``) or
 does not fit, and then below the step it must beat (the inner searches' ``beat``), so a
 variant that cannot win costs little: its floor (``space.search_floor``) or its points'
-(``bounds.pair_floor``) rule it out before its grid is fitted. Values are compared by their
+bounds (``search.pairs``) rule it out before its points are fitted. Values are compared by their
 fastest plans (``Plan.fastest``: ``choose`` says why). A pin fixes the value.
 """
 from __future__ import annotations
