@@ -14,7 +14,8 @@ from typing import Any, Mapping
 from .units import MiB, parse_bytes
 
 KNOB_NAMES = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "n_ssd",
-              "n_selective", "sequence_parallel", "n_nvme", "head_tile", "mlp_tile", "ckpt_input")
+              "n_selective", "sequence_parallel", "n_nvme", "n_shard", "head_tile", "mlp_tile",
+              "ckpt_input")
 MAX_COUNT = 2**31 - 1
 """Largest count a setting takes (chunks, blocks, steps, ranks): the search holds them in int64
 arrays and multiplies them by sizes."""
@@ -53,6 +54,9 @@ class KnobPins:
     n_nvme: int | None = None
     """Number of offloaded chunks whose optimizer states live on NVMe (the last ones; needs an
     SSD path)."""
+    n_shard: int | None = None
+    """Number of persistent chunks (the last ones) sharded over the data-parallel ranks: each
+    rank keeps 1/world of their states on its device and gathers them ahead of use."""
     head_tile: int | None = None
     """Tokens per tile of the head and loss (0: the model's own head, whole logits); None: the
     planner tiles where that lets a faster plan fit (protrain.search.head)."""

@@ -52,6 +52,14 @@ class Knobs:
     ones (``protrain.state_tier.nvme_chunk_ids``). Their parameters and gradients stay in host
     memory; CPU Adam streams their states through a ring of pinned staging buffers."""
 
+    n_shard: int = 0
+    """Of the ``n_persist`` chunks on the device, how many (the last ones) are *sharded*
+    persistent (protrain.runtime.chunks): each of the ``world`` data-parallel ranks keeps 1/world
+    of their parameters, gradients and optimizer states on its device, gathers a chunk into one
+    of the ``n_buffer`` buffers ahead of use (a device copy and an all-gather) and
+    reduce-scatters its gradients after backward; device Adam updates the shard. Several ranks
+    then keep more of the model on their devices than one (ZeRO-3 on the device)."""
+
     head_tile: int = 0
     """Tokens per tile of the head and loss (protrain.runtime.tiled_head: logits and
     cross-entropy a tile at a time, recomputed per tile in backward); 0: the model's own head,
@@ -227,6 +235,9 @@ class Plan(JsonValue):
     or none where the model's own list runs a block twice in a forward (ProTrain then plans
     coarser blocks). None: not recorded (plans made elsewhere, older files): the blocks the
     model's list gives."""
+    world: int = 1
+    """Data-parallel ranks the plan was made for: offloaded and sharded chunks keep 1/world of
+    their states on each rank. 1 in plan files written before it was recorded."""
     ranks_per_node: int = 1
     """Ranks sharing the host the plan was made for (``HardwareProfile.ranks_per_node``): its
     CPU Adam and host passes are priced at 1/ranks_per_node of the node's rates. 1 in plan
@@ -273,12 +284,38 @@ class Plan(JsonValue):
                              f"n_ssd={k.n_ssd}, n_swap={k.n_swap}, n_checkpoint={k.n_checkpoint}, "
                              f"n_selective={k.n_selective} blocks")
         nvme_chunk_ids(self.chunks.n_chunks, k.n_persist, k.n_nvme)   # raises if out of range
+        if not 0 <= k.n_shard <= k.n_persist:
+            raise ValueError(f"n_shard={k.n_shard}: the sharded persistent chunks are some of the "
+                             f"n_persist={k.n_persist}; use 0 to {k.n_persist}")
+        if k.n_shard and k.n_buffer < 1:
+            raise ValueError(f"n_shard={k.n_shard} needs device buffers to gather its chunks into; "
+                             f"n_buffer is 0")
         if self.blocks is not None and len(self.blocks) != n:
             raise ValueError(f"Plan.blocks names {len(self.blocks)} blocks and block_modes "
                              f"{modes_string(self.block_modes)} {n}")
 
 
     # ---- explanation ----------------------------------------------------------------------
+    def _chunk_rows(self, pin) -> list[tuple[str, str, str, str]]:
+        """``explain``'s rows of the chunk knobs: their size, where they are, the buffers."""
+        k, c = self.knobs, self.chunks
+        return [
+            ("chunk_size", f"{fmt_bytes(k.chunk_size)}{pin('chunk_size')}",
+             f"{c.n_chunks} chunks of {c.chunk_numel / 1e6:.1f} M elements",
+             "DS stage3_prefetch_bucket_size, reduce_bucket_size, sub_group_size"),
+            ("n_persist", f"{k.n_persist}{pin('n_persist')}",
+             f"{k.n_persist}/{c.n_chunks} chunks stay on device, updated by device Adam",
+             "DS offload_param, offload_optimizer, stage3_param_persistence_threshold"),
+            *([("n_shard", f"{k.n_shard}{pin('n_shard')}",
+                f"{k.n_shard} of them sharded over the {self.world} ranks: 1/{self.world} of their "
+                f"states on each device, gathered into a buffer ahead of use",
+                "DS ZeRO-3 without offload (stage3_param_persistence_threshold)")]
+              if k.n_shard or "n_shard" in self.pinned else []),
+            ("n_buffer", f"{k.n_buffer}{pin('n_buffer')}",
+             f"device buffers for the {c.n_chunks - k.n_persist} offloaded chunks"
+             + (f" and the {k.n_shard} sharded ones" if k.n_shard else ""),
+             "DS stage3_max_live_parameters, stage3_max_reuse_distance")]
+
     def explain(self) -> str:
         """A compact table: the knobs chosen, the framework knobs they replace, the predicted
         time and memory, and the runner-up plans."""
@@ -286,15 +323,7 @@ class Plan(JsonValue):
         n_blocks = len(self.block_modes)
         pin = lambda name: " (pinned)" if name in self.pinned else ""  # noqa: E731
         rows = [
-            ("chunk_size", f"{fmt_bytes(k.chunk_size)}{pin('chunk_size')}",
-             f"{c.n_chunks} chunks of {c.chunk_numel / 1e6:.1f} M elements",
-             "DS stage3_prefetch_bucket_size, reduce_bucket_size, sub_group_size"),
-            ("n_persist", f"{k.n_persist}{pin('n_persist')}",
-             f"{k.n_persist}/{c.n_chunks} chunks stay on device, updated by device Adam",
-             "DS offload_param, offload_optimizer, stage3_param_persistence_threshold"),
-            ("n_buffer", f"{k.n_buffer}{pin('n_buffer')}",
-             f"device buffers for the {c.n_chunks - k.n_persist} offloaded chunks",
-             "DS stage3_max_live_parameters, stage3_max_reuse_distance"),
+            *self._chunk_rows(pin),
             ("n_checkpoint", f"{k.n_checkpoint}{pin('n_checkpoint')}",
              f"{k.n_checkpoint}/{n_blocks} blocks recomputed",
              "DS activation_checkpointing; Megatron --recompute-granularity/-method/-num-layers"),

@@ -46,7 +46,7 @@ import weakref
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from protrain.runtime.host_limits import check_pinning
@@ -189,8 +189,11 @@ class _Operand:
             return None
         dtype, off, size, stride = self.view
         # A tensor of its own, with its own version counter: what the harness writes through
-        # it is not taken for a compute write to the watched tensor it views.
-        return torch.empty(0, dtype=dtype).set_(st, off, size, stride)
+        # it is not taken for a compute write to the watched tensor it views. Made outside any
+        # dispatch mode: a device meter (the runtime's accounting) would take the storage it
+        # is set to for a new allocation.
+        with _disable_current_modes():
+            return torch.empty(0, dtype=dtype).set_(st, off, size, stride)
 
 
 class _Watch:
@@ -301,6 +304,16 @@ class DeferredStreams(Streams):
             self._compute_seq += 1
             return _Event(self, None, self._compute_seq)
 
+    def compute_wrote(self, *tensors):
+        """Compute wrote ``tensors`` just now, unseen by their version counters (a native
+        kernel): side work that reads them without waiting for the event returned races."""
+        with self.lock:
+            self._scan()
+            for t in tensors:
+                self._watch_tensor(t)
+                self._watch[id(_base(t))].tag = self._compute_seq + 1
+            return self.compute_event()
+
     def copy(self, dst, src, queue, after=None):
         self._check_thread("queued a copy")
         deps = self._events(after)
@@ -313,6 +326,8 @@ class DeferredStreams(Streams):
             dep = max([e.compute_dep() for e in deps] + [0])
             ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
                       for t, op in ((dst, d_op), (src, s_op)) if op.host]
+            # The watched tensor the source views (the operand rebuilds a tensor of its own).
+            watched = None if s_op.host else weakref.ref(_base(src))
             n = q.push(None, dep, deps, ranges)
             self.copies += 1
             self.most_pending = max(self.most_pending, sum(x.pending() for x in self.queues.values()))
@@ -328,7 +343,7 @@ class DeferredStreams(Streams):
                 if s is None:
                     self.freed_reads += 1
                     _poison(d)
-                elif not s_op.host and self._raced(s, q.dep_of(n)):
+                elif not s_op.host and watched() is not None and self._raced(watched(), q.dep_of(n)):
                     self.races += 1
                     _poison(d)
                 elif d_op.host:
@@ -455,12 +470,14 @@ class DeferredStreams(Streams):
         return True
 
     def _unregister(self, t: torch.Tensor) -> None:
-        lo, hi = self._host_ranges.pop(id(t))
+        lo, hi = self._host_ranges[id(t)]
         with self.lock:
             for q in self.queues.values():
                 if any(a < hi and lo < b for a, b in q.unacked_ranges()):
+                    # refused: the region stays registered (host memory, as the copy uses it)
                     raise DeviceOrderError(f"pinned memory unregistered while a {q.name} copy may "
                                            f"still use it (the host has not waited for it)")
+        del self._host_ranges[id(t)]
 
 
 class Held:

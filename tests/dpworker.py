@@ -101,7 +101,8 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
             norms.append(rt.optimizer.global_grad_norm)
         if rt is not None:
             plan = engine.protrain_plan
-            plans.append([plan.seq_len, plan.knobs.sequence_parallel] + list(plan.knobs.as_tuple()))
+            plans.append([plan.seq_len, plan.knobs.sequence_parallel] + list(plan.knobs.as_tuple())
+                         + [plan.knobs.n_shard])
             if rt.accounting is not None:
                 peaks.append([rt.device_peak(), plan.prediction.peak_device_bytes * (1 + plan.memory_margin)])
         if spec.get("save") and spec.get("save_at") == i + 1:     # mid-run, then go on
@@ -119,6 +120,9 @@ def train_run(rank: int, world: int, spec: dict, out_dir: str):
         result["plan"] = list(engine.protrain_plan.knobs.as_tuple())
         result["n_nvme"] = engine.protrain_plan.knobs.n_nvme
         result["offloaded"] = len(rt.chunks.offloaded())
+        result["sharded"] = len(rt.chunks.sharded())
+        result["device_state_bytes"] = rt.chunks.device_bytes()
+        result["planned_state_bytes"] = engine.protrain_plan.prediction.model_state_bytes
         result["most_pending_copies"] = getattr(rt.streams, "most_pending", None)
         result["races"] = getattr(rt.streams, "races", None)
         st = rt.optimizer.stats

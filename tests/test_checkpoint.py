@@ -46,7 +46,10 @@ def test_load_into_another_world_size_and_consolidated_fp32_export(tmp_path):
     for d in ("two", "one"):
         (tmp_path / d).mkdir()
     ckpt = tmp_path / "ckpt"
-    launch(2, _spec(steps=6, save=str(ckpt)), str(tmp_path / "two"))
+    # Two ranks keep two chunks sharded over their devices, two offloaded: each saves its shard
+    # of both kinds.
+    launch(2, dict(_spec(steps=6, save=str(ckpt)), protrain=dict(PLAN, n_persist=3, n_shard=2)),
+           str(tmp_path / "two"))
     from protrain_ds.checkpoint import consolidated_state_dict
     fp32 = consolidated_state_dict(ckpt)
     trained = torch.load(tmp_path / "two" / "weights.pt")

@@ -46,6 +46,8 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(plan, tmp_path):
 # steps that clip stop the next one's speculation; a speculated step that clips rolls back).
 REGIMES = {"under the threshold": 0.25, "around the threshold": 0.8}
 SPECULATING = dict(PLANS["offloaded chunks, swap and checkpoint"], speculate_chunks=99)
+# Of the 5 chunks: one whole on each device, two sharded over the ranks' devices, two offloaded.
+SHARDED = dict(SPECULATING, n_persist=3, n_shard=2)
 
 
 # (micro-batch, tokens) of each rank's batch per micro-step: ranks see different lengths in
@@ -83,6 +85,8 @@ def two_ranks(tmp_path_factory):
         runs[f"deepspeed {regime}"] = dict(spec, protrain=None)
         runs[f"protrain {regime}"] = dict(spec, deferred_streams=True, protrain=SPECULATING,
                                           save_16bit=True)
+    runs["sharded around the threshold"] = dict(runs["protrain around the threshold"],
+                                                protrain=SHARDED)
     shapes = dict(model=MODEL, global_batch=4, steps=len(SHAPES), batches=SHAPES)
     runs["deepspeed shapes"] = dict(shapes, protrain=None)
     runs["protrain shapes"] = dict(shapes, deferred_streams=True, protrain=SHAPE_PINS, budget_between=[16, 64],
@@ -96,6 +100,7 @@ def two_ranks(tmp_path_factory):
                extra=dict(clip, gradient_accumulation_steps=2))
     runs["accumulation, waiting"] = dict(gas, protrain=dict(SPECULATING, speculate_chunks=0))
     runs["accumulation, speculating"] = dict(gas, deferred_streams=True, protrain=SPECULATING)
+    runs["accumulation, sharded"] = dict(gas, deferred_streams=True, protrain=SHARDED)
     runs["branch, deepspeed"] = dict(BRANCH, protrain=None)
     runs["branch, offloaded"] = dict(BRANCH, protrain=dict(BRANCH_CACHED))
     runs["branch, speculating"] = dict(BRANCH, deferred_streams=True,
@@ -140,6 +145,33 @@ def test_two_ranks_speculating_under_clipping_equal_deepspeed_zero0_exactly(regi
         assert min(norms) < 1.0 < max(norms) and all(r["rollbacks"] > 0 for r in got)
 
 
+def test_two_ranks_with_sharded_persistent_chunks_equal_deepspeed_zero0_exactly(two_ranks):
+    """Chunks kept on the devices sharded over the ranks (1/world of their states each, gathered
+    into a buffer ahead of use, gradients reduce-scattered, device Adam on the shard), beside
+    whole and offloaded ones, under clipping that speculates and rolls back: DeepSpeed ZeRO-0's
+    bits; with accumulation, the bits of the plan that offloads them instead (the same
+    reduce-scatter, then the sum over micro-steps)."""
+    out, runs = two_ranks
+    ref, got = runs["deepspeed around the threshold"], runs["sharded around the threshold"]
+    assert all(r["sharded"] == 2 and r["offloaded"] == 2 and r["races"] == 0 for r in got)
+    for a, b in zip(ref, got):
+        assert a["losses"] == b["losses"]
+    w1 = torch.load(out / "deepspeed around the threshold" / "weights.pt")
+    w2 = torch.load(out / "sharded around the threshold" / "weights.pt")
+    assert all(torch.equal(w2[n], w) for n, w in w1.items())
+    assert got[0]["norms"] == got[1]["norms"] == runs["protrain around the threshold"][0]["norms"]
+    # the chunks' device states and buffers are what the memory model counts (a sharded
+    # chunk: half of a whole one's on each of the two ranks)
+    assert all(r["device_state_bytes"] == r["planned_state_bytes"] for r in got)
+    sync, sharded = runs["accumulation, waiting"], runs["accumulation, sharded"]
+    assert all(r["sharded"] == 2 and r["races"] == 0 for r in sharded)
+    for a, b in zip(sync, sharded):
+        assert a["losses"] == b["losses"]
+    w1 = torch.load(out / "accumulation, waiting" / "weights.pt")
+    w2 = torch.load(out / "accumulation, sharded" / "weights.pt")
+    assert all(torch.equal(w2[n], w) for n, w in w1.items())
+
+
 def test_two_ranks_with_accumulation_speculating_equal_the_runtime_that_waits(two_ranks):
     """With gradient accumulation each micro-step's gradients are reduce-scattered (summed over
     ranks, then over micro-steps: ZeRO-3's order, not ZeRO-0's, so the comparison is with
@@ -165,7 +197,8 @@ def test_two_ranks_with_accumulation_speculating_equal_the_runtime_that_waits(tw
 def test_two_ranks_plan_together_for_a_longer_batch_on_one_of_them(two_ranks):
     """Each rank sees its own lengths; the longest over both decides, so both re-plan at the
     same micro-step (the 40 tokens of rank 1) to the same plan, which offloads chunks the
-    16-token plan kept on the device (states move from replicated to sharded chunks). Losses
+    16-token plan kept whole on the device (their states move to chunks sharded over the ranks:
+    kept on the devices, 1/2 each, or offloaded to the hosts). Losses
     and weights are DeepSpeed ZeRO-0's bit for bit, every copy held back as long as CUDA may,
     and each rank's device bytes stay within the plan in force at every step. The shape goes
     over a gloo group of its own, as with NCCL."""
@@ -178,8 +211,8 @@ def test_two_ranks_plan_together_for_a_longer_batch_on_one_of_them(two_ranks):
     assert all(torch.equal(w2[n], w) for n, w in w1.items())
     plans = got[0]["plans"]
     assert got[1]["plans"] == plans and [p[0] for p in plans] == [16, 64, 64, 64, 64]
-    n_persist = [p[3] for p in plans]
-    assert n_persist[1] < n_persist[0] and got[0]["offloaded"] > 0
+    whole = [p[3] - p[-1] for p in plans]              # n_persist - n_shard
+    assert whole[1] < whole[0] and got[0]["offloaded"] + got[0]["sharded"] > 0
     for r in got:
         assert r["races"] == 0 and all(0 < peak <= bound for peak, bound in r["peaks"]), r["peaks"]
         assert r["host_group"]            # its own gloo group (the world's is used when gloo)

@@ -251,8 +251,10 @@ def test_the_first_steps_host_check_runs_on_the_ranks_share_of_the_cores(monkeyp
 # Issue 37, item 6: --host-memory is the node's, as the machine line prints it; each of the
 # node's ranks plans for its share. llama2-7b, micro-batch 32 x 4096 tokens on H200s: with
 # the node's 32 GiB taken as each rank's, the plan held 16.7 GiB per rank (134 GiB a node).
+# (every device chunk whole: sharded over the 8 devices the model's states fit them, and the
+# host's share would bind nothing)
 LONG_7B = ["plan", "--model", "llama2-7b", "--gpu", "h200", "--micro-batch", "32", "--seq", "4096",
-           "--world", "8"]
+           "--world", "8", "--pin", "n_shard=0"]
 
 
 def _plan_json(capsys, *args) -> dict:
@@ -284,7 +286,7 @@ def test_host_memory_is_the_nodes_and_each_rank_plans_for_its_share(capsys):
 
 def test_a_model_that_fits_a_node_per_rank_but_not_eight_ranks_a_node_names_the_share(capsys):
     from protrain.cli import main
-    cmd = ["plan", "--model", "llama2-13b", "--world", "8", "--host-memory", "32GiB"]
+    cmd = ["plan", "--model", "llama2-13b", "--world", "8", "--host-memory", "32GiB", "--pin", "n_shard=0"]
     assert main(cmd + ["--ranks-per-node", "1"]) == 0
     capsys.readouterr()
     assert main(cmd + ["--ranks-per-node", "8"]) == 3

@@ -123,6 +123,12 @@ def test_eight_ranks_per_node_share_the_drive():
     prof = analytic_profile(replace(PRESETS["llama2-7b"], micro_batch=1, seq_len=4096), hw)
     config = PlannerConfig(data_parallel_size=8, cpu_optim_overlap=False, cpu_optim_speculative=True,
                            gradient_clipping=True)
+    # Sharded over the 8 devices the whole model's states fit them (1/8 each): no drive.
+    sharded = search(prof, hw, config).knobs
+    assert sharded.n_persist == build_layout(prof, sharded.chunk_size // 2).n_chunks
+    assert sharded.n_shard > 0 and sharded.n_nvme == 0
+    # Each device keeping whole chunks only, the host is too small: states go to the drive.
+    config = replace(config, pins=KnobPins(n_shard=0))
     plan = search(prof, hw, config)
     assert plan.knobs.n_nvme > 0 and plan.prediction.host_bytes <= 2 * GiB
     assert 8 * plan.prediction.nvme_state_bytes <= hw.nvme_free_bytes

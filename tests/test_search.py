@@ -79,8 +79,13 @@ def _brute_force(profile, hw, config, states_on_drive=False):
         nch = layout.n_chunks
         scratch = norm_scratch_bytes(profile, layout, config.gradient_clipping, gas > 1)
         rows = []
-        for np_ in range(layout.min_persist, nch + 1):
-            nbs = [0] if np_ == nch else range(layout.min_buffers(np_), nch - np_ + 1)
+        # Sharded persistent chunks (several ranks): every count is tried below; each point
+        # then keeps the fewest with which it fits and the most (the search's two).
+        shardable = world > 1 and pins.n_shard != 0
+        for np_, sh in ((p, s) for p in range(layout.min_persist, nch + 1)
+                        for s in (range(p - layout.min_persist + 1) if shardable else [0])):
+            rep = np_ - sh
+            nbs = [0] if rep == nch else range(layout.min_buffers(rep), nch - rep + 1)
             for nb, nc, nd, nl in itertools.product(nbs, range(n + 1), range(n_ssd_max + 1), sels):
                 for ns in range(n - nc - nd - nl + 1):
                     knobs = dict(n_persist=np_, n_buffer=nb, n_checkpoint=nc, n_swap=ns, n_ssd=nd,
@@ -94,26 +99,34 @@ def _brute_force(profile, hw, config, states_on_drive=False):
                     modes = layout_block_modes(n, ns, nc, nd, nl, pins.ckpt_input or "device")
                     for nv in range(nch - np_ + 1) if states_on_drive else (0,):
                         mem = predict_memory(profile, layout, np_, nb, modes, sb, world, int(scratch[np_]),
-                                             n_nvme=nv)
+                                             n_nvme=nv, n_shard=sh)
                         if mem.peak_device_bytes <= budget and mem.host_bytes <= hw.host_memory and \
                                 _drive(mem.ssd_bytes, n) + mem.nvme_state_bytes <= hw.nvme_free_bytes / (1 + config.memory_margin):
                             rows.append((np_, nb, ns, nc, modes, mem.peak_device_bytes, nd, nl,
-                                         mem.ssd_bytes, mem.host_bytes, nv, mem.nvme_state_io_bytes))
+                                         mem.ssd_bytes, mem.host_bytes, nv, mem.nvme_state_io_bytes, sh))
+        if shardable:
+            fewest = {}
+            for r in rows:
+                key = (r[0], r[2], r[3], r[6], r[7])
+                fewest[key] = min(fewest.get(key, r[12]), r[12])
+            rows = [r for r in rows if r[12] in (fewest[(r[0], r[2], r[3], r[6], r[7])],
+                                                 r[0] - layout.min_persist)]
         if not rows:
             continue
         args = (profile, layout, hw, [r[0] for r in rows], [r[1] for r in rows],
                 np.array([[m.code for m in r[4]] for r in rows]))
         nvs = np.array([r[10] for r in rows])
-        t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world, n_nvme=nvs)   # bytes moved
+        shs = np.array([r[12] for r in rows])
+        t = simulate(*args, cpu_overlap=config.cpu_optim_overlap, world=world, n_nvme=nvs, n_shard=shs)
         # the boundary's time as the search defines it (carry-over, speculation), every point
-        boundary = boundary_times(*args[:3], config, *args[3:], [r[9] for r in rows], nvs)[0]
-        micro = simulate(*args, optimizer_step=False, world=world, n_nvme=nvs) if gas > 1 else None
+        boundary = boundary_times(*args[:3], config, *args[3:], [r[9] for r in rows], nvs, shs)[0]
+        micro = simulate(*args, optimizer_step=False, world=world, n_nvme=nvs, n_shard=shs) if gas > 1 else None
         step = boundary + ((gas - 1) * micro.iter_time if micro is not None else 0.0)
         moved = bytes_moved(t, micro, gas, np.array([float(r[8]) for r in rows]), hw,
                             np.array([float(r[11]) for r in rows]))
         for r, ti, mi in zip(rows, step, moved):
             points.append((mi, ti, r[5], (layout.chunk_bytes, r[0], r[1], r[2], r[3], r[6], r[7])
-                           + ((r[10],) if states_on_drive else ())))
+                           + ((r[10],) if states_on_drive else ()) + ((r[12],) if shardable else ())))
     if not points:
         return None
     band = min(p[1] for p in points) * (1 + config.time_tolerance)
@@ -149,7 +162,8 @@ def test_search_equals_brute_force(case, gas, overlap, world, ssd):
                            data_parallel_size=world)
     plan = search(prof, hw, config)
     ref = brute_force(prof, hw, config)
-    got = (plan.prediction.step_time, plan.prediction.peak_device_bytes, plan.knobs.as_tuple())
+    got = (plan.prediction.step_time, plan.prediction.peak_device_bytes,
+           plan.knobs.as_tuple() + ((plan.knobs.n_shard,) if world > 1 else ()))
     assert got[1:] == ref[1:] and got[0] == pytest.approx(ref[0], rel=1e-12)
 
 

@@ -80,6 +80,39 @@ def allreduce_times(layout: ChunkLayout, hw: HardwareProfile, world: int) -> np.
     return used * 4 * 2 * (world - 1) / world / _collective_bandwidth(hw)
 
 
+def gather_times(layout: ChunkLayout, profile: ModelProfile, hw: HardwareProfile, world: int) -> np.ndarray:
+    """[chunks] seconds of a sharded persistent chunk's all-gather into its buffer (before
+    use) and of its gradients' reduce-scatter (after its backward): (world - 1) / world of the
+    chunk's bytes in the training dtype at the collective bandwidth, on the upload and the
+    offload queue (the runtime issues them there, after the shard's device copy, whose time at
+    device-memory bandwidth is left out); zeros on one rank."""
+    used = np.asarray(layout.used, dtype=np.float64)
+    if world <= 1:
+        return np.zeros_like(used)
+    return used * profile.param_bytes * (world - 1) / world / _collective_bandwidth(hw)
+
+
+def device_adam_elements(layout: ChunkLayout, n_persist, n_shard, world: int):
+    """Elements device Adam updates at the step: every element of the replicated persistent
+    chunks, this rank's shard of the ``n_shard`` sharded ones (the last of the ``n_persist``)."""
+    used = np.asarray(layout.used, dtype=np.int64)
+    prefix = np.concatenate([[0], np.cumsum(used)])
+    shard = np.concatenate([[0], np.cumsum(-(-used // world))])
+    n_persist = np.asarray(n_persist)
+    rep = n_persist - np.asarray(n_shard)
+    return prefix[rep] + shard[n_persist] - shard[rep]
+
+
+def device_optimizer_floor(layout: ChunkLayout, hw: HardwareProfile, world: int, n_persist, n_shard=0):
+    """The least the device's optimizer adds after backward: device Adam over its elements
+    (``device_adam_elements``) and the replicated chunks' all-reduces that cannot start
+    before backward's end (``allreduce_after_backward``)."""
+    rr = rank_rates(hw)
+    rep = np.asarray(n_persist) - np.asarray(n_shard)
+    return (device_adam_elements(layout, n_persist, n_shard, world) / rr.device_adam
+            + allreduce_after_backward(layout, rep, hw, world))
+
+
 def allreduce_after_backward(layout: ChunkLayout, n_persist, hw: HardwareProfile, world: int):
     """Seconds of the persistent chunks' all-reduces that cannot start before backward's last
     compute: those of the chunks first used by the first part (the embedding's; their

@@ -92,13 +92,24 @@ def state_bytes(param_bytes: int, grad_accumulation: bool = False, speculative: 
 
 
 def model_state_device_bytes(layout: ChunkLayout, n_persist, n_buffer, sb: StateBytes,
-                             world: int = 1):
-    """Persistent chunks (exact size, replicated on every rank) + n_buffer buffers of one
-    chunk capacity each."""
+                             world: int = 1, n_shard=0):
+    """Persistent chunks (exact size, replicated on every rank; the last ``n_shard`` of them
+    sharded: ``sharded_state_bytes``) + n_buffer buffers of one chunk capacity each."""
     prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
     n_persist = np.asarray(n_persist)
-    return (prefix[n_persist] * sb.persistent
+    rep = n_persist - np.asarray(n_shard)
+    sharded = sharded_state_bytes(layout, sb, world)
+    return (prefix[rep] * sb.persistent + sharded[n_persist] - sharded[rep]
             + np.asarray(n_buffer, dtype=np.int64) * buffer_numel(layout, world) * sb.buffer)
+
+
+def sharded_state_bytes(layout: ChunkLayout, sb: StateBytes, world: int) -> np.ndarray:
+    """[n_chunks + 1] device bytes of the first k chunks kept sharded (at index k): each rank's
+    1/world shard holds what an offloaded chunk's shard holds on the host (``sb.host`` per
+    element: the parameters, fp32 master, Adam's m and v, the gradients' landing or
+    accumulator), on the device."""
+    shard = -(-np.asarray(layout.used, dtype=np.int64) // world)
+    return np.concatenate([[0], np.cumsum(shard)]) * sb.host
 
 
 def buffer_numel(layout: ChunkLayout, world: int) -> int:
@@ -301,12 +312,12 @@ class MemoryPrediction:
 
 def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n_buffer: int,
                    modes: tuple[BlockMode, ...], sb: StateBytes | None = None,
-                   world: int = 1, norm_scratch: int = 0, n_nvme: int = 0) -> MemoryPrediction:
+                   world: int = 1, norm_scratch: int = 0, n_nvme: int = 0, n_shard: int = 0) -> MemoryPrediction:
     """``norm_scratch``: ``norm_scratch_bytes(...)[n_persist]``."""
     sb = sb or state_bytes(profile.param_bytes)
     codes = np.array([[m.code for m in modes]], dtype=np.int8)
     act, where = activation_walk(profile, codes)
-    states = int(model_state_device_bytes(layout, n_persist, n_buffer, sb, world))
+    states = int(model_state_device_bytes(layout, n_persist, n_buffer, sb, world, n_shard))
     swap = int(swap_host_bytes(profile, codes)[0])
     host = int(model_state_host_bytes(layout, n_persist, sb, world, n_nvme)) + swap
     w = int(where[0])
@@ -321,7 +332,7 @@ def predict_memory(profile: ModelProfile, layout: ChunkLayout, n_persist: int, n
         staging_bytes=int(staging_bytes(layout, sb, world, n_nvme)))
 
 
-__all__ = ["StateBytes", "state_bytes", "model_state_device_bytes", "norm_scratch_bytes",
+__all__ = ["StateBytes", "state_bytes", "model_state_device_bytes", "sharded_state_bytes", "norm_scratch_bytes",
            "model_state_host_bytes", "nvme_state_top", "staging_bytes", "nvme_drive_bytes", "nvme_file_top",
            "activation_walk", "offload_bytes", "ckpt_input_bytes", "swap_host_bytes", "ssd_bytes", "MemoryPrediction",
            "predict_memory", "NONE", "CKPT", "SWAP"]

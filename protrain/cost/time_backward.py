@@ -66,21 +66,22 @@ def _reupload(costs: StepCosts, q: QueueState, j: int, grad_out: np.ndarray, ava
     """Chunk j's upload for backward, where it is offloaded and no longer in a buffer: once the
     chunk n_buffer above it has sent its gradient off."""
     n_chunks = costs.layout.n_chunks
-    offl = j >= costs.npers
+    offl = costs.streamed(j)
     reuse = j >= n_chunks - costs.nbuf          # still in a buffer from forward
     need = offl & ~reuse
     src = np.minimum(j + costs.nbuf, n_chunks - 1)
+    t_up = costs.up_time(j)
     end = np.maximum(np.maximum(q.h2d, np.where(need, grad_out[src, costs.rows], 0.0)),
-                     q.comp if costs.serial else 0.0) + costs.t_up[j]
+                     q.comp if costs.serial else 0.0) + t_up
     if q.trace is not None:
-        q.record("h2d", "upload", f"chunk {j}", end - costs.t_up[j], end, need)
+        q.record("h2d", "upload", f"chunk {j}", end - t_up, end, need)
     q.h2d = np.where(need, end, q.h2d)
     avail[j] = np.where(need, end, 0.0)
     if costs.serial:
         q.comp = np.where(need, end, q.comp)
     if costs.shared:
         q.join_copy_queues()
-    q.h2d_bytes += np.where(need, costs.chunk_bytes(j), 0)
+    q.h2d_bytes += np.where(need & (j >= costs.npers), costs.chunk_bytes(j), 0)
 
 
 def _part_backward(costs: StepCosts, q: QueueState, p: int, avail: np.ndarray,
@@ -151,8 +152,10 @@ def _prefetch_activations(costs: StepCosts, q: QueueState, b: int, start: np.nda
 
 def _offload_gradient(costs: StepCosts, q: QueueState, c: int, grad_out: np.ndarray) -> None:
     """Chunk c's gradient is complete: where the chunk is offloaded, it goes D2H (checked
-    first on a serial device whose checks are its own), then on to the CPU optimizer."""
-    offl = c >= costs.npers
+    first on a serial device whose checks are its own), then on to the CPU optimizer. A sharded
+    chunk's gradients are reduce-scattered into its shard on the device, on the same queue, and
+    wait there for device Adam."""
+    offl = costs.streamed(c)
     if costs.optimizer_step and costs.t_allreduce[c]:
         # A persistent chunk's all-reduce starts as its backward ends, on the collectives'
         # queue (the runtime's persistent_backward_done); the step's end waits for what is left.
@@ -161,20 +164,25 @@ def _offload_gradient(costs: StepCosts, q: QueueState, c: int, grad_out: np.ndar
         if q.trace is not None:
             q.record("collective", "all_reduce", f"chunk {c}", start, end, ~offl)
         q.net = np.where(offl, q.net, end)
+    host = c >= costs.npers                  # its states on the host: CPU Adam's
     if costs.serial and not costs.checks_on_host and costs.t_check[c]:   # the "device" checks, inline
         if q.trace is not None:
-            q.record("compute", "check", f"chunk {c}", q.comp, q.comp + costs.t_check[c], offl)
-        q.comp = np.where(offl, q.comp + costs.t_check[c], q.comp)
-    d_end = np.maximum(q.d2h, q.comp) + costs.t_down[c]
+            q.record("compute", "check", f"chunk {c}", q.comp, q.comp + costs.t_check[c], host)
+        q.comp = np.where(host, q.comp + costs.t_check[c], q.comp)
+    t_down = costs.down_time(c)
+    d_end = np.maximum(q.d2h, q.comp) + t_down
     if q.trace is not None:
-        q.record("d2h", "offload", f"chunk {c}", d_end - costs.t_down[c], d_end, offl)
+        q.record("d2h", "offload", f"chunk {c}", d_end - t_down, d_end, offl)
     q.d2h = np.where(offl, d_end, q.d2h)
     grad_out[c] = np.where(offl, d_end, q.comp)
-    q.d2h_bytes += np.where(offl, costs.chunk_bytes(c), 0)
+    q.d2h_bytes += np.where(host, costs.chunk_bytes(c), 0)
+    if costs.any_shard:
+        q.shard_down = np.where(offl & ~host, d_end, q.shard_down)
     if costs.serial:
         q.comp = np.where(offl, d_end, q.comp)
     if costs.shared:
         q.join_copy_queues()
+    offl = host                               # the CPU optimizer's part, below
     if not costs.optimizer_step:
         return
     if costs.cpu_overlap and costs.inline:

@@ -72,7 +72,7 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
              n_buffer, block_modes, *, optimizer_step: bool = True,
              cpu_overlap: bool = True, world: int = 1, speculate_from=None,
              speculation_wrong: bool = False, carry_over: bool = False,
-             checks_on_host: bool = False, n_nvme=0, trace: list | None = None) -> TimePrediction:
+             checks_on_host: bool = False, n_nvme=0, n_shard=0, trace: list | None = None) -> TimePrediction:
     """Simulate K plans at once: n_persist[K], n_buffer[K], block_modes[K, n_blocks] (codes).
 
     ``optimizer_step=False`` simulates a micro-step that only accumulates gradients (no Adam
@@ -93,14 +93,17 @@ def simulate(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_
     search ranks plans without it (its lower bounds assume CPU Adam ends within the step);
     the chosen plan's prediction includes it.
     ``n_nvme[K]``: the last chunks whose optimizer states are on the drive; CPU Adam streams
-    them through the staging ring (``cost.time_state_io``).
+    them through the staging ring (``cost.time_state_io``). ``n_shard[K]``: of the ``n_persist``
+    chunks, the last ones sharded over the ranks (gathered into the buffers over the
+    collectives, device Adam on this rank's shard).
 
     ``trace`` (one plan): receives (lane, what, label, start, end) for every simulated piece of
     work (protrain/timeline.py draws them)."""
     costs = step_costs(profile, layout, hw, n_persist, n_buffer, block_modes,
                        optimizer_step=optimizer_step, cpu_overlap=cpu_overlap, world=world,
                        speculate_from=speculate_from, speculation_wrong=speculation_wrong,
-                       carry_over=carry_over, checks_on_host=checks_on_host, n_nvme=n_nvme)
+                       carry_over=carry_over, checks_on_host=checks_on_host, n_nvme=n_nvme,
+                       n_shard=n_shard)
     q = QueueState.idle(costs, trace)
     fwd_end = simulate_forward(costs, q)
     bwd_end = simulate_backward(costs, q)

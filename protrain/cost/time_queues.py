@@ -13,7 +13,8 @@ import numpy as np
 from ..block_mode import CKPT_SSD, INPUT_MOVED, SSD
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
-from .chunk_times import allreduce_times, backup_times, check_times, chunk_transfer_times, state_io_times
+from .chunk_times import (allreduce_times, backup_times, check_times, chunk_transfer_times, device_adam_elements,
+                          gather_times, state_io_times)
 from .host_share import RankRates, rank_rates
 from ..layout import ChunkLayout
 from .memory import ckpt_input_bytes, offload_bytes, part_modes
@@ -35,6 +36,10 @@ class StepCosts:
     """[parts, K] block mode codes of every part (pre and post NONE)."""
     npers: np.ndarray
     """[K] persistent chunks: chunks below stay on the device, the others are offloaded."""
+    nrep: np.ndarray
+    """[K] replicated persistent chunks: chunks from here up to ``npers`` are sharded
+    persistent (gathered into buffers over the collectives, updated by device Adam); the
+    chunks from here on stream through the buffers."""
     nbuf: np.ndarray
     """[K] device buffers the offloaded chunks cycle through."""
     nnvme: np.ndarray
@@ -55,6 +60,11 @@ class StepCosts:
     """[chunks] a persistent chunk's gradient all-reduce over the ranks (zeros on one rank)."""
     t_host_check: np.ndarray
     """``t_check`` where the checks run on the host's CPU queue, else zeros."""
+    t_gather: np.ndarray
+    """[chunks] a sharded chunk's all-gather (its upload) and reduce-scatter (its gradient
+    offload), ``chunk_times.gather_times``."""
+    adam_elements: np.ndarray
+    """[K] elements device Adam updates at the step (``chunk_times.device_adam_elements``)."""
     spec_from: np.ndarray | None
     """[K] first chunk that updates speculatively during backward, None without speculation."""
     t_backup: np.ndarray | None
@@ -83,6 +93,8 @@ class StepCosts:
     """As ``simulate``'s arguments of the same names."""
     any_nvme: bool = False
     """Some plan keeps states on the drive (else the CPU queue's simpler paths serve)."""
+    any_shard: bool = False
+    """Some plan has sharded persistent chunks (else chunk times are the same in every plan)."""
 
     @property
     def k_plans(self) -> int:
@@ -100,17 +112,40 @@ class StepCosts:
         """Bytes this rank copies to upload or offload chunk c (its shard)."""
         return self.layout.used[c] * self.profile.param_bytes / self.world
 
+    def streamed(self, c: int) -> np.ndarray:
+        """[K] whether chunk c streams through the buffers (offloaded or sharded)."""
+        return c >= self.nrep
+
+    def up_time(self, c: int):
+        """Seconds of chunk c's upload on the upload queue: its shard's H2D copy and the
+        all-gather where it is offloaded, the all-gather alone where it is sharded ([K], or
+        one figure where no plan shards)."""
+        if not self.any_shard:
+            return self.t_up[c]
+        return np.where(c >= self.npers, self.t_up[c], self.t_gather[c])
+
+    def down_time(self, c: int):
+        """``up_time`` for chunk c's gradients: the reduce-scatter, then the D2H copy where
+        it is offloaded."""
+        if not self.any_shard:
+            return self.t_down[c]
+        return np.where(c >= self.npers, self.t_down[c], self.t_gather[c])
+
 
 def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist, n_buffer,
                block_modes, *, optimizer_step: bool, cpu_overlap: bool, world: int, speculate_from,
-               speculation_wrong: bool, carry_over: bool, checks_on_host: bool, n_nvme=0) -> StepCosts:
+               speculation_wrong: bool, carry_over: bool, checks_on_host: bool, n_nvme=0,
+               n_shard=0) -> StepCosts:
     """The costs of ``simulate``'s arguments; ValueError for plans it cannot simulate."""
     modes = np.ascontiguousarray(part_modes(profile, block_modes).T)
     k_plans = modes.shape[1]
     npers = np.broadcast_to(np.asarray(n_persist, dtype=np.int64), (k_plans,))
     nbuf = np.broadcast_to(np.asarray(n_buffer, dtype=np.int64), (k_plans,))
     nnvme = np.broadcast_to(np.asarray(n_nvme, dtype=np.int64), (k_plans,))
+    nshard = np.broadcast_to(np.asarray(n_shard, dtype=np.int64), (k_plans,))
     n_chunks = layout.n_chunks
+    if ((nshard < 0) | (nshard > npers)).any():
+        raise ValueError("n_shard counts persistent chunks: from 0 to n_persist")
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
     t_sread, t_swrite = state_io_times(layout, hw, world, profile.param_bytes < 4,
                                        speculative=speculate_from is not None and not cpu_overlap)
@@ -133,7 +168,7 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
     saved = np.array([offload_bytes(p) for p in profile.parts], dtype=np.float64)
     inputs = np.array([ckpt_input_bytes(p) for p in profile.parts], dtype=np.float64)
     saved = np.where(np.isin(modes, INPUT_MOVED), inputs[:, None], saved[:, None])
-    if ((nbuf < 1) & (npers < n_chunks)).any():
+    if ((nbuf < 1) & (npers - nshard < n_chunks)).any():
         raise ValueError("a plan with non-persistent chunks needs at least one buffer")
     if ((modes == SSD) | (modes == CKPT_SSD)).any() and (hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0):
         raise ValueError("plans with SSD blocks need the NVMe bandwidths of the SSD path")
@@ -145,15 +180,17 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
     r_time = (saved / min(rr.nvme_read, np.inf if gds else rr.h2d)
               if rr.nvme_read > 0 else saved * 0)
     return StepCosts(
-        profile=profile, layout=layout, hw=hw, rr=rr, world=world, modes=modes, npers=npers,
+        profile=profile, layout=layout, hw=hw, rr=rr, world=world, modes=modes, npers=npers, nrep=npers - nshard,
         nbuf=nbuf, nnvme=nnvme, drive_rows=np.arange(n_chunks)[:, None] >= (n_chunks - nnvme)[None, :],
         t_up=t_up, t_down=t_down, t_adam=t_adam, t_sread=t_sread,
         t_swrite=t_swrite, t_check=t_check, t_allreduce=allreduce_times(layout, hw, world),
-        t_host_check=t_host_check, spec_from=spec_from, t_backup=t_backup, t_spec=t_spec,
+        t_host_check=t_host_check, t_gather=gather_times(layout, profile, hw, world),
+        adam_elements=device_adam_elements(layout, npers, nshard, world), spec_from=spec_from, t_backup=t_backup, t_spec=t_spec,
         saved=saved, w_time=w_time, r_time=r_time, serial=serial,
         inline=serial and not hw.cpu_adam_thread, shared=hw.copy_engines == 1, gds=gds,
         optimizer_step=optimizer_step, cpu_overlap=cpu_overlap, checks_on_host=checks_on_host,
-        speculation_wrong=speculation_wrong, carry_over=carry_over, any_nvme=bool((nnvme > 0).any()))
+        speculation_wrong=speculation_wrong, carry_over=carry_over, any_nvme=bool((nnvme > 0).any()),
+        any_shard=bool((nshard > 0).any()))
 
 
 @dataclass(slots=True)
@@ -178,6 +215,8 @@ class QueueState:
     """The CPU optimizer (CPU Adam, speculation backups, the host's verdict checks)."""
     net: np.ndarray
     """The collectives' queue: the persistent chunks' gradient all-reduces at the boundary."""
+    shard_down: np.ndarray
+    """The last sharded chunk's gradients in its shard at (device Adam waits for them)."""
     cpu_busy: np.ndarray
     """CPU Adam and backup time issued so far."""
     check_busy: np.ndarray
@@ -237,6 +276,7 @@ class QueueState:
         zeros = np.zeros(k_plans)
         return cls(comp=zeros.copy(), h2d=zeros.copy(), d2h=zeros.copy(), ssd_w=zeros.copy(),
                    ssd_r=zeros.copy(), drive_busy=np.zeros((2, k_plans)), cpu=zeros.copy(), net=zeros.copy(),
+                   shard_down=zeros.copy(),
                    cpu_busy=zeros.copy(),
                    check_busy=np.zeros(k_plans), h2d_bytes=zeros.copy(), d2h_bytes=zeros.copy(),
                    up_start=np.zeros((n_chunks, k_plans)), done_at=np.zeros((n_chunks, k_plans)),

@@ -27,10 +27,11 @@ def simulate_step_end(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> S
     """Run the updates left for after backward and the device's Adam; the iteration's end."""
     _deferred_updates(costs, q, bwd_end)
     layout, npers = costs.layout, costs.npers
-    prefix = np.concatenate([[0], np.cumsum(layout.used)])
     # Device tail at the boundary: the persistent gradients' all-reduces still running when
-    # backward's compute ends (started as each chunk's backward ended), then device Adam.
-    gpu_optim = (prefix[npers] / costs.rr.device_adam + np.maximum(q.net - bwd_end, 0.0)
+    # backward's compute ends (started as each chunk's backward ended) or the sharded chunks'
+    # reduce-scatters, then device Adam.
+    gpu_optim = (costs.adam_elements / costs.rr.device_adam
+                 + np.maximum(np.maximum(q.net, q.shard_down) - bwd_end, 0.0)
                  if costs.optimizer_step else np.zeros(costs.k_plans))
     if costs.inline:                  # one timeline: CPU Adam, then the "device" Adam
         device_end = np.maximum(bwd_end, q.cpu) + gpu_optim

@@ -17,6 +17,14 @@ Chunk states and their legal transitions (checked on every move):
                                   \\-> GRADS -> HOST  (gradients offloaded)
     CACHED -> HOST (its buffer was taken by another chunk)
 
+A *sharded persistent* chunk is an offloaded chunk whose home is the device: rank r keeps its
+1/world shard of the parameters, gradients and optimizer states in device memory, gathers the
+chunk into a buffer ahead of use (a device copy and an all-gather), reduce-scatters its
+gradients into the shard after backward and updates the shard with device Adam at the step.
+It moves through the same states as an offloaded chunk; with ``world`` ranks it holds 1/world
+of a persistent chunk's device bytes (ZeRO-3 on the device), so several ranks keep more of the
+model on their devices than one.
+
 With several data-parallel ranks an offloaded chunk's host states are sharded: rank r keeps
 its 1/world shard, an upload is the shard's copy followed by an all-gather, a gradient
 offload is a reduce-scatter followed by the shard's copy (collectives.py). While not resident
@@ -93,6 +101,13 @@ class Chunk:
     slots: list[Slot]
     first_part: int
     last_part: int
+    sharded: bool = False
+    """A sharded persistent chunk (module docstring): its shard's states (``shadow``,
+    ``grad_acc``, ``master``, ``exp_avg``, ``exp_avg_sq``) live on the device, device Adam
+    updates them at the step. ``persistent`` is False for it: it streams through buffers."""
+    updated: object = None
+    """Sharded chunks: event after which the compute queue's last write of its device states
+    (device Adam, a checkpoint's load, a skipped step's restore) is done; its upload waits."""
     # Device states (persistent chunks).
     data: torch.Tensor | None = None
     grad: torch.Tensor | None = None
@@ -158,9 +173,10 @@ class ChunkManager:
                  chunk_parts: list[tuple[int, int]], n_persist: int, n_buffer: int,
                  chunk_capacity: int, group_of: dict[nn.Parameter, int], device: torch.device,
                  streams: Streams, grad_accumulation: bool, dp: DataParallel | None = None,
-                 nvme: "NvmeStates | None" = None):
+                 nvme: "NvmeStates | None" = None, n_shard: int = 0):
         """``nvme``: where the optimizer states of the chunks it names live instead of host
-        memory (nvme_states.py; opened here, once the shards are known)."""
+        memory (nvme_states.py; opened here, once the shards are known). ``n_shard``: of the
+        ``n_persist`` chunks on the device, how many (the last ones) are sharded persistent."""
         if not named_params:
             raise ValueError("no parameters to place in chunks")
         self.device = device
@@ -177,6 +193,10 @@ class ChunkManager:
         self.half = self.dtype in (torch.float16, torch.bfloat16)
         self.n_persist = n_persist
         n_chunks = max(param_chunk) + 1
+        if not 0 <= n_shard <= min(n_persist, n_chunks):
+            raise ValueError(f"n_shard={n_shard}: sharded persistent chunks are some of the "
+                             f"{min(n_persist, n_chunks)} persistent ones; use 0 to {min(n_persist, n_chunks)}")
+        replicated = n_persist - n_shard
         slots: list[list[Slot]] = [[] for _ in range(n_chunks)]
         for (name, p), c in zip(named_params, param_chunk):
             if p.dtype != self.dtype:
@@ -185,12 +205,13 @@ class ChunkManager:
                                 f"parameter frozen with requires_grad=False)")
             off = slots[c][-1].stop if slots[c] else 0
             slots[c].append(Slot(p, name, off, p.numel(), group_of[p], shape=p.shape))
-        self.chunks = [Chunk(i, s[-1].stop, i < n_persist, s, *chunk_parts[i])
+        self.chunks = [Chunk(i, s[-1].stop, i < replicated, s, *chunk_parts[i],
+                             sharded=replicated <= i < n_persist)
                        for i, s in enumerate(slots)]
         self.slot_of: dict[nn.Parameter, tuple[Chunk, Slot]] = {
             s.param: (c, s) for c in self.chunks for s in c.slots}
         world = self.dp.world
-        self.pool = BufferPool(n_buffer if n_persist < n_chunks else 0,
+        self.pool = BufferPool(n_buffer if replicated < n_chunks else 0,
                                -(-chunk_capacity // world) * world, self.dtype, device)
         self._empty = torch.empty(0, dtype=self.dtype)
         self.nvme = nvme
@@ -200,7 +221,7 @@ class ChunkManager:
     def _materialize(self, grad_accumulation: bool) -> None:
         """Copy every parameter's current value into its chunk and repoint ``.data``. The
         optimizer states of chunks on NVMe go to the drive, not host memory."""
-        for c in self.offloaded():
+        for c in self.streamed():
             c.shard_lo, c.shard_hi, c.shard_size = self.dp.shard(c.numel)
         if self.nvme is not None:
             self.nvme.open(self.offloaded(), master_separate=self.half)
@@ -222,23 +243,26 @@ class ChunkManager:
                         flat[a - c.shard_lo:b - c.shard_lo].copy_(
                             sl.param.data.detach().reshape(-1)[a - sl.offset:b - sl.offset])
                 on_nvme = self.nvme is not None and c in self.nvme
+                # A sharded persistent chunk's shard lives on the device, an offloaded one's
+                # in pinned host memory (the copies' source and target).
+                home = ((lambda n, dtype, what: torch.empty(n, dtype=dtype, device=self.device))
+                        if c.sharded else self.streams.pinned)
                 if self.half:
-                    c.shadow = self.streams.pinned(c.shard_size, self.dtype, f"chunk {c.index}'s parameters")
+                    c.shadow = home(c.shard_size, self.dtype, f"chunk {c.index}'s parameters")
                     c.shadow.copy_(flat)
-                    c.master = None if on_nvme else flat.float()
+                    c.master = None if on_nvme else flat.to(c.shadow.device, torch.float32)
                 else:
-                    c.master = self.streams.pinned(c.shard_size, torch.float32,
-                                                   f"chunk {c.index}'s parameters (their fp32 master)")
+                    c.master = home(c.shard_size, torch.float32,
+                                    f"chunk {c.index}'s parameters (their fp32 master)")
                     c.master.copy_(flat)
                 if grad_accumulation or not self.half:
-                    c.grad_acc = self.streams.pinned(c.shard_size, torch.float32,
-                                                    f"chunk {c.index}'s fp32 gradients")
+                    c.grad_acc = home(c.shard_size, torch.float32, f"chunk {c.index}'s fp32 gradients")
                     c.grad_acc.zero_()
                 if on_nvme:
                     self.nvme.store_initial(c, flat if self.half else None)
                 else:
-                    c.exp_avg = torch.zeros(c.shard_size, dtype=torch.float32)
-                    c.exp_avg_sq = torch.zeros(c.shard_size, dtype=torch.float32)
+                    c.exp_avg = torch.zeros(c.shard_size, dtype=torch.float32, device=c.master.device)
+                    c.exp_avg_sq = torch.zeros(c.shard_size, dtype=torch.float32, device=c.master.device)
                 del flat
             self._point_params(c)
 
@@ -278,7 +302,23 @@ class ChunkManager:
 
     # ---- residency -----------------------------------------------------------------------
     def offloaded(self) -> list[Chunk]:
+        """The chunks whose states live in host memory (or on the drive): CPU Adam's."""
+        return [c for c in self.chunks if not c.persistent and not c.sharded]
+
+    def sharded(self) -> list[Chunk]:
+        """The sharded persistent chunks (states on the device, 1/world each)."""
+        return [c for c in self.chunks if c.sharded]
+
+    def streamed(self) -> list[Chunk]:
+        """The chunks gathered into buffers ahead of use: offloaded and sharded persistent."""
         return [c for c in self.chunks if not c.persistent]
+
+    def device_states_written(self, c: Chunk) -> None:
+        """The compute queue wrote a sharded chunk's device states (an update, a load): its
+        next upload (on the upload queue) waits for that write."""
+        if c.sharded:
+            c.updated = self.streams.compute_wrote(
+                *(t for t in (c.shadow, c.master, c.grad_acc) if t is not None))
 
     def can_upload(self) -> bool:
         return bool(self.pool.free)
@@ -310,7 +350,8 @@ class ChunkManager:
         buf = self.pool.tensors[b]
         mine = buf[self.dp.rank * c.shard_size:(self.dp.rank + 1) * c.shard_size]
         t = self.tracer.now() if self.tracer is not None else 0.0
-        c.ready = self.streams.copy(mine, self.host_params(c), "upload", after=self.pool.free_after[b])
+        after = self.pool.free_after[b] if c.updated is None else [self.pool.free_after[b], c.updated]
+        c.ready = self.streams.copy(mine, self.host_params(c), "upload", after=after)
         if self.tracer is not None:
             self.tracer.add("h2d", "upload", f"chunk {c.index}", t, self.tracer.now())
         if self.dp.world > 1:
@@ -338,7 +379,7 @@ class ChunkManager:
         c.move(ChunkState.CACHED)
         self.pool.release(c.buffer, self.streams.compute_event())
 
-    def offload_grads(self, c: Chunk, target: torch.Tensor, check=None) -> None:
+    def offload_grads(self, c: Chunk, target: torch.Tensor, check=None, accumulate: bool = False) -> None:
         """The chunk's backward is done: its buffer holds its gradients (parameters without a
         gradient are zeroed first); with several ranks they are summed and averaged into this
         rank's shard (reduce-scatter); the shard is copied to ``target`` on the offload queue
@@ -346,7 +387,8 @@ class ChunkManager:
         rank's gradients on the device, on the queue that made them; it returns (host, device),
         a small result copied to the host on the offload queue just before the gradients: on
         the host once ``c.grads_on_host`` has happened, read with no synchronisation of its
-        own (the caller keeps ``device`` alive until then)."""
+        own (the caller keeps ``device`` alive until then). ``accumulate``: the shard is added
+        to ``target`` instead (a device target: a sharded chunk's accumulator)."""
         buf = self.pool.tensors[c.buffer]
         for s in c.slots:
             if not s.has_grad:
@@ -370,7 +412,12 @@ class ChunkManager:
         t = self.tracer.now() if self.tracer is not None else 0.0
         if verdict is not None:
             self.streams.copy(*verdict, "offload", after=after)   # FIFO: before the gradients
-        done = self.streams.copy(target, mine, "offload", after=after)
+        if accumulate:
+            with self.streams.side("offload", after=after):
+                target.add_(mine)
+                done = self.streams.record_on("offload")
+        else:
+            done = self.streams.copy(target, mine, "offload", after=after)
         if self.tracer is not None:
             self.tracer.add("d2h", "offload", f"chunk {c.index}", t, self.tracer.now())
         c.grads_on_host = done
@@ -397,16 +444,17 @@ class ChunkManager:
 
     def evict_all(self) -> None:
         """Drop every buffered copy (their host states are about to change)."""
-        for c in self.offloaded():
+        for c in self.streamed():
             self.evict(c)
 
     # ---- accounting ------------------------------------------------------------------------
     def device_bytes(self) -> int:
-        """Device bytes the chunks hold (persistent states and buffers)."""
+        """Device bytes the chunks hold (persistent states, whole or sharded, and buffers)."""
         total = sum(t.numel() * t.element_size() for t in self.pool.tensors)
         for c in self.chunks:
-            if c.persistent:
-                tensors = {id(t): t for t in (c.data, c.grad, c.master, c.exp_avg, c.exp_avg_sq)}
+            if c.persistent or c.sharded:
+                tensors = {id(t): t for t in (c.data, c.grad, c.shadow, c.grad_acc, c.master,
+                                              c.exp_avg, c.exp_avg_sq) if t is not None}
                 total += sum(t.numel() * t.element_size() for t in tensors.values())
         return total
 
@@ -473,7 +521,7 @@ class ChunkManager:
         if world > 1 and not gather:
             self._drop()
             return
-        if world > 1 and self.offloaded():
+        if world > 1 and self.streamed():
             self.dp.rendezvous("closing the runtime (engine.destroy() gathers the shards)")
         self.evict_all()
         for c in self.chunks:
@@ -494,4 +542,4 @@ class ChunkManager:
         self.pool.owner = [None] * len(self.pool.owner)
         for c in self.chunks:
             c.data = c.grad = c.shadow = c.grad_acc = c.master = c.exp_avg = c.exp_avg_sq = None
-            c.ready = c.grads_on_host = None
+            c.ready = c.grads_on_host = c.updated = None

@@ -52,7 +52,7 @@ class FullStateDict:
         """The way out, for the error of a state_dict some ranks never call."""
         self._local = 0
         self._call: _Call | None = None
-        sharded = {s.param for c in chunks.offloaded() for s in c.slots} if chunks.dp.world > 1 else set()
+        sharded = {s.param for c in chunks.streamed() for s in c.slots} if chunks.dp.world > 1 else set()
         self._handles = []
         for module in model.modules():
             own = [(n, p) for n, p in module.named_parameters(recurse=False) if p in sharded]

@@ -524,6 +524,12 @@ class ChunkOptimizer:
             self.chunks.evict(c)            # parameters only: this micro-batch's gradients are out
             return
         self._left.add(c.index)
+        if c.sharded:
+            # Its shard's gradients stay on the device (summed into the accumulator over the
+            # micro-batches); device Adam updates it at the step, with the persistent chunks.
+            self._fresh.add(c.index)
+            self.chunks.offload_grads(c, self._host_grads(c), accumulate=self.gas > 1)
+            return
         verdict = (boundary and not self.first_step_of_plan and c.index not in self._late
                    and (self.clip > 0 or self.loss_scaler is not None))
         self._fresh.add(c.index)                  # the copy below lands this step's gradients
@@ -684,7 +690,7 @@ class ChunkOptimizer:
             self.worker.drain()
         else:
             self.worker.drain_side()
-        for c in self.chunks.offloaded():
+        for c in self.chunks.streamed():
             self.streams.host_wait(c.grads_on_host)
 
     def _judge(self, inv_scale: float) -> tuple[bool, torch.Tensor | None]:
@@ -777,13 +783,19 @@ class ChunkOptimizer:
                                use=use: self._finish_chunk(c, a, speculation, coef, seg, use))
 
     def _update_persistent(self, coef: torch.Tensor | None) -> float:
-        """Device Adam on the persistent chunks; returns the seconds it took."""
+        """Device Adam on the persistent chunks, whole or sharded; returns the seconds it took."""
         t_dev = time.perf_counter()
         coef_dev = self.streams.to_device(coef) if coef is not None else None
         for c in self.chunks.chunks:
             if c.persistent:
                 self._device_update(c, coef_dev)
                 self._reset_chunk(c)
+            elif c.sharded:
+                self._update(c, self._host_grads(c), self.device_kernel, coef_dev)
+                if c.shadow is not None:
+                    c.shadow.copy_(c.master)      # the next gather's source: updated parameters
+                self._reset_chunk(c)
+                self.chunks.device_states_written(c)
         spent = time.perf_counter() - t_dev
         self._trace("compute", "device_adam", "persistent chunks", t_dev)
         return spent
@@ -897,7 +909,7 @@ class ChunkOptimizer:
         device copy is dropped (those that got gradients have none, unless uploaded again
         after them): a chunk still in a buffer would be reused by the next forward without
         waiting for this update (``upload`` waits for it; reuse does not)."""
-        for c in self.chunks.offloaded():
+        for c in self.chunks.streamed():
             self.chunks.evict(c)
             if c.index not in self._fresh:
                 self.wait_host_ready(c)      # an update carried over reads its region
@@ -1276,6 +1288,8 @@ class ChunkOptimizer:
         for c in self.chunks.chunks:
             if c.persistent:
                 on_device.append(_has_inf_or_nan(c.grad))
+            elif c.sharded:
+                on_device.append(_has_inf_or_nan(self._host_grads(c)[:c.shard_hi - c.shard_lo]))
             elif c.index in self._checks:
                 bad = bad or not self._checks[c.index].finite
             elif not bad:             # on the host: a host read, no synchronisation
@@ -1288,10 +1302,11 @@ class ChunkOptimizer:
     def _restore_params_after_skip(self) -> None:
         """Gradients may have landed over the host copy of the parameters; put it back (from
         the master on the drive for a chunk on NVMe)."""
-        for c in self.chunks.offloaded():
+        for c in self.chunks.streamed():
             if c.shadow is not None and c.grad_acc is None:
                 with self.chunks.host_states(c):
                     c.shadow.copy_(c.master)
+                self.chunks.device_states_written(c)
 
 
 def interleaved(in_host: list, on_drive: list) -> list:

@@ -122,7 +122,7 @@ class ProTrainRuntime:
                 n_persist=plan.knobs.n_persist, n_buffer=plan.knobs.n_buffer,
                 chunk_capacity=layout.chunk_numel, group_of=group_of, device=device,
                 streams=self.streams, grad_accumulation=setup.grad_accumulation_steps > 1,
-                dp=options.dp, nvme=nvme)
+                dp=options.dp, nvme=nvme, n_shard=plan.knobs.n_shard)
         except BaseException:
             self._unbuild(before, nvme)
             raise
@@ -162,7 +162,7 @@ class ProTrainRuntime:
             self._unbuild(before, nvme)
             raise
         del before
-        self._needs_saved_hooks = bool(self.chunks.offloaded()) or any(
+        self._needs_saved_hooks = bool(self.chunks.streamed()) or any(
             m in (BlockMode.SWAP, BlockMode.SSD, BlockMode.CKPT_HOST, BlockMode.CKPT_SSD)
             for m in plan.block_modes)
         self._hooks = ExitStack()
@@ -183,16 +183,7 @@ class ProTrainRuntime:
         self._hooks.callback(outside.remove)
         self._part_chunks = [[self.chunks.chunks[c] for c in cs] for cs in layout.part_chunks]
         self._in_backward = False
-        self.tracer = None
-        if options.trace_file:
-            from .timeline_recorder import TimelineRecorder
-            memory = (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else (
-                (lambda: self.chunks.device_bytes() + getattr(getattr(self.accounting, "registry", None),
-                                                              "live_bytes", 0)) if accounting else None)
-            k = plan.knobs
-            self.tracer = TimelineRecorder(options.trace_file, memory=memory, title=(
-                f"{len(self.chunks.offloaded())} of {len(self.chunks.chunks)} chunks offloaded, blocks "
-                f"ckpt {k.n_checkpoint} swap {k.n_swap} ssd {k.n_ssd} sel {k.n_selective}"))
+        self.tracer = self._open_trace(options.trace_file, plan, device, accounting)
         self.chunks.tracer = self.optimizer.tracer = self.tracer
         self._next_up = 0
         self._next_down = len(self.chunks.chunks) - 1
@@ -274,13 +265,27 @@ class ProTrainRuntime:
         an adapter moves to a layout for the new set before the next training forward."""
         return self.trainable.change()
 
+    def _open_trace(self, trace_file: str | None, plan: Plan, device: torch.device, accounting: bool):
+        """The recorder of the run's timeline (``options.trace_file``), or None."""
+        if not trace_file:
+            return None
+        from .timeline_recorder import TimelineRecorder
+        memory = (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else (
+            (lambda: self.chunks.device_bytes() + getattr(getattr(self.accounting, "registry", None),
+                                                          "live_bytes", 0)) if accounting else None)
+        k = plan.knobs
+        return TimelineRecorder(trace_file, memory=memory, title=(
+            f"{len(self.chunks.offloaded())} of {len(self.chunks.chunks)} chunks offloaded, "
+            f"{len(self.chunks.sharded())} sharded, blocks "
+            f"ckpt {k.n_checkpoint} swap {k.n_swap} ssd {k.n_ssd} sel {k.n_selective}"))
+
     def step_counts(self) -> dict[str, int]:
         """Adam steps taken by each parameter in the chunks (on every rank, whatever its shard)."""
         return {s.name: s.step for c in self.chunks.chunks for s in c.slots}
 
     def _begin_forward(self) -> None:
         if not torch.is_grad_enabled() and self.chunks.dp.world > 1 and any(
-                c.shard_size < c.numel for c in self.chunks.offloaded()):
+                c.shard_size < c.numel for c in self.chunks.streamed()):
             # A forward without gradients (evaluation, samples) may run on some ranks only; its
             # uploads gather shards from every rank: meet first, so one rank alone fails by name
             # after the timeout instead of waiting in the gather for ever.
@@ -296,7 +301,7 @@ class ProTrainRuntime:
         self.optimizer.pre_forward()
         if self.accounting is not None:
             self.accounting.end(self.chunks.device_bytes())
-        for c in self.chunks.offloaded():      # a forward without backward (evaluation)
+        for c in self.chunks.streamed():      # a forward without backward (evaluation)
             if c.state == ChunkState.RESIDENT:
                 self.chunks.release(c)
             elif c.state == ChunkState.UPLOADING:
@@ -314,7 +319,7 @@ class ProTrainRuntime:
         boundary = self.is_boundary()
         if self.tracer is not None:
             self.tracer.end_backward()
-        for c in self.chunks.offloaded():
+        for c in self.chunks.streamed():
             # After a backward every resident chunk is done, gradients or not (zeros then: Adam
             # steps every parameter); the same on every rank, whose reduce-scatters must pair
             # up. Outside one (no part boundary was crossed) only chunks that got gradients.
@@ -421,7 +426,7 @@ class ProTrainRuntime:
     def _enter_forward(self, part: int) -> None:
         # The post part counts as "block N" for the swap throttle (one block in flight).
         self.activations.forward_part(part)
-        for c in self.chunks.offloaded():
+        for c in self.chunks.streamed():
             if c.last_part < part:
                 self.chunks.release(c)
         for c in self._part_chunks[part]:
@@ -436,7 +441,7 @@ class ProTrainRuntime:
         go, and the prefetch has taken every buffer: give back the buffer of the prefetched
         chunk needed last (it stays cached there until taken, else is uploaded again)."""
         mine = set(map(id, self._part_chunks[part]))
-        ahead = [c for c in self.chunks.offloaded() if id(c) not in mine
+        ahead = [c for c in self.chunks.streamed() if id(c) not in mine
                  and c.state in (ChunkState.RESIDENT, ChunkState.UPLOADING)]
         if ahead:
             c = max(ahead, key=lambda c: c.index)
@@ -465,7 +470,7 @@ class ProTrainRuntime:
             self._next_down = len(self.chunks.chunks) - 1
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
         boundary = self.is_boundary()
-        for c in self.chunks.offloaded():
+        for c in self.chunks.streamed():
             if c.first_part > part and c.state == ChunkState.RESIDENT:
                 self.optimizer.chunk_backward_done(c, boundary)
         for c in self._persistent:

@@ -236,6 +236,7 @@ def _fill_chunk(m: ChunkManager, c: Chunk, fetch, optimizer_states: bool, grads:
             c.data.copy_(c.master)
     elif c.shadow is not None:
         c.shadow.copy_(c.master)
+    m.device_states_written(c)         # a sharded chunk's next gather waits for these writes
 
 
 def assemble(pieces_by_name: dict[str, list[Piece]], name: str, lo: int, hi: int) -> tuple:

@@ -100,6 +100,12 @@ class Streams:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
+    def compute_wrote(self, *tensors):
+        """``compute_event`` after compute work that wrote ``tensors`` where no version counter
+        sees it (a native kernel's raw pointers: Adam), named for checkers of the waits
+        (tests/deferred_streams.py); side work reading them must wait for this event."""
+        return self.compute_event()
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, queue: str, after=None):
         """Copy ``src`` into ``dst`` on the ``upload`` or ``offload`` queue once ``after`` (an
         event or a list of events) has happened; returns the event of the copy's end."""
@@ -174,8 +180,8 @@ class Streams:
         """Give back one region from ``pinned`` (no queued copy may use it any more)."""
         for i, r in enumerate(self._registered):
             if r is t:
+                self._unregister(t)           # first: a refused one stays registered
                 del self._registered[i]
-                self._unregister(t)
                 return
 
     def release_pinned(self) -> None:

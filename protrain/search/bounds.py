@@ -9,7 +9,7 @@ import numpy as np
 
 from ..block_mode import SEL, full_recompute
 from ..config import PlannerConfig
-from ..cost.chunk_times import (backup_times, check_times, chunk_transfer_times, allreduce_after_backward,
+from ..cost.chunk_times import (backup_times, check_times, chunk_transfer_times, device_optimizer_floor,
                                 state_io_times)
 from ..cost.host_share import rank_rates
 from ..profile.hardware import HardwareProfile
@@ -17,6 +17,7 @@ from ..state_tier import STAGING_SLOTS
 from ..profile.model_profile import ModelProfile
 from .candidates import ActivationConfigs, CandidateGrid
 from .policy import checks_on_host, speculation_max, speculative_writes, weak_cpu_bound
+from .sharding import most_sharded
 
 
 def forward_write_bound(profile: ModelProfile, hw: HardwareProfile, csum: np.ndarray,
@@ -49,10 +50,13 @@ def _suffix(t: np.ndarray) -> np.ndarray:
 
 
 def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
-                     acts: ActivationConfigs, layout, a_idx, np_idx, nb, host, n_nvme=0, *, nvme_most=None):
+                     acts: ActivationConfigs, layout, a_idx, np_idx, nb, host, n_nvme=0, *, nvme_most=None,
+                     n_shard=0):
     """A lower bound on the time of an optimizer step for points (activation configuration
     ``a_idx``, ``np_idx`` persistent chunks, ``nb`` buffers, ``host`` bytes of host memory,
-    ``n_nvme`` chunks with states on the drive): each resource alone (see cost.time_model for
+    ``n_nvme`` chunks with states on the drive, ``n_shard`` of the persistent ones sharded: the
+    most a point may have, for a floor over points; the gathers of sharded chunks are left
+    out, they only add): each resource alone (see cost.time_model for
     the queues; states on the drive only delay CPU Adam's updates, and the drive is a floor),
     for the boundary micro-step and for the (gas - 1) others. Returns (bound, forward's part, the device's backward and optimizer,
     the accumulation micro-steps): the parts ``refine_cpu_bound`` rebuilds it from.
@@ -64,11 +68,10 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
     rr = rank_rates(hw)
     up_suffix = _suffix(t_up)
-    prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
     fwd_compute = sum(p.fwd_time for p in profile.parts)
     bwd_compute = sum(p.bwd_time for p in profile.parts) + acts.recompute[a_idx]
     swap_bytes = acts.swap_host[a_idx]
-    gpu = prefix[np_idx] / rr.device_adam + allreduce_after_backward(layout, np_idx, hw, world)
+    gpu = device_optimizer_floor(layout, hw, world, np_idx, n_shard)
     fwd_lb = np.maximum(np.maximum(fwd_compute, up_suffix[np_idx]), acts.fwd_write[a_idx])
     reup = up_suffix[np_idx] - up_suffix[np.maximum(nch - nb, np_idx)]
     ssd_in = acts.ssd[a_idx] / rr.nvme_read if rr.nvme_read > 0 else 0.0
@@ -103,11 +106,9 @@ def degree_floor(profile: ModelProfile, hw: HardwareProfile, config: PlannerConf
     world = config.data_parallel_size
     n_persist = np.asarray(n_persist)
     t_up, _, t_adam = chunk_transfer_times(layout, profile, hw, world)
-    rr = rank_rates(hw)
-    prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
     fwd = np.maximum(sum(p.fwd_time for p in profile.parts), _suffix(t_up)[n_persist])
     bwd = sum(p.bwd_time for p in profile.parts)
-    gpu = prefix[n_persist] / rr.device_adam + allreduce_after_backward(layout, n_persist, hw, world)
+    gpu = device_optimizer_floor(layout, hw, world, n_persist, most_sharded(config, layout, n_persist))
     cpu = _suffix(t_adam)[n_persist] + (host_checks(layout, hw, config, n_persist)
                                         if weak_cpu_bound(config, hw) else 0.0)
     return np.maximum(fwd + bwd + gpu, cpu) + (config.grad_accumulation_steps - 1) * (fwd + bwd)
@@ -396,9 +397,7 @@ def refine_speculating_reads(profile: ModelProfile, hw: HardwareProfile, config:
     layout = grid.layout
     world = config.data_parallel_size
     npi, nb = grid.n_persist[idx], grid.n_buffer[idx]
-    rr = rank_rates(hw)
-    prefix = np.concatenate([[0], np.cumsum(layout.used, dtype=np.int64)])
-    gpu = prefix[npi] / rr.device_adam + allreduce_after_backward(layout, npi, hw, world)
+    gpu = device_optimizer_floor(layout, hw, world, npi, grid.n_shard[idx])
     bwd_lb = grid.dev_lb[idx] - gpu
     checks = host_checks(layout, hw, config, npi)
     sb = SpeculatingIterationBound(profile, layout, hw, config, npi,

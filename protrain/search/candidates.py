@@ -59,3 +59,6 @@ class CandidateGrid:
     """Bytes moved per optimizer step (exact: what the simulation counts)."""
     n_nvme: np.ndarray
     """Offloaded chunks (the last ones) whose optimizer states are on the drive."""
+    n_shard: np.ndarray
+    """Persistent chunks (the last of the n_persist) sharded over the ranks
+    (``sharding.fewest_sharded``)."""

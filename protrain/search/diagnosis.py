@@ -10,6 +10,7 @@ from typing import Callable
 import numpy as np
 
 from ..config import ALL, KNOB_NAMES, KnobPins, PlannerConfig
+
 from ..cost.host_share import host_memory_share
 from ..cost.memory import buffer_numel
 from ..layout import build_layout
@@ -21,6 +22,7 @@ from .candidates import ActivationConfigs
 from .evaluation import drive_space_message, evaluate, host_text
 from .infeasible import InfeasibleError
 from .policy import drive_states_possible, norm_scratch, planned_state_bytes
+from .sharding import shards
 from .space import candidate_capacities, model_state_bytes
 
 Search = Callable[[ModelProfile, HardwareProfile, PlannerConfig], Plan]
@@ -121,6 +123,8 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
     fixed = {k: v for k, v in pins.items() if k != "sequence_parallel"}
     fixed.setdefault("n_selective", 0)
     fixed.setdefault("n_nvme", 0)
+    if not shards(replace(config, pins=KnobPins())):
+        fixed.setdefault("n_shard", 0)          # one rank: nothing to shard over
     fixed["head_tile"] = profile.head_tile        # chosen around this search (search/head.py)
     fixed["mlp_tile"] = profile.mlp_tile          # and search/mlp.py
     fixed["ckpt_input"] = ckpt_input

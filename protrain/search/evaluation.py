@@ -43,7 +43,7 @@ def bytes_moved(t, micro, gas: int, ssd: np.ndarray, hw: HardwareProfile, state_
     return per(t) + ((gas - 1) * per(micro) if micro is not None else 0.0) + state_io
 
 
-def boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, host_bytes, n_nvme=0):
+def boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, host_bytes, n_nvme=0, n_shard=0):
     """(iteration time, offloaded chunks speculating) of each plan's boundary micro-step: what
     the search ranks and ``evaluate`` predicts, one function for both.
 
@@ -59,10 +59,12 @@ def boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, host
     nbuf = np.broadcast_to(np.asarray(n_buffer, dtype=np.int64), (k,))
     codes = np.broadcast_to(codes, (k, codes.shape[-1]))
     nnvme = np.broadcast_to(np.asarray(n_nvme, dtype=np.int64), (k,))
+    nshard = np.broadcast_to(np.asarray(n_shard, dtype=np.int64), (k,))
 
     def run(n_spec, rows=slice(None)):
         return simulate(profile, layout, hw, npers[rows], nbuf[rows], codes[rows],
                         cpu_overlap=config.cpu_optim_overlap, world=world, n_nvme=nnvme[rows],
+                        n_shard=nshard[rows],
                         carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config),
                         speculate_from=layout.n_chunks - n_spec if n_spec is not None else None)
     if not speculates(config):
@@ -114,10 +116,10 @@ def simulate_points(profile, hw, config, acts: ActivationConfigs, grid: Candidat
     nb = grid.n_buffer[idx] if n_buffer is None else n_buffer
     args = (profile, grid.layout, hw, grid.n_persist[idx], nb, acts.codes(grid.a[idx]))
     world = config.data_parallel_size
-    t = boundary_times(*args[:2], hw, config, *args[3:], grid.host[idx], grid.n_nvme[idx])[0]
+    t = boundary_times(*args[:2], hw, config, *args[3:], grid.host[idx], grid.n_nvme[idx], grid.n_shard[idx])[0]
     if config.grad_accumulation_steps > 1:
         t = t + (config.grad_accumulation_steps - 1) * simulate(
-            *args, optimizer_step=False, world=world).iter_time
+            *args, optimizer_step=False, world=world, n_shard=grid.n_shard[idx]).iter_time
     return t
 
 
@@ -171,7 +173,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
                             total_numel=layout.total_numel, min_persist=layout.min_persist),
         prediction=pred, model=profile.describe(), machine=hw.describe(),
         device_memory=hw.device_memory, host_memory=host_memory_share(hw), node_host_memory=hw.host_memory,
-        memory_margin=config.memory_margin, param_bytes=profile.param_bytes,
+        memory_margin=config.memory_margin, param_bytes=profile.param_bytes, world=config.data_parallel_size,
         profile_source=profile.source, pinned=tuple(sorted(config.pins.pinned())),
         alternatives=tuple(alternatives), search_seconds=search_seconds,
         candidates_evaluated=int(evaluated), candidates_total=int(total),
@@ -200,10 +202,16 @@ def _checked_block_modes(profile: ModelProfile, layout, knobs: Knobs,
     if not layout.min_persist <= knobs.n_persist <= layout.n_chunks:
         raise InfeasibleError(f"n_persist={knobs.n_persist} must be between {layout.min_persist} "
                               f"and the {layout.n_chunks} chunks of this layout")
-    nb_min = layout.min_buffers(knobs.n_persist)
-    offloaded = layout.n_chunks - knobs.n_persist
+    replicated = knobs.n_persist - knobs.n_shard
+    if not layout.min_persist <= replicated:
+        raise InfeasibleError(f"n_shard={knobs.n_shard}: the first {layout.min_persist} chunks stay whole "
+                              f"on every device (parameters used by parts that are not adjacent), so at "
+                              f"most {max(knobs.n_persist - layout.min_persist, 0)} of the n_persist="
+                              f"{knobs.n_persist} may be sharded")
+    nb_min = layout.min_buffers(replicated)
+    offloaded = layout.n_chunks - replicated
     if knobs.n_buffer > offloaded:
-        raise InfeasibleError(f"n_buffer={knobs.n_buffer} is more than the {offloaded} offloaded "
+        raise InfeasibleError(f"n_buffer={knobs.n_buffer} is more than the {offloaded} offloaded or sharded "
                               f"chunk(s) (n_persist={knobs.n_persist} of {layout.n_chunks}); use at "
                               f"most {offloaded}")
     if knobs.n_buffer < nb_min:
@@ -219,12 +227,12 @@ def _predicted_memory(profile, hw, config, layout, knobs: Knobs, modes, codes) -
     mem = predict_memory(profile, layout, knobs.n_persist, knobs.n_buffer, modes,
                          planned_state_bytes(profile, config), world,
                          norm_scratch=int(norm_scratch(profile, config, layout)[knobs.n_persist]),
-                         n_nvme=knobs.n_nvme)
+                         n_nvme=knobs.n_nvme, n_shard=knobs.n_shard)
     if config.model_states_fixed is not None:
         mem = replace(mem, model_state_bytes=config.model_states_fixed, host_bytes=mem.swap_host_bytes,
                       peak_device_bytes=config.model_states_fixed + mem.activation_peak_bytes)
     n_spec = int(boundary_times(profile, layout, hw, config, knobs.n_persist, knobs.n_buffer, codes,
-                                mem.host_bytes, knobs.n_nvme)[1][0])
+                                mem.host_bytes, knobs.n_nvme, knobs.n_shard)[1][0])
     mem = replace(mem, host_bytes=mem.host_bytes + int(host_backup_bytes(layout, world, n_spec, knobs.n_nvme)))
     return mem, n_spec
 
@@ -238,7 +246,7 @@ def _predicted_step(profile, hw, config, layout, knobs: Knobs, codes, mem: Memor
     timed = lambda **kw: simulate(  # noqa: E731
         profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes, cpu_overlap=config.cpu_optim_overlap,
         world=world, carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config),
-        n_nvme=knobs.n_nvme, **kw)
+        n_nvme=knobs.n_nvme, n_shard=knobs.n_shard, **kw)
     t = timed(speculate_from=spec_from)
     # The runtime's rule: a step after one that clipped (or overflowed) does not speculate; a
     # speculated step that clips restores and redoes its chunks.
@@ -249,13 +257,14 @@ def _predicted_step(profile, hw, config, layout, knobs: Knobs, codes, mem: Memor
         profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
         model_state_bytes=mem.model_state_bytes, memory_limit=hw.device_memory,
         title=f"{profile.name}: {layout.n_chunks - knobs.n_persist} of {layout.n_chunks} chunks "
-              f"offloaded, blocks ckpt {knobs.n_checkpoint} swap {knobs.n_swap} ssd {knobs.n_ssd} "
+              f"offloaded, {knobs.n_shard} sharded, blocks ckpt {knobs.n_checkpoint} swap {knobs.n_swap} ssd {knobs.n_ssd} "
               f"sel {knobs.n_selective}",
         cpu_overlap=config.cpu_optim_overlap, world=world, speculate_from=spec_from,
-        carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config), n_nvme=knobs.n_nvme)
+        carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config), n_nvme=knobs.n_nvme,
+        n_shard=knobs.n_shard)
     gas = config.grad_accumulation_steps
     micro = float(simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
-                           optimizer_step=False, world=world).iter_time[0]) if gas > 1 else float(t.iter_time[0])
+                           optimizer_step=False, world=world, n_shard=knobs.n_shard).iter_time[0]) if gas > 1 else float(t.iter_time[0])
     f = lambda a: float(a[0])  # noqa: E731
     pred = Prediction(
         iter_time=f(t.iter_time), step_time=f(t.iter_time) + (gas - 1) * micro,

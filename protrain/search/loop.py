@@ -83,6 +83,12 @@ def plan_key(iter_time: float, peak: int, knobs: tuple) -> tuple:
     return (iter_time, peak, knobs)
 
 
+def _tie_order(k: Knobs) -> tuple:
+    """The knobs the inner search chooses in tie-break order: ``Knobs.as_tuple`` and n_shard
+    (a point is simulated with two counts: ``search.sharding``)."""
+    return k.as_tuple() + (k.n_shard,)
+
+
 def hedged_key(moved: float, iter_time: float, peak: int, knobs: tuple) -> tuple:
     """Order between plans within the error band of the fastest: fewer bytes moved per step,
     then ``plan_key``."""
@@ -229,7 +235,7 @@ class _SearchState:
         return Knobs(chunk_size=g.layout.chunk_bytes, n_persist=int(g.n_persist[j]), n_buffer=nb,
                      n_swap=int(self.acts.n_swap[a]), n_checkpoint=int(self.acts.n_ckpt[a]),
                      n_ssd=int(self.acts.n_ssd[a]), n_selective=int(self.acts.n_sel[a]),
-                     n_nvme=int(g.n_nvme[j]), head_tile=self.profile.head_tile, mlp_tile=self.profile.mlp_tile,
+                     n_nvme=int(g.n_nvme[j]), n_shard=int(g.n_shard[j]), head_tile=self.profile.head_tile, mlp_tile=self.profile.mlp_tile,
                      ckpt_input=self.acts.ckpt_input)
 
     def peak(self, i: int) -> int:
@@ -271,7 +277,7 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     tied, target = _hedge_ties(st)
     if config.pins.n_buffer is None:
         _fewest_buffers(st, tied, target)
-    chosen_i = min(tied, key=lambda i: plan_key(st.times[i], st.peak(i), st.knobs(i).as_tuple()))
+    chosen_i = min(tied, key=lambda i: plan_key(st.times[i], st.peak(i), _tie_order(st.knobs(i))))
     alternatives = _runner_ups(st, chosen_i)
     notes = _notes(st, chosen_i)
     if profile.inplace_blocks:

@@ -28,6 +28,7 @@ from ..cost.host_share import host_memory_share
 from .bounds import step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .policy import norm_scratch, planned_state_bytes
+from .sharding import least_device_states, most_sharded
 from .space import (_drive_states, _fitting_configs, _state_io_top, _state_top, chunk_bytes_prefix,
                     grid_of_pairs, model_state_bytes, most_buffers, new_seen, reupload_bytes)
 
@@ -110,8 +111,12 @@ def _floors(profile, hw, config, floor_acts: ActivationConfigs, swap_most, layou
     nch = layout.n_chunks
     persist, host_state = model_state_bytes(profile, config, layout)
     buf = buffer_numel(layout, config.data_parallel_size) * planned_state_bytes(profile, config).buffer
-    rem = budget - floor_acts.act_peak[block] - persist[n_persist] - norm_scratch(profile, config, layout)[n_persist]
-    nb = most_buffers(config, rem, buf, nch - n_persist)
+    # Where plans shard, a point holds at least the states of its chunks the most sharded,
+    # and streams at most the chunks past the whole ones (``sharding.most_sharded``).
+    ns = most_sharded(config, layout, n_persist)
+    least = least_device_states(profile, config, layout, persist)
+    rem = budget - floor_acts.act_peak[block] - least[n_persist] - norm_scratch(profile, config, layout)[n_persist]
+    nb = most_buffers(config, rem, buf, nch - n_persist + ns)
     host = host_state[n_persist] + floor_acts.swap_host[block]
     ssd = activation_file_space(floor_acts.ssd[block], profile.n_blocks)
     nv = np.minimum(_drive_states(profile, hw, config, layout, n_persist, host, ssd, {})[0], nch - n_persist)
@@ -121,7 +126,7 @@ def _floors(profile, hw, config, floor_acts: ActivationConfigs, swap_most, layou
     host_least = np.where(nv_most > 0, np.minimum(host, host_memory_share(hw) - int(np.diff(top).max(initial=0))),
                           host)
     bound = step_lower_bound(profile, hw, config, floor_acts, layout, block, n_persist, nb, host_least, nv,
-                             nvme_most=nv_most)[0]
+                             nvme_most=nv_most, n_shard=ns)[0]
     ub = chunk_bytes_prefix(layout, profile, config)
     moved = config.grad_accumulation_steps * (
         2.0 * (ub[nch] - ub[n_persist]) + reupload_bytes(layout, profile, config, n_persist, nb) +

@@ -11,7 +11,8 @@ from ..block_mode import CKPT_HOST, CKPT_SSD, SEL, full_recompute, layout_codes
 from ..config import ALL, PlannerConfig
 from ..cost.chunk_times import state_io_times
 from ..cost.host_share import host_memory_share, nvme_free_share, rank_rates
-from ..cost.memory import activation_file_space, activation_walk, buffer_numel, ckpt_input_bytes, nvme_file_top, nvme_state_top, offload_bytes, staging_bytes
+from ..cost.memory import (activation_file_space, activation_walk, buffer_numel, ckpt_input_bytes, nvme_file_top,
+                           nvme_state_top, offload_bytes, sharded_state_bytes, staging_bytes)
 from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
@@ -19,6 +20,7 @@ from ..units import fmt_bytes
 from .bounds import degree_floor, forward_write_bound, step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .infeasible import InfeasibleError
+from .sharding import fewest_sharded, least_device_states, most_sharded
 from .policy import (backup_from_top, drive_states_possible, norm_scratch, pinned_speculation,
                      planned_state_bytes, speculative_writes)
 
@@ -234,7 +236,7 @@ def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerCo
     blocks = [_grid_block(profile, hw, config, acts, layout, budget, stats, seen, fits[lo:lo + step], nps)
               for lo in range(0, max(len(fits), 1), step)]
     note_buffers(config, seen, stats)
-    return CandidateGrid(layout, *(np.concatenate([b[k] for b in blocks]) for k in range(12)))
+    return CandidateGrid(layout, *(np.concatenate([b[k] for b in blocks]) for k in range(13)))
 
 
 def new_seen() -> dict:
@@ -255,7 +257,7 @@ def grid_of_pairs(profile, hw, config, acts: ActivationConfigs, layout, budget: 
     blocks = [_grid_columns(profile, hw, config, acts, layout, budget, stats, seen,
                             a_idx[lo:lo + _BLOCK], np_idx[lo:lo + _BLOCK])
               for lo in range(0, max(len(a_idx), 1), _BLOCK)]
-    return CandidateGrid(layout, *(np.concatenate([b[k] for b in blocks]) for k in range(12)))
+    return CandidateGrid(layout, *(np.concatenate([b[k] for b in blocks]) for k in range(13)))
 
 
 _BLOCK = 1 << 16
@@ -273,9 +275,9 @@ def _grid_block(profile, hw, config, acts: ActivationConfigs, layout, budget: fl
 def _grid_columns(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
                   seen: dict, a_idx: np.ndarray, np_idx: np.ndarray) -> tuple:
     """``_grid_block`` for the points (``a_idx``, ``np_idx``)."""
-    a_idx, np_idx, nb, nbmin, peak, host, nv = _fitting_points(profile, hw, config, acts, layout, budget,
-                                                               stats, seen, a_idx, np_idx)
-    bound = step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nb, host, nv)
+    a_idx, np_idx, nb, nbmin, peak, host, nv, ns = _fitting_points(profile, hw, config, acts, layout, budget,
+                                                                   stats, seen, a_idx, np_idx)
+    bound = step_lower_bound(profile, hw, config, acts, layout, a_idx, np_idx, nb, host, nv, n_shard=ns)
     lb, fwd_lb, dev_lb, tail_lb = (np.broadcast_to(x, np.shape(a_idx)) for x in bound)
     # Bytes per micro-step: offloaded chunks up in forward and their gradients down; chunks
     # not among the last n_buffer up again in backward; swapped and NVMe activations out
@@ -285,7 +287,7 @@ def _grid_columns(profile, hw, config, acts: ActivationConfigs, layout, budget: 
     moved = config.grad_accumulation_steps * (
         2.0 * (ub[layout.n_chunks] - ub[np_idx]) + reupload_bytes(layout, profile, config, np_idx, nb) +
         2.0 * (acts.swap_host[a_idx] + acts.ssd[a_idx])) + _state_io_top(profile, config, layout)[nv]
-    return a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, dev_lb, tail_lb, moved, nv
+    return a_idx, np_idx, nb, nbmin, peak, host, lb, fwd_lb, dev_lb, tail_lb, moved, nv, ns
 
 
 def most_buffers(config: PlannerConfig, rem, buf: int, offloaded) -> np.ndarray:
@@ -313,7 +315,8 @@ def model_state_bytes(profile: ModelProfile, config: PlannerConfig, layout) -> t
 def _persistent_counts(profile: ModelProfile, config: PlannerConfig, layout, persist: np.ndarray,
                        budget: float) -> np.ndarray:
     """The n_persist values to try: the pin, else from the layout's least (chunks that must
-    stay) to the most whose persistent chunks alone fit ``budget``."""
+    stay) to the most whose persistent chunks alone fit ``budget`` (sharded where plans shard:
+    ``sharding.least_device_states``)."""
     pins = config.pins
     nch = layout.n_chunks
     lo = layout.min_persist
@@ -333,7 +336,7 @@ def _persistent_counts(profile: ModelProfile, config: PlannerConfig, layout, per
                                   f"on auto")
         return np.array([pins.n_persist])
     # Persistent chunks alone must fit, which bounds the range long before n_chunks.
-    hi = int(np.searchsorted(persist, budget, side="right")) - 1
+    hi = int(np.searchsorted(least_device_states(profile, config, layout, persist), budget, side="right")) - 1
     return np.arange(lo, max(lo, min(hi, nch)) + 1)
 
 
@@ -345,14 +348,16 @@ def _fitting_configs(profile, hw, config, acts: ActivationConfigs, layout, budge
     nps = _persistent_counts(profile, config, layout, persist, budget)
     drive_room = nvme_free_share(hw) / (1.0 + config.memory_margin)
     space = activation_file_space(acts.ssd, profile.n_blocks)
-    return np.flatnonzero((acts.act_peak + persist[nps[0]] <= budget) & (space <= drive_room)), nps
+    least = least_device_states(profile, config, layout, persist)
+    return np.flatnonzero((acts.act_peak + least[nps[0]] <= budget) & (space <= drive_room)), nps
 
 
 def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget: float, stats: dict,
                     seen: dict, a_idx: np.ndarray, np_idx: np.ndarray):
     """(activation configuration, n_persist, n_buffer, least n_buffer, device peak, host
-    bytes, n_nvme) of the points (``a_idx``, ``np_idx``) that fit, each with the
-    most buffers that fit and the fewest chunks with states on the drive that fit the host
+    bytes, n_nvme, n_shard) of the points (``a_idx``, ``np_idx``) that fit, each with the
+    fewest sharded chunks with which it fits (``sharding.fewest_sharded``), the most buffers
+    that fit then and the fewest chunks with states on the drive that fit the host
     (``_drive_states``). ``seen`` gathers over the blocks of a grid whether any point has a
     pinned n_buffer's least buffers, and the fewest any needs."""
     pins = config.pins
@@ -364,19 +369,39 @@ def _fitting_points(profile, hw, config, acts: ActivationConfigs, layout, budget
     rem = budget - acts.act_peak[a_idx] - persist[np_idx] - scratch[np_idx]
     nbmin = layout.min_buffers_table()[np_idx]
     nb = most_buffers(config, rem, buf, nch - np_idx)
-    peak = acts.act_peak[a_idx] + persist[np_idx] + nb * buf + scratch[np_idx]
+    room = budget - acts.act_peak[a_idx] - scratch[np_idx]
+    ns = fewest_sharded(profile, config, layout, persist, buf, room, np_idx,
+                        (nb * buf <= rem) & (nb >= nbmin) & (nb <= nch - np_idx))
+    most = most_sharded(config, layout, np_idx)
+    if pins.n_shard is None and (most > ns).any():
+        # Each point also with the most sharded (device Adam on 1/world of them, and the gathers
+        # on the copy queues, which compute may hide): which is faster is the simulation's call.
+        twin = np.flatnonzero(most > ns)
+        rows = np.concatenate([np.arange(len(np_idx)), twin])
+        a_idx, np_idx, rem, nbmin, nb, room = (x.take(rows) for x in (a_idx, np_idx, rem, nbmin, nb, room))
+        ns = np.concatenate([ns, most.take(twin)])
+    states, rep = persist[np_idx], np_idx
+    if ns.any():
+        rep = np_idx - ns
+        ok = rep >= layout.min_persist
+        rep = np.where(ok, rep, np_idx)               # (dropped below)
+        sharded = sharded_state_bytes(layout, planned_state_bytes(profile, config), config.data_parallel_size)
+        states = np.where(ok, persist[rep] + sharded[np_idx] - sharded[rep], np.iinfo(np.int64).max // 4)
+        nbmin = layout.min_buffers_table()[rep]
+        nb = most_buffers(config, room - states, buf, nch - rep)
+    peak = acts.act_peak[a_idx] + states + nb * buf + scratch[np_idx]
     if pins.n_buffer is not None and len(nbmin):
         seen["any_buffers"] |= bool((nb >= nbmin).any())
         seen["least_buffers"] = min(seen["least_buffers"], int(nbmin.min()))
-    # Buffers beyond the offloaded chunks would hold nothing (a pinned n_buffer then caps
-    # n_persist); at least the chunks one part spans are needed.
-    dev_ok = np.flatnonzero((peak <= budget) & (nb >= nbmin) & (nb <= nch - np_idx))
-    a_idx, np_idx, nb, nbmin, peak = (x.take(dev_ok) for x in (a_idx, np_idx, nb, nbmin, peak))
+    # Buffers beyond the offloaded and sharded chunks would hold nothing (a pinned n_buffer
+    # then caps n_persist); at least the chunks one part spans are needed.
+    dev_ok = np.flatnonzero((peak <= budget) & (nb >= nbmin) & (nb <= nch - rep))
+    a_idx, np_idx, nb, nbmin, peak, ns = (x.take(dev_ok) for x in (a_idx, np_idx, nb, nbmin, peak, ns))
     host = host_state[np_idx] + acts.swap_host[a_idx]
     nv, host, drive = _drive_states(profile, hw, config, layout, np_idx, host,
                                     activation_file_space(acts.ssd[a_idx], profile.n_blocks), stats)
     ok = (host <= host_memory_share(hw)) & (nv <= nch - np_idx) & (drive <= drive_room)
-    return tuple(x.take(np.flatnonzero(ok)) for x in (a_idx, np_idx, nb, nbmin, peak, host, nv))
+    return tuple(x.take(np.flatnonzero(ok)) for x in (a_idx, np_idx, nb, nbmin, peak, host, nv, ns))
 
 
 def _state_io_top(profile, config, layout) -> np.ndarray:
