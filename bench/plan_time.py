@@ -85,7 +85,7 @@ def _row(name: str, mb: int, host_gib: int, ssd: str, clip: str, reps: int = 3) 
           file=sys.stderr)
     return dict(model=name, ssd=ssd, clip=clip, blocks=prof.n_blocks, micro_batch=mb, host_gib=host_gib,
                 candidates=plan.candidates_total, simulated=plan.candidates_evaluated, seconds=best,
-                knobs=plan.knobs.as_tuple(), n_speculate=plan.n_speculate, n_nvme=plan.knobs.n_nvme,
+                knobs=plan.knobs.as_tuple(), n_speculate=plan.n_speculate, n_nvme=plan.knobs.n_nvme, n_shard=plan.knobs.n_shard,
                 host_bytes=plan.prediction.host_bytes, step_time=plan.prediction.step_time, **_decided(plan))
 
 
@@ -118,7 +118,7 @@ def _cli_row(arguments: str, reps: int = 3) -> dict:
                 micro_batch=args.micro_batch, host_gib=hw.host_memory // GiB, seq=args.seq, world=args.world,
                 plan=arguments, candidates=plan.candidates_total, simulated=plan.candidates_evaluated,
                 seconds=best, knobs=plan.knobs.as_tuple(), sequence_parallel=plan.knobs.sequence_parallel,
-                n_speculate=plan.n_speculate, n_nvme=plan.knobs.n_nvme,
+                n_speculate=plan.n_speculate, n_nvme=plan.knobs.n_nvme, n_shard=plan.knobs.n_shard,
                 host_bytes=plan.prediction.host_bytes, step_time=plan.prediction.step_time, **_decided(plan))
 
 

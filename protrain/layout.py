@@ -59,7 +59,19 @@ class ChunkLayout:
 
     def min_buffers_table(self) -> np.ndarray:
         """``min_buffers(n)`` for every n in 0..n_chunks: the widest index range of the
-        non-persistent chunks (index >= n) any one part uses."""
+        non-persistent chunks (index >= n) any one part uses. Computed once per layout (the
+        search asks for it at every block of points it fits); read-only."""
+        known = _MIN_BUFFERS.get(id(self))
+        if known is not None and known[0] is self:
+            return known[1]
+        table = self._min_buffers_table()
+        table.flags.writeable = False
+        if len(_MIN_BUFFERS) >= 64:
+            _MIN_BUFFERS.pop(next(iter(_MIN_BUFFERS)))
+        _MIN_BUFFERS[id(self)] = (self, table)
+        return table
+
+    def _min_buffers_table(self) -> np.ndarray:
         n = np.arange(self.n_chunks + 1, dtype=np.int64)
         out = np.zeros(self.n_chunks + 1, dtype=np.int64)
         for chunks in self.part_chunks:
@@ -94,6 +106,11 @@ def capacities(largest: int, total: int, w: int, sizes_bytes: tuple[int, ...]) -
     if total in caps:
         caps |= {-(-total // k) for k in (2, 4, 8) if -(-total // k) >= largest}
     return tuple(sorted(caps))
+
+
+_MIN_BUFFERS: dict[int, tuple[ChunkLayout, np.ndarray]] = {}
+"""``ChunkLayout.min_buffers_table`` of the layouts asked last, by id (the layout kept with it,
+so an id is not reused while its entry lives)."""
 
 
 def build_layout(profile: ModelProfile, chunk_numel: int) -> ChunkLayout:

@@ -90,6 +90,12 @@ def pair_space(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig
     floor_acts = replace(acts, recompute=least(acts.recompute), fwd_write=least(acts.fwd_write),
                          swap_host=least(acts.swap_host), ssd=least(acts.ssd), act_peak=least(acts.act_peak))
     block, n_persist = (x.ravel() for x in np.meshgrid(np.arange(len(heads)), nps, indexing="ij"))
+    # A pair none of whose points can fit the device is left out: the least activation peak of
+    # its block beside the least states of its chunks on the device (sharded where plans shard).
+    persist = model_state_bytes(profile, config, layout)[0]
+    need = (floor_acts.act_peak[block] + least_device_states(profile, config, layout, persist)[n_persist]
+            + norm_scratch(profile, config, layout)[n_persist])
+    block, n_persist = block[need <= budget], n_persist[need <= budget]
     swap_most = np.maximum.reduceat(acts.swap_host[order], heads) if len(order) else acts.swap_host[:0]
     bound, moved = _floors(profile, hw, config, floor_acts, swap_most, layout, budget, block, n_persist)
     return PairSpace(layout, order, starts, block, n_persist, bound, moved,
