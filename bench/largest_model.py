@@ -5,7 +5,9 @@ every device chunk whole (`--pin n_shard=0`), as before sharded persistent chunk
 
 The ProTrain paper reports 75 B parameters on one A100-80GB and 87 B on four with 1 TiB of host
 memory; issue 37 measured 81 B for both before chunks on the device were sharded over the ranks.
-Offline (analytic profiles): runs anywhere, about 2 minutes per case on a 2-core machine.
+Offline (analytic profiles): runs anywhere; on a 2-core machine 36 s for one rank, 4-8 minutes
+for each four-rank case (a plan that does not fit is diagnosed across the sequence-parallel
+degrees: 15-50 s each).
 
     python bench/largest_model.py [--out bench/results/largest_model.json]
 """

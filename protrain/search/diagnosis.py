@@ -22,7 +22,7 @@ from .candidates import ActivationConfigs
 from .evaluation import drive_space_message, evaluate, host_text
 from .infeasible import InfeasibleError
 from .policy import drive_states_possible, norm_scratch, planned_state_bytes
-from .sharding import shards
+from .sharding import least_device_states, most_sharded, shards
 from .space import candidate_capacities, model_state_bytes
 
 Search = Callable[[ModelProfile, HardwareProfile, PlannerConfig], Plan]
@@ -231,9 +231,10 @@ def _leanest(profile, config, acts: ActivationConfigs, caps, host_memory) -> tup
         layout = build_layout(profile, cap)
         nps = np.arange(layout.min_persist, layout.n_chunks + 1)
         persist, host_state = model_state_bytes(profile, config, layout)
-        states, host = persist[nps], host_state[nps]
+        # With several ranks the device chunks the most sharded (and their buffers).
+        states, host = least_device_states(profile, config, layout, persist)[nps], host_state[nps]
         if config.model_states_fixed is None:
-            states = states + layout.min_buffers_table()[nps] * \
+            states = states + layout.min_buffers_table()[nps - most_sharded(config, layout, nps)] * \
                 buffer_numel(layout, config.data_parallel_size) * planned_state_bytes(profile, config).buffer
         fixed = states + norm_scratch(profile, config, layout)[nps]
         peak = fixed[None, :] + acts.act_peak[:, None]
