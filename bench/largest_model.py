@@ -51,7 +51,9 @@ def main() -> None:
     rows = {}
     for name, extra in CASES.items():
         t = time.perf_counter()
-        rows[name] = dict(largest(extra), command=" ".join(["protrain plan", *MACHINE, *extra, *SHAPE]))
+        found = largest(extra)
+        rows[name] = dict(found, command=" ".join(["protrain plan", *MACHINE, *extra, "--layers",
+                                                   str(found["layers"]), *SHAPE]))
         print(f"{name:24s} {rows[name]['layers']} layers, {rows[name]['params_billion']} B parameters "
               f"{rows[name]['knobs']} ({time.perf_counter() - t:.0f} s)", flush=True)
     with open(args.out, "w") as f:
