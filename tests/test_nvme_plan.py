@@ -210,7 +210,7 @@ def test_the_plan_prices_the_state_file_the_runtime_lays_out(tmp_path):
         search(prof, replace(hw, nvme_free_bytes=plan.prediction.nvme_state_bytes), config)
 
 
-def test_pinned_knobs_that_run_out_of_drive_name_the_drive_not_the_pins():
+def test_pinned_knobs_that_run_out_of_drive_name_the_drive_not_the_pins(monkeypatch):
     """Issue 38, item 6: with pins, the drive binds (the plan without them keeps every state in
     host memory): the refusal says so, with the drive's numbers and fix, before the plan
     without the pins."""
@@ -220,9 +220,17 @@ def test_pinned_knobs_that_run_out_of_drive_name_the_drive_not_the_pins():
     plan = search(prof, hw, config)
     assert plan.knobs.n_nvme > 0
     small = replace(hw, nvme_free_bytes=plan.prediction.nvme_state_bytes // 2)
+    import protrain.search.loop as loop
+    searched = []
+    real = loop.search
+    monkeypatch.setattr(loop, "search", lambda *a, **k: searched.append(a[2].pins) or real(*a, **k))
     with pytest.raises(InfeasibleError) as e:
-        search(prof, small, config)
+        loop.search(prof, small, config)
+    # The plan without the pins is searched only when the message is read (the searches
+    # around this one try variants whose errors are never shown), and once.
+    assert len(searched) == 1
     msg = str(e.value)
+    assert len(searched) == 2 and searched[1].n_persist is None and str(e.value) == msg and len(searched) == 2
     assert msg.startswith("no plan fits with the pinned knobs {'n_persist': 2}: the plan that needs "
                           "the least drive puts"), msg
     assert f"the SSD path has {fmt_bytes(small.nvme_free_bytes)} free" in msg and "Free space under ssd_path" in msg

@@ -26,17 +26,20 @@ from .sharding import least_device_states, most_sharded, shards
 from .space import candidate_capacities, model_state_bytes
 
 Search = Callable[[ModelProfile, HardwareProfile, PlannerConfig], Plan]
-"""The search itself (``search.loop.search``), handed in by its caller: the diagnosis asks it
-whether the model fits without the pins, and the search calls the diagnosis."""
+"""The search itself (``search.loop.search``), handed in by its caller: the diagnosis names
+the plan it finds without the pins, and the search calls the diagnosis."""
+Fits = Callable[[ModelProfile, HardwareProfile, PlannerConfig], bool]
+"""Whether any point fits (``search.loop.fits``): the model without the pins, cheaply."""
 
 
 def diagnose_infeasible(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig, budget: float,
-                        stats: dict, acts: ActivationConfigs, caps, *, search: Search) -> InfeasibleError:
+                        stats: dict, acts: ActivationConfigs, caps, *, search: Search,
+                        fits: Fits) -> InfeasibleError:
     """The error to raise when no point of any chunk size (``caps``) fits: ``budget`` is the
     device memory less the margin, ``stats`` what the grids' nearest misses needed
     (``space.candidate_grid``)."""
     if config.pins.pinned():
-        pinned = _pinned_diagnosis(profile, hw, config, stats, search)
+        pinned = _pinned_diagnosis(profile, hw, config, stats, search, fits)
         if pinned is not None:
             return pinned
     return _binding_resource(profile, hw, config, stats) or _device_diagnosis(profile, hw, config, budget,
@@ -100,7 +103,8 @@ def _more_host(hw, need: int) -> str:
             f"ranks on each node")
 
 
-def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: Search) -> InfeasibleError | None:
+def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: Search,
+                      fits: Fits) -> InfeasibleError | None:
     """What the pins break, where they are the problem."""
     too_many = _too_many_nvme_chunks(profile, config)
     if too_many is not None:
@@ -111,11 +115,11 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
     pins = {k: v for k, v in config.pins.pinned().items() if k != "ckpt_input"}
     if not pins:
         return None
-    # Would it fit without the pins? Then the pins are the problem; say so.
-    try:
-        free = search(profile, hw, replace(config, pins=KnobPins(ckpt_input=config.pins.ckpt_input)))
-    except InfeasibleError:
-        free = None
+    # Would it fit without the pins? Then the pins are the problem; say so. The plan the
+    # planner finds without them is searched only if the message is read (the searches around
+    # this one try variants whose errors are never shown).
+    unpinned = replace(config, pins=KnobPins(ckpt_input=config.pins.ckpt_input))
+    free = fits(profile, hw, unpinned)
     # The sequence-parallel degree is not this search's (it plans one rank's profile). Pins
     # on every other knob but n_selective (a configuration written before that knob) name
     # one plan too: the one without selective blocks (had it fit, the search found it); the
@@ -143,17 +147,20 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
             f"pinned n_buffer={config.pins.n_buffer} is too few: with these chunks a part of the "
             f"model spans {stats['buffers_needed']} chunks, which must be on the device together. "
             f"Pin n_buffer >= {stats['buffers_needed']}, a larger chunk_size, or leave n_buffer on auto")
-    if free is not None:
+    if free:
         # Name what the pins run into, with its own fix, before the plan without them.
         binding = _binding_resource(profile, hw, config, stats)
         why = (str(binding).rstrip(".") if binding is not None else
                f"no plan with them fits the device memory ({fmt_bytes(hw.device_memory)}, less the "
                f"{config.memory_margin:.0%} margin)")
+
+        def message() -> str:
+            plan = search(profile, hw, unpinned)
+            return (f"no plan fits with the pinned knobs {pins}: {why}. Without the pins the planner "
+                    f"finds {plan.knobs} ({fmt_bytes(plan.prediction.peak_device_bytes)} peak): unpin "
+                    f"them (set to \"auto\") or change the pinned values")
         return InfeasibleError(
-            f"no plan fits with the pinned knobs {pins}: {why}. Without the pins the planner finds "
-            f"{free.knobs} ({fmt_bytes(free.prediction.peak_device_bytes)} peak): unpin them (set "
-            f"to \"auto\") or change the pinned values",
-            device_needed=binding.device_needed if binding is not None else None,
+            message, device_needed=binding.device_needed if binding is not None else None,
             host_needed=binding.host_needed if binding is not None else None)
     return None
 

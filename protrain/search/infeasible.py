@@ -3,24 +3,40 @@ meet, made from the parameter counts alone before the model is profiled. The dia
 search that found nothing (what to change) is search.diagnosis."""
 from __future__ import annotations
 
+from typing import Callable
+
 from ..config import PlannerConfig
 from ..cost.memory import state_bytes
 from ..units import fmt_bytes
 
 
 class InfeasibleError(RuntimeError):
-    """No plan fits. The message says what would fit and what to change."""
+    """No plan fits. The message says what would fit and what to change. ``message`` may be
+    a function giving it: a part of it costs a search (the plan without the user's pins), and
+    the searches around this one try many variants whose errors are never shown - it is
+    written the first time it is read (``str``), once."""
 
-    def __init__(self, message: str, *, device_needed: int | None = None,
+    def __init__(self, message: str | Callable[[], str], *, device_needed: int | None = None,
                  host_needed: int | None = None, micro_batch_fit: int | None = None,
                  seq_len_fit: int | None = None):
-        super().__init__(message)
+        self._write = message if callable(message) else None
+        super().__init__("" if callable(message) else message)
         self.device_needed = device_needed
         self.host_needed = host_needed
         self.micro_batch_fit = micro_batch_fit
         self.seq_len_fit = seq_len_fit
         """The sequence length the activations would fit at, scaled linearly from this one's
         (an estimate; ``protrain plan --seq max`` plans its way to the exact one)."""
+
+    def __str__(self) -> str:
+        if self._write is not None:
+            self.args, self._write = (self._write(),), None
+        return super().__str__()
+
+    def __reduce__(self):
+        # Pickled (sent to another rank) with its message written.
+        str(self)
+        return super().__reduce__()
 
 
 def check_budgets(total_params: int, largest_param: int, param_bytes: int,

@@ -270,7 +270,7 @@ def search(profile: ModelProfile, hw: HardwareProfile,
             return None     # the pairs' bounds rule out every point not fitted against ``beat``
         for ps in spaces:
             note_buffers(config, ps.seen, stats)
-        raise diagnose_infeasible(profile, hw, config, budget, stats, acts, caps, search=search)
+        raise diagnose_infeasible(profile, hw, config, budget, stats, acts, caps, search=search, fits=fits)
     if not (st.times < beat).any():
         return None
     _simulate_hedge_band(st)
@@ -286,6 +286,20 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     return replace(evaluate(profile, hw, st.knobs(chosen_i), config, alternatives=tuple(alternatives),
                             search_seconds=time.perf_counter() - t0, evaluated=st.evaluated,
                             total=st.total), notes=notes, fastest_step=float(st.times.min()))
+
+
+def fits(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig) -> bool:
+    """Whether any point fits ``config``'s budgets and pins (``search`` would find a plan):
+    the pairs fitted lowest bound first until one gives a point, nothing simulated."""
+    hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
+    budget = hw.device_memory / (1.0 + config.memory_margin)
+    caps = candidate_capacities(profile, config)
+    acts = activation_configs(profile, config, hw, least_state_drive_time(profile, config, hw, caps, budget))
+    spaces = [pair_space(profile, hw, config, acts, cap, budget) for cap in caps]
+    st = _SearchState(profile, hw, config, acts, budget, spaces, {}, refine_on_fit=False)
+    while not len(st.times) and not st.all_fitted:
+        st.fit_lowest(1)
+    return bool(len(st.times))
 
 
 def _find_fastest(st: _SearchState) -> None:
