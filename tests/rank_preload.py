@@ -9,9 +9,12 @@ import torch._dynamo  # noqa: F401
 import deepspeed  # noqa: F401
 from deepspeed.accelerator import get_accelerator
 
+from protrain.native import cpu_info_once  # noqa: E402
+
 for name in ("FusedAdamBuilder", "CPUAdamBuilder", "ShareMemCommBuilder"):
     try:
-        get_accelerator().create_op_builder(name).load(verbose=False)
+        with cpu_info_once():          # the compiler probes' CPU query, once for the three
+            get_accelerator().create_op_builder(name).load(verbose=False)
     except Exception:  # noqa: BLE001 - a rank that needs it loads it itself (and says why not)
         pass
 
