@@ -311,6 +311,25 @@ def test_a_cpu_bound_model_with_much_host_memory_simulates_few_plans():
     assert plan.candidates_evaluated < 0.05 * plan.candidates_total
 
 
+def test_the_searchs_count_of_speculating_chunks_is_the_one_evaluate_picks():
+    """The search hands evaluate the count of speculating chunks its simulation picked (three
+    simulations saved); the plan equals one evaluate makes of the same knobs, picking the
+    count itself - with states on a drive and a host too small for every backup too."""
+    hw = machine("h100-80gb").profile(host_memory=256 * GiB)
+    drive = replace(machine("h100-80gb").profile(host_memory=64 * GiB), nvme_write_bandwidth=12e9,
+                    nvme_read_bandwidth=12e9, nvme_free_bytes=2**42)
+    config = PlannerConfig(cpu_optim_overlap=False, cpu_optim_speculative=True)
+    seen_drive = False
+    for name, machine_, mb in (("llama2-13b", hw, 4), ("llama2-7b", hw, 8), ("llama2-13b", drive, 1)):
+        prof = analytic_profile(replace(PRESETS[name], micro_batch=mb, seq_len=2048), machine_)
+        plan = search(prof, machine_, config)
+        again = evaluate(prof, machine_, plan.knobs, config)
+        assert plan.n_speculate > 0 and again.n_speculate == plan.n_speculate
+        assert again.prediction == plan.prediction
+        seen_drive = seen_drive or plan.knobs.n_nvme > 0
+    assert seen_drive
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_search_on_a_cpu_device_with_a_cpu_adam_thread_equals_brute_force(overlap):
     """No copy engine, CPU Adam on a core of its own (a CPU "device" with "host_thread"):

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..timeline import Event, Timeline
-from ..layout import ChunkLayout
 from .memory import activation_walk_points
-from .time_model import simulate
+from .time_model import TimePrediction
 
 
-def predicted_timeline(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, n_persist: int,
-                       n_buffer: int, codes: np.ndarray, *, model_state_bytes: int, title: str,
-                       memory_limit: int = 0, **simulate_kw) -> Timeline:
-    """One plan's predicted iteration. The memory curve steps at the end of each part's
-    forward and backward to the model states plus the activations live there (the memory
-    model's walk; between those points it is drawn flat)."""
-    trace: list = []
-    t = simulate(profile, layout, hw, n_persist, n_buffer, codes, trace=trace, **simulate_kw)
+def predicted_timeline(profile: ModelProfile, codes: np.ndarray, t: TimePrediction, trace: list, *,
+                       model_state_bytes: int, title: str, memory_limit: int = 0) -> Timeline:
+    """One plan's predicted iteration: ``t`` and ``trace`` from one ``simulate`` of it (called
+    with ``trace=``; the plan's own prediction, simulated once). The memory curve steps at the
+    end of each part's forward and backward to the model states plus the activations live
+    there (the memory model's walk; between those points it is drawn flat)."""
     events = tuple(Event(lane, what, label, start, end) for lane, what, label, start, end in trace)
     walk = activation_walk_points(profile, codes)[0]
     ends: dict[tuple[str, str], float] = {}

@@ -229,7 +229,9 @@ class SpeculatingIterationBound:
         """Per plan: the least over s in [0, s_max] (at s_max where ``pinned``) of ``at(s)`` and
         ``chain_after_reads`` (``refine_speculating_reads``): a [plans, counts] table."""
         plans = len(self.n_off)
-        s = np.arange(len(self.adam_top))[None, :]
+        s_max = np.broadcast_to(np.asarray(s_max), (plans,))
+        # The counts no plan may take are left out of the table (a 206B model: 13 of 500).
+        s = np.arange(min(int(s_max.max(initial=0)), len(self.adam_top) - 1) + 1)[None, :]
         n_off, nv = self.n_off[:, None], self.n_nvme[:, None]
         backward = np.broadcast_to(self.backward, (plans,))[:, None]
         adam = self.adam[:, None]
@@ -246,7 +248,6 @@ class SpeculatingIterationBound:
             ready = ready + top(t_write)[np.maximum(k - STAGING_SLOTS, 0)]
         drive = np.where(k > 0, ready + adam - self.adam_top[np.maximum(k - 1, 0)] + backups + uploads, -np.inf)
         value = np.maximum(np.maximum(chain, after), drive)
-        s_max = np.asarray(s_max)
         if pinned:
             return value[np.arange(plans), np.minimum(s_max, n_off[:, 0])]
         return np.where((s <= s_max[:, None]) & (s <= n_off), value, np.inf).min(axis=1)

@@ -113,14 +113,21 @@ def boundary_times(profile, layout, hw, config, n_persist, n_buffer, codes, host
 def simulate_points(profile, hw, config, acts: ActivationConfigs, grid: CandidateGrid, idx: np.ndarray,
                     n_buffer=None) -> np.ndarray:
     """Time of one optimizer step: the boundary micro-step plus the others, if any."""
+    return simulate_points_speculating(profile, hw, config, acts, grid, idx, n_buffer)[0]
+
+
+def simulate_points_speculating(profile, hw, config, acts: ActivationConfigs, grid: CandidateGrid,
+                                idx: np.ndarray, n_buffer=None) -> tuple[np.ndarray, np.ndarray]:
+    """(``simulate_points``, each point's offloaded chunks speculating): the count ``evaluate``
+    would pick again for the chosen point (``n_speculate``)."""
     nb = grid.n_buffer[idx] if n_buffer is None else n_buffer
     args = (profile, grid.layout, hw, grid.n_persist[idx], nb, acts.codes(grid.a[idx]))
     world = config.data_parallel_size
-    t = boundary_times(*args[:2], hw, config, *args[3:], grid.host[idx], grid.n_nvme[idx], grid.n_shard[idx])[0]
+    t, n = boundary_times(*args[:2], hw, config, *args[3:], grid.host[idx], grid.n_nvme[idx], grid.n_shard[idx])
     if config.grad_accumulation_steps > 1:
         t = t + (config.grad_accumulation_steps - 1) * simulate(
             *args, optimizer_step=False, world=world, n_shard=grid.n_shard[idx]).iter_time
-    return t
+    return t, n
 
 
 def _tiled(profile: ModelProfile, knob: str, tile: int, current: int, figures, unsupported: str,
@@ -141,11 +148,13 @@ def _tiled(profile: ModelProfile, knob: str, tile: int, current: int, figures, u
 def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
              config: PlannerConfig | None = None, *, alternatives=(), search_seconds=0.0,
              evaluated=1, total=1, check_fit: bool = False,
-             block_modes: tuple[BlockMode, ...] | None = None) -> Plan:
+             block_modes: tuple[BlockMode, ...] | None = None, n_speculate: int | None = None) -> Plan:
     """The Plan (with predictions) for given knobs, e.g. a plan loaded from a file replayed on
     a new profile. With ``check_fit`` raise InfeasibleError if it does not fit. ``block_modes``
     replaces ProTrain's block layout for the same counts (a framework that can only checkpoint
-    the first blocks natively, as Megatron's ``--recompute-method block``)."""
+    the first blocks natively, as Megatron's ``--recompute-method block``). ``n_speculate``:
+    the offloaded chunks speculating, where the search simulated these knobs and knows the
+    count ``boundary_times`` picks (three simulations saved); else it is picked here."""
     config = config or PlannerConfig()
     profile = _tiled(profile, "head_tile", knobs.head_tile, profile.head_tile, profile.head,
                      profile.head_unsupported, "head", "is", with_head_tile)
@@ -163,7 +172,7 @@ def evaluate(profile: ModelProfile, hw: HardwareProfile, knobs: Knobs,
                               f"from 0 to {layout.n_chunks - knobs.n_persist} (n_persist={knobs.n_persist} "
                               f"of {layout.n_chunks} chunks)")
     codes = np.array([[m.code for m in modes]], dtype=np.int8)
-    mem, n_spec = _predicted_memory(profile, hw, config, layout, knobs, modes, codes)
+    mem, n_spec = _predicted_memory(profile, hw, config, layout, knobs, modes, codes, n_speculate)
     pred, timeline = _predicted_step(profile, hw, config, layout, knobs, codes, mem, n_spec)
     if check_fit:
         _check_fit(hw, config, knobs, mem, profile.n_blocks)
@@ -220,9 +229,10 @@ def _checked_block_modes(profile: ModelProfile, layout, knobs: Knobs,
     return modes
 
 
-def _predicted_memory(profile, hw, config, layout, knobs: Knobs, modes, codes) -> tuple[MemoryPrediction, int]:
-    """(the memory model's prediction, offloaded chunks speculating): the host holds the
-    speculating chunks' backups too."""
+def _predicted_memory(profile, hw, config, layout, knobs: Knobs, modes, codes,
+                      n_speculate: int | None = None) -> tuple[MemoryPrediction, int]:
+    """(the memory model's prediction, offloaded chunks speculating - ``n_speculate`` where
+    known): the host holds the speculating chunks' backups too."""
     world = config.data_parallel_size
     mem = predict_memory(profile, layout, knobs.n_persist, knobs.n_buffer, modes,
                          planned_state_bytes(profile, config), world,
@@ -231,8 +241,9 @@ def _predicted_memory(profile, hw, config, layout, knobs: Knobs, modes, codes) -
     if config.model_states_fixed is not None:
         mem = replace(mem, model_state_bytes=config.model_states_fixed, host_bytes=mem.swap_host_bytes,
                       peak_device_bytes=config.model_states_fixed + mem.activation_peak_bytes)
-    n_spec = int(boundary_times(profile, layout, hw, config, knobs.n_persist, knobs.n_buffer, codes,
-                                mem.host_bytes, knobs.n_nvme, knobs.n_shard)[1][0])
+    n_spec = n_speculate if n_speculate is not None else int(boundary_times(
+        profile, layout, hw, config, knobs.n_persist, knobs.n_buffer, codes, mem.host_bytes, knobs.n_nvme,
+        knobs.n_shard)[1][0])
     mem = replace(mem, host_bytes=mem.host_bytes + int(host_backup_bytes(layout, world, n_spec, knobs.n_nvme)))
     return mem, n_spec
 
@@ -247,21 +258,18 @@ def _predicted_step(profile, hw, config, layout, knobs: Knobs, codes, mem: Memor
         profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes, cpu_overlap=config.cpu_optim_overlap,
         world=world, carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config),
         n_nvme=knobs.n_nvme, n_shard=knobs.n_shard, **kw)
-    t = timed(speculate_from=spec_from)
+    trace: list = []
+    t = timed(speculate_from=spec_from, trace=trace)
     # The runtime's rule: a step after one that clipped (or overflowed) does not speculate; a
     # speculated step that clips restores and redoes its chunks.
     unspeculated = float((timed(speculate_from=layout.n_chunks) if n_spec else t).iter_time[0])
     rolled_back = float((timed(speculate_from=spec_from, speculation_wrong=True) if n_spec
                          else t).iter_time[0])
     timeline = predicted_timeline(
-        profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
-        model_state_bytes=mem.model_state_bytes, memory_limit=hw.device_memory,
+        profile, codes, t, trace, model_state_bytes=mem.model_state_bytes, memory_limit=hw.device_memory,
         title=f"{profile.name}: {layout.n_chunks - knobs.n_persist} of {layout.n_chunks} chunks "
               f"offloaded, {knobs.n_shard} sharded, blocks ckpt {knobs.n_checkpoint} swap {knobs.n_swap} ssd {knobs.n_ssd} "
-              f"sel {knobs.n_selective}",
-        cpu_overlap=config.cpu_optim_overlap, world=world, speculate_from=spec_from,
-        carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config), n_nvme=knobs.n_nvme,
-        n_shard=knobs.n_shard)
+              f"sel {knobs.n_selective}")
     gas = config.grad_accumulation_steps
     micro = float(simulate(profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes,
                            optimizer_step=False, world=world, n_shard=knobs.n_shard).iter_time[0]) if gas > 1 else float(t.iter_time[0])

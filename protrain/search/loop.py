@@ -40,7 +40,7 @@ from ..units import fmt_bytes, fmt_seconds
 from .bounds import refine_cpu_bound, refine_speculating_reads, speculating_reads
 from .candidates import ActivationConfigs, CandidateGrid
 from .diagnosis import diagnose_infeasible
-from .evaluation import evaluate, simulate_points
+from .evaluation import evaluate, simulate_points, simulate_points_speculating
 from .policy import planned_state_bytes
 from .pairs import PairSpace, fit_pairs, pair_space
 from .space import (activation_configs, candidate_capacities, least_state_drive_time, note_buffers,
@@ -118,6 +118,8 @@ class _SearchState:
     local: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     times: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Each point's simulated step time; inf until simulated."""
+    speculating: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Each simulated point's offloaded chunks speculating (``boundary_times``' pick)."""
     simulated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     grid_space: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """The chunk size (index into ``spaces``) of each grid."""
@@ -161,6 +163,7 @@ class _SearchState:
             self.owner = np.concatenate([self.owner, np.full(n, len(self.grids) - 1)])
             self.local = np.concatenate([self.local, np.arange(n)])
             self.times = np.concatenate([self.times, np.full(n, np.inf)])
+            self.speculating = np.concatenate([self.speculating, np.zeros(n, dtype=np.int64)])
             self.simulated = np.concatenate([self.simulated, np.zeros(n, dtype=bool)])
             self.considered = np.concatenate([self.considered, np.zeros(n, dtype=bool)])
         return fitted
@@ -224,7 +227,8 @@ class _SearchState:
 
     def simulate(self, grid: CandidateGrid, rows: np.ndarray, sel: np.ndarray) -> None:
         """Simulate points ``rows[sel]`` (``grid``: ``rows_grid(rows)``) with their most buffers."""
-        self.times[rows[sel]] = simulate_points(self.profile, self.hw, self.config, self.acts, grid, sel)
+        self.times[rows[sel]], self.speculating[rows[sel]] = simulate_points_speculating(
+            self.profile, self.hw, self.config, self.acts, grid, sel)
         self.simulated[rows[sel]] = True
         self.evaluated += len(sel)
 
@@ -283,9 +287,12 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     if profile.inplace_blocks:
         notes += (f"no block recomputed: block {profile.inplace_blocks[0]} changes an input in "
                   f"place in forward, which a recompute would see changed",)
+    # The count of speculating chunks is the simulation's, unless fewer buffers were tried on
+    # the point since (evaluate picks it again then).
+    known = int(st.speculating[chosen_i]) if chosen_i not in st.fewer_buffers else None
     return replace(evaluate(profile, hw, st.knobs(chosen_i), config, alternatives=tuple(alternatives),
                             search_seconds=time.perf_counter() - t0, evaluated=st.evaluated,
-                            total=st.total), notes=notes, fastest_step=float(st.times.min()))
+                            total=st.total, n_speculate=known), notes=notes, fastest_step=float(st.times.min()))
 
 
 def fits(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig) -> bool:
