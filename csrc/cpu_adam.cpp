@@ -34,6 +34,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -42,6 +43,9 @@
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__AVX__)
+#include <immintrin.h>
 #endif
 
 #include "cpu_adam.h"
@@ -143,6 +147,22 @@ void write_copy(const float* src, const Segment& s, int64_t lo, int64_t n)
     }
 }
 
+// The backup's copy of a tile: streamed past the caches where the CPU has AVX (non-temporal
+// stores: no read of the destination lines first, and the tile's states stay in cache for the
+// update that follows, where memcpy's writes would evict them). The rollback reads the backup
+// once, much later. Bits as memcpy's; each thread fences its streamed stores before it leaves.
+static inline void backup_copy(float* dst, const float* src, int64_t n)
+{
+#if defined(__AVX__)
+    int64_t i = 0;
+    for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 31) != 0; ++i) dst[i] = src[i];
+    for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+    for (; i < n; ++i) dst[i] = src[i];
+#else
+    std::memcpy(dst, src, n * sizeof(float));
+#endif
+}
+
 template <typename G>
 void run(const Adam_Optimizer& state, const Segment& s, const G* grads, float scale,
          bool need_copy, int64_t n, int threads)
@@ -175,15 +195,18 @@ void run(const Adam_Optimizer& state, const Segment& s, const G* grads, float sc
         for (int64_t a = lo; a < hi; a += tile) {
             const int64_t len = std::min(tile, hi - a);
             if (s.backup[0] != nullptr) {
-                std::memcpy(s.backup[0] + a, s.p + a, len * sizeof(float));
-                std::memcpy(s.backup[1] + a, s.m + a, len * sizeof(float));
-                std::memcpy(s.backup[2] + a, s.v + a, len * sizeof(float));
+                backup_copy(s.backup[0] + a, s.p + a, len);
+                backup_copy(s.backup[1] + a, s.m + a, len);
+                backup_copy(s.backup[2] + a, s.v + a, len);
             }
             float* g = grad_tile(grads + a, scratch[me].data(), len, scale, need_copy);
             step_invoker<float, float>(opt, s.p + a, g, s.m + a, s.v + a,
                                        static_cast<size_t>(len), false);
             if (s.copy != nullptr) write_copy(s.p + a, s, a, len);
         }
+#if defined(__AVX__)
+        if (s.backup[0] != nullptr) _mm_sfence();   // the streamed backup visible before return
+#endif
     }
 }
 
