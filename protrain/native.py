@@ -15,6 +15,7 @@ the package as ``protrain/csrc`` by a regular install (setup.py).
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import logging
 import os
@@ -98,32 +99,49 @@ def deepspeed_cpu_adam_op():
 
 
 _cpu_info: dict = {}
-_cpu_info_lock = threading.Lock()
+_cpu_info_lock = threading.Lock()     # held for the patch's bookkeeping and the one query only
+
+
+def _fresh_lock_after_fork() -> None:
+    global _cpu_info_lock
+    _cpu_info_lock = threading.Lock()     # a fork inherits it as taken if a thread held it
+
+
+os.register_at_fork(after_in_child=_fresh_lock_after_fork)
+
+
+def _cpu_info_memo() -> dict:
+    with _cpu_info_lock:
+        if "info" not in _cpu_info:
+            _cpu_info["info"] = _cpu_info["real"]()
+        return copy.deepcopy(_cpu_info["info"])     # the caller's to change
 
 
 @contextlib.contextmanager
 def cpu_info_once():
-    """Around a DeepSpeed op builder's ``cxx_args()``: py-cpuinfo's ``get_cpu_info`` answered
-    once per process. The builder asks it for the compiler flags at every JIT load, twice (the
-    architecture, the SIMD width), and each answer runs a subprocess (1.2 s on this VM): 4.6 s
-    of every rank's start-up where both CPU Adam ops load. Patched only for the builder's call."""
+    """Around a DeepSpeed op builder's ``cxx_args()`` or ``load()``: py-cpuinfo's
+    ``get_cpu_info`` answered once per process. The builder asks it for the compiler flags at
+    every JIT load, twice (the architecture, the SIMD width), and each answer runs a subprocess
+    (1.2 s on this VM): 4.6 s of every rank's start-up where both CPU Adam ops load. Patched
+    while any such call runs (counted: loads on several threads overlap); no lock is held over
+    the call itself, which may wait minutes on another process's build."""
     try:
         import cpuinfo
     except ImportError:          # DeepSpeed falls back to lscpu
         yield
         return
     with _cpu_info_lock:
-        real = cpuinfo.get_cpu_info
-
-        def once():
-            if "info" not in _cpu_info:
-                _cpu_info["info"] = real()
-            return dict(_cpu_info["info"])
-        cpuinfo.get_cpu_info = once
-        try:
-            yield
-        finally:
-            cpuinfo.get_cpu_info = real
+        if not _cpu_info.get("depth"):
+            _cpu_info["real"] = cpuinfo.get_cpu_info
+            cpuinfo.get_cpu_info = _cpu_info_memo
+        _cpu_info["depth"] = _cpu_info.get("depth", 0) + 1
+    try:
+        yield
+    finally:
+        with _cpu_info_lock:
+            _cpu_info["depth"] -= 1
+            if not _cpu_info["depth"]:
+                cpuinfo.get_cpu_info = _cpu_info["real"]
 
 
 @contextlib.contextmanager

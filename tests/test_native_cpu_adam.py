@@ -217,3 +217,24 @@ def test_runs_and_split_pieces_update_like_deepspeeds_per_tensor_calls(op, kind)
     want = [torch.cat([st[i] for st in ref]) for i in (0, 2, 3)]
     assert all(torch.equal(a, b) for a, b in zip((flat[0], flat[2], flat[3]), want))
     assert not all(torch.equal(a, b) for a, b in zip((plain[0], plain[2], plain[3]), want))
+
+
+def test_the_builders_cpu_query_runs_once_per_process_and_is_put_back(monkeypatch):
+    """DeepSpeed's op builders ask py-cpuinfo for the compiler flags twice per JIT load (a 1.2 s
+    subprocess each): inside cpu_info_once the query runs once, nested and overlapping uses
+    share it, and the real function is back afterwards."""
+    import cpuinfo
+    from protrain import native
+    calls = []
+
+    def real():
+        calls.append(1)
+        return {"arch": "X86_64", "flags": ["avx2"]}
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", real)
+    monkeypatch.setattr(native, "_cpu_info", {})
+    with native.cpu_info_once():
+        with native.cpu_info_once():
+            assert cpuinfo.get_cpu_info()["arch"] == "X86_64"
+        cpuinfo.get_cpu_info()["flags"].append("changed")        # a copy: the memo stays
+        assert cpuinfo.get_cpu_info()["flags"] == ["avx2"]
+    assert cpuinfo.get_cpu_info is real and len(calls) == 1

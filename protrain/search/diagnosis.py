@@ -155,10 +155,13 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
                f"{config.memory_margin:.0%} margin)")
 
         def message() -> str:
-            plan = search(profile, hw, unpinned)
+            try:
+                plan = search(profile, hw, unpinned)
+                found = f"finds {plan.knobs} ({fmt_bytes(plan.prediction.peak_device_bytes)} peak)"
+            except InfeasibleError:      # not expected: ``fits`` found a point
+                found = "finds plans that fit"
             return (f"no plan fits with the pinned knobs {pins}: {why}. Without the pins the planner "
-                    f"finds {plan.knobs} ({fmt_bytes(plan.prediction.peak_device_bytes)} peak): unpin "
-                    f"them (set to \"auto\") or change the pinned values")
+                    f"{found}: unpin them (set to \"auto\") or change the pinned values")
         return InfeasibleError(
             message, device_needed=binding.device_needed if binding is not None else None,
             host_needed=binding.host_needed if binding is not None else None)
