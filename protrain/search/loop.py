@@ -260,12 +260,8 @@ def search(profile: ModelProfile, hw: HardwareProfile,
     t0 = time.perf_counter()
     if beat < np.inf and search_floor(profile, hw, config) > beat * (1 + BOUND_ROUNDING):
         return None         # no plan of any chunk size and n_persist can beat it: nothing to build
-    hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
-    budget = hw.device_memory / (1.0 + config.memory_margin)
-    caps = candidate_capacities(profile, config)
-    acts = activation_configs(profile, config, hw, least_state_drive_time(profile, config, hw, caps, budget))
+    hw, budget, caps, acts, spaces = _space(profile, hw, config)
     stats: dict = {}
-    spaces = [pair_space(profile, hw, config, acts, cap, budget) for cap in caps]
     st = _SearchState(profile, hw, config, acts, budget, spaces, stats)
     st.best = beat        # the pruning starts from the incumbent: what cannot beat it is skipped
     _find_fastest(st)
@@ -295,14 +291,20 @@ def search(profile: ModelProfile, hw: HardwareProfile,
                             total=st.total, n_speculate=known), notes=notes, fastest_step=float(st.times.min()))
 
 
-def fits(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig) -> bool:
-    """Whether any point fits ``config``'s budgets and pins (``search`` would find a plan):
-    the pairs fitted lowest bound first until one gives a point, nothing simulated."""
+def _space(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig):
+    """(the machine within the config's limits, the device budget less the margin, the chunk
+    capacities, the activation configurations, a PairSpace per capacity): what a search walks."""
     hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
     budget = hw.device_memory / (1.0 + config.memory_margin)
     caps = candidate_capacities(profile, config)
     acts = activation_configs(profile, config, hw, least_state_drive_time(profile, config, hw, caps, budget))
-    spaces = [pair_space(profile, hw, config, acts, cap, budget) for cap in caps]
+    return hw, budget, caps, acts, [pair_space(profile, hw, config, acts, cap, budget) for cap in caps]
+
+
+def fits(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig) -> bool:
+    """Whether any point fits ``config``'s budgets and pins (``search`` would find a plan):
+    the pairs fitted lowest bound first until one gives a point, nothing simulated."""
+    hw, budget, _, acts, spaces = _space(profile, hw, config)
     st = _SearchState(profile, hw, config, acts, budget, spaces, {}, refine_on_fit=False)
     while not len(st.times) and not st.all_fitted:
         st.fit_lowest(1)
