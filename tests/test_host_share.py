@@ -319,3 +319,26 @@ def test_one_rank_per_node_plans_as_when_host_memory_was_each_ranks(monkeypatch,
     whole = plans()
     assert share[:-1] == whole[:-1]
     assert share[-1]["knobs"] != whole[-1]["knobs"]
+
+
+def test_the_probes_update_overhead_steps_on_the_ranks_threads(monkeypatch):
+    """The probe times the runtime's step around a wrapped kernel; the step takes its thread
+    count off the kernel, so the wrapper carries the kernel's (the verdict and norm measured on
+    one thread would price a rank's steps at the wrong share)."""
+    pytest.importorskip("deepspeed")
+    from protrain.measure.update_overhead import measure_update_overhead
+    from protrain.runtime.optimizer import ChunkOptimizer
+    seen = []
+    norm = ChunkOptimizer._global_norm
+
+    def watched(self, inv_scale):
+        seen.append(host_threads.thread_count())
+        return norm(self, inv_scale)
+    monkeypatch.setattr(ChunkOptimizer, "_global_norm", watched)
+    before = host_threads.thread_count()
+    host_threads.set_thread_count(1)
+    try:
+        measure_update_overhead(reps=1, threads=2)
+    finally:
+        host_threads.set_thread_count(before)
+    assert seen and all(n == 2 for n in seen), seen

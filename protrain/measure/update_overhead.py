@@ -57,11 +57,14 @@ def measure_update_overhead(reps: int = 9, threads: int = 0) -> float:
 
 
 class _Timed:
-    """A host kernel that adds the time of its calls to ``busy_s``."""
+    """A host kernel that adds the time of its calls to ``busy_s``; what the runtime reads off a
+    kernel (its SIMD width, padding, thread count) it reads off this one as off the kernel, so
+    the step measured runs on the threads the rank's steps will."""
 
     def __init__(self, kernel):
         self.kernel = kernel
         self.simd, self.pad = kernel.simd, getattr(kernel, "pad", None)
+        self.threads = getattr(kernel, "threads", 0)
         self.busy_s = 0.0
 
     def update(self, *args, **kwargs) -> None:
