@@ -76,7 +76,8 @@ class Timeline(JsonValue):
 _COLORS = {"fwd": "#4878d0", "bwd": "#ee854a", "recompute": "#d65f5f", "device_adam": "#956cb4",
            "upload": "#6acc64", "offload": "#8c613c", "swap_out": "#dc7ec0", "swap_in": "#797979",
            "adam": "#82c6e2", "backup_adam": "#d5bb67", "rollback": "#000000", "redo": "#b33",
-           "nvme_write": "#8172b3", "nvme_read": "#64b5cd", "wait": "#cccccc", "check": "#2ca02c"}
+           "nvme_write": "#8172b3", "nvme_read": "#64b5cd", "wait": "#cccccc", "check": "#2ca02c",
+           "step": "#17becf"}
 
 
 def draw(timelines: list[Timeline] | Timeline, out: str | Path) -> Path:

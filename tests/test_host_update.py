@@ -128,6 +128,58 @@ def test_the_measured_time_per_chunk_excludes_the_kernel(monkeypatch):
     assert measure_update_overhead(reps=3) < 3e-3
 
 
+def test_step_queuing_the_updates_after_the_verdict_is_exposed_with_a_worker_thread():
+    """Issue 37 (exposed CPU Adam with clipping): with CPU Adam on a worker beside compute and
+    its updates left for the verdict, step() decides and queues each offloaded chunk's update
+    on the training thread before the next forward: ``step_dispatch_overhead`` per chunk is
+    exposed and lengthens the iteration where the updates themselves are hidden (hand case:
+    2 offloaded chunks, 0.5 s each), and costs nothing where updates ran during backward
+    (no verdict to wait for) or inline (priced in each update's own time there)."""
+    from conftest import chain_profile, slow_link
+    from protrain.cost.time_model import simulate
+    from protrain.layout import build_layout
+
+    def run(dispatch, **kw):
+        hw = slow_link(copy_engines=0, cpu_adam_rate=1000.0, step_dispatch_overhead=dispatch,
+                       **({"cpu_adam_thread": True} | kw.pop("hw", {})))
+        prof = chain_profile()
+        t = simulate(prof, build_layout(prof, 100), hw, 1, 2, np.array([[0, 0]]), carry_over=True, **kw)
+        return float(t.iter_time[0]), float(t.cpu_optim_exposed[0])
+    it0, ex0 = run(0.0, cpu_overlap=False)
+    it1, ex1 = run(0.5, cpu_overlap=False)
+    assert ex0 == 0 and ex1 == pytest.approx(2 * 0.5) and it1 == pytest.approx(it0 + 2 * 0.5)
+    assert run(0.5, cpu_overlap=True) == run(0.0, cpu_overlap=True)
+    assert run(0.5, cpu_overlap=False, hw={"cpu_adam_thread": False}) == \
+        run(0.0, cpu_overlap=False, hw={"cpu_adam_thread": False})
+    assert "step() 500000 us per chunk" in slow_link(step_dispatch_overhead=0.5,
+                                                      host_update_overhead=1e-3).describe()
+
+
+def test_the_measured_step_dispatch_times_step_alone_with_the_updates_on_the_worker(monkeypatch):
+    """measure_step_dispatch times step() with the worker threaded: the updates run on the
+    worker thread (not in the timed call: a kernel 3 ms slower per call leaves it under 3 ms a
+    chunk), and every queued update ran before the next timed step."""
+    import threading
+    import time
+
+    from protrain.measure.update_overhead import measure_step_dispatch
+    from protrain.runtime.adam import CPUAdamKernel
+    real = CPUAdamKernel.update
+    threads, calls = set(), []
+
+    def slow(self, *a, **k):
+        threads.add(threading.get_ident())
+        calls.append(1)
+        time.sleep(3e-3)
+        return real(self, *a, **k)
+    monkeypatch.setattr(CPUAdamKernel, "update", slow)
+    t = measure_step_dispatch(reps=2)
+    assert 0 < t < 3e-3
+    assert threads and threading.get_ident() not in threads
+    from protrain.measure.update_overhead import CHUNKS
+    assert len(calls) == 3 * CHUNKS          # a warm-up and two timed steps, every chunk updated
+
+
 def test_a_chunk_without_gradients_in_a_step_is_stepped_on_zeros():
     """fp32 without accumulation: the update leaves its gradient region as it is (the next
     copy overwrites it whole); a chunk that gets no gradient in the next step is zeroed at

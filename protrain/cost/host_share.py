@@ -50,6 +50,8 @@ class RankRates:
     """Bytes/s of a host-memory copy (0: not measured)."""
     update_overhead: float
     """Seconds of the runtime's own work per offloaded chunk update."""
+    step_dispatch: float
+    """Seconds of step()'s work on the training thread per update it queues after the verdict."""
     h2d: float
     d2h: float
     device_adam: float
@@ -67,6 +69,7 @@ def rank_rates(hw: HardwareProfile) -> RankRates:
         cpu_adam=hw.cpu_adam_rate / r, grad_check=hw.grad_check_rate / r,
         host_copy=hw.host_copy_bandwidth / r,
         update_overhead=hw.host_update_overhead * max(1.0, r / max(1, hw.cpu_cores)),
+        step_dispatch=hw.step_dispatch_overhead * max(1.0, r / max(1, hw.cpu_cores)),
         h2d=hw.h2d_bandwidth / r if on_host else hw.h2d_bandwidth,
         d2h=hw.d2h_bandwidth / r if on_host else hw.d2h_bandwidth,
         device_adam=hw.gpu_adam_rate / r if on_host else hw.gpu_adam_rate,

@@ -33,16 +33,20 @@ def simulate_step_end(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> S
     gpu_optim = (costs.adam_elements / costs.rr.device_adam
                  + np.maximum(np.maximum(q.net, q.shard_down) - bwd_end, 0.0)
                  if costs.optimizer_step else np.zeros(costs.k_plans))
+    dispatch = _dispatch(costs, q)
     if costs.inline:                  # one timeline: CPU Adam, then the "device" Adam
         device_end = np.maximum(bwd_end, q.cpu) + gpu_optim
-    else:
-        device_end = bwd_end + gpu_optim
+    else:                             # step() queues the deferred updates, then device Adam
+        device_end = bwd_end + dispatch + gpu_optim
     if q.trace is not None:
+        q.record("compute", "step", "updates queued after the verdict", bwd_end, bwd_end + dispatch,
+                 dispatch > 0)
         q.record("compute", "device_adam", "persistent chunks", device_end - gpu_optim, device_end)
     iter_time = np.maximum(device_end, q.cpu)
-    # Exposed: CPU Adam past the device's own work. On one timeline (a CPU "device") that is
-    # the updates left for after backward (the inline ones count as backward's time).
-    exposed = np.maximum(q.cpu - (bwd_end if costs.inline else device_end), 0.0)
+    # Exposed: CPU Adam past the device's own work, and step()'s queuing of it on the training
+    # thread (the runtime counts both). On one timeline (a CPU "device") that is the updates
+    # left for after backward (the inline ones count as backward's time).
+    exposed = np.maximum(q.cpu - (bwd_end if costs.inline else device_end), 0.0) + dispatch
     carries = costs.carry_over and costs.optimizer_step and not costs.inline and layout.n_chunks
     if carries:
         offl_rows = np.arange(layout.n_chunks)[:, None] >= npers[None, :]
@@ -51,8 +55,18 @@ def simulate_step_end(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> S
         iter_time = np.minimum(iter_time, carried)
     iter_time = drive_floor(costs, q, iter_time)
     if carries:
-        exposed = np.maximum(iter_time - device_end, 0.0)
+        exposed = np.maximum(iter_time - device_end, 0.0) + dispatch
     return StepEnd(iter_time=iter_time, gpu_optim_time=gpu_optim, cpu_optim_exposed=exposed)
+
+
+def _dispatch(costs: StepCosts, q: QueueState) -> np.ndarray | float:
+    """Seconds step() spends on the training thread queuing the updates left for after the
+    verdict, per plan: where they run on a worker beside compute (inline they are priced in
+    each update's own time)."""
+    if costs.inline or not costs.optimizer_step or not q.deferred or not costs.rr.step_dispatch:
+        return 0.0
+    n = np.sum([np.asarray(offl, dtype=float) for _, offl, _, _ in q.deferred], axis=0)
+    return n * costs.rr.step_dispatch
 
 
 def _deferred_updates(costs: StepCosts, q: QueueState, bwd_end: np.ndarray) -> None:

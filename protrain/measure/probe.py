@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 from ..profile.hardware import HardwareProfile
-from .update_overhead import measure_update_overhead
+from .update_overhead import measure_step_dispatch, measure_update_overhead
 
-PROBE_VERSION = 7
+PROBE_VERSION = 8
 """Bump when the probe measures differently, so old cache entries are not reused."""
 
 
@@ -195,6 +195,7 @@ def _measure(device, size_mib, adam_params, progress, threads, rank_threads) -> 
     host_pass = _host_pass_rate(adam_params)
     say("the runtime's time per chunk update")
     update_overhead = measure_update_overhead(threads=rank_threads)
+    step_dispatch = measure_step_dispatch(threads=rank_threads)
     if device.type == "cuda":
         say(f"device Adam ({adam_params / 1e6:.0f} M params)")
         gpu_adam = _device_adam_rate(device, adam_params)
@@ -204,7 +205,7 @@ def _measure(device, size_mib, adam_params, progress, threads, rank_threads) -> 
         name=name, source="measured", device_type=device.type, device_memory=0, host_memory=0,
         h2d_bandwidth=h2d, d2h_bandwidth=d2h, gpu_adam_rate=gpu_adam, cpu_adam_rate=cpu_adam,
         host_copy_bandwidth=host_copy, grad_check_rate=grad_check, host_pass_rate=host_pass,
-        host_update_overhead=update_overhead, copy_engines=min(engines, 2),
+        host_update_overhead=update_overhead, step_dispatch_overhead=step_dispatch, copy_engines=min(engines, 2),
         cpu_cores=threads, versions=_versions())
 
 

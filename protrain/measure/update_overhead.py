@@ -56,6 +56,30 @@ def measure_update_overhead(reps: int = 9, threads: int = 0) -> float:
     return max(0.0, statistics.median(per_chunk))
 
 
+def measure_step_dispatch(reps: int = 9, threads: int = 0) -> float:
+    """Seconds per offloaded chunk that ``step()`` spends on the training thread when the
+    updates wait for the step's verdict (clipping on, no chunk speculating) and run on the host
+    worker: the chunks' norms combined, each chunk's update decided and queued (median over
+    ``reps`` steps). What the next forward waits for before its first kernel, on a GPU machine
+    as on a CPU "device" with its worker thread; inline (no worker) it is part of
+    ``measure_update_overhead``'s figure. 0.0 when DeepSpeed's CPU Adam is not available."""
+    try:
+        from ..runtime.adam import CPUAdamKernel
+        steps = _Steps(CHUNKS, CPUAdamKernel(adamw=True, threads=threads), threaded=True)
+    except Exception:  # noqa: BLE001 - no compiler / no deepspeed / no memory: not measured
+        return 0.0
+    try:
+        per_chunk = []
+        for i in range(reps + 1):
+            t = steps.once()
+            steps.opt.worker.drain()            # the queued updates, not timed
+            if i:
+                per_chunk.append(t / CHUNKS)
+    finally:
+        steps.close()
+    return statistics.median(per_chunk)
+
+
 class _Timed:
     """A host kernel that adds the time of its calls to ``busy_s``; what the runtime reads off a
     kernel (its SIMD width, padding, thread count) it reads off this one as off the kernel, so
@@ -75,9 +99,10 @@ class _Timed:
 
 class _Steps:
     """The runtime's ChunkOptimizer over ``n_chunks`` offloaded chunks of CHUNK_NUMEL fp32
-    parameters, stepped from the state backward leaves (clipping on)."""
+    parameters, stepped from the state backward leaves (clipping on); ``threaded``: the updates
+    on the host worker's thread (step() queues them and returns), else inline in step()."""
 
-    def __init__(self, n_chunks: int, kernel):
+    def __init__(self, n_chunks: int, kernel, threaded: bool = False):
         from ..runtime.adam import AdamHyper
         from ..runtime.chunks import ChunkManager
         from ..runtime.collectives import DataParallel
@@ -99,7 +124,7 @@ class _Steps:
             param_groups=[{"params": params, "lr": 1e-3}], adamw=True, clip=1.0,
             hyper=lambda g: AdamHyper(lr=g["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
                                       weight_decay=0.01, bias_correction=True, adamw=True),
-            speculate_chunks=0, host_thread=False)
+            speculate_chunks=0, host_thread=threaded)
         self.opt = ChunkOptimizer(self.m, streams, setup, host_kernel=kernel, device_kernel=kernel,
                                   params_in_order=params)
         self.opt.first_step_of_plan = False

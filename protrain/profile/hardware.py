@@ -66,6 +66,13 @@ class HardwareProfile(JsonValue):
     """Seconds of the runtime's own work per offloaded chunk update beyond the work per
     parameter (its bookkeeping in Python, the kernel call, the reset; ``measure.update_overhead``):
     added to every offloaded chunk's CPU Adam time. 0: not measured (published machines)."""
+    step_dispatch_overhead: float = 0.0
+    """Seconds per offloaded chunk that ``step()`` spends on the training thread deciding and
+    queuing the updates left for the step's verdict (clipping or fp16, no chunk speculating),
+    where they run on a worker thread beside compute (``measure.update_overhead``): the next
+    forward starts after it, and the runtime counts it as exposed CPU Adam. Inline (a CPU
+    "device" without its worker) it is part of ``host_update_overhead``. 0: not measured
+    (published machines)."""
     cpu_adam_kernel_rate: float = 0.0
     """When ``cpu_adam_rate`` is the runtime's whole update (the kernel and the passes around
     it, ``cost.host_update.runtime_update_rate``): the kernel's own rate. 0: it is the
@@ -119,6 +126,8 @@ class HardwareProfile(JsonValue):
                    f"around it)" if self.cpu_adam_kernel_rate else "")
                 + (f" + {self.host_update_overhead * 1e6:.0f} us per chunk update"
                    if self.host_update_overhead else "")
+                + (f", step() {self.step_dispatch_overhead * 1e6:.0f} us per chunk it queues after "
+                   f"the verdict" if self.step_dispatch_overhead else "")
                 + (f", host copy {self.host_copy_bandwidth / 1e9:.0f} GB/s" if self.host_copy_bandwidth else "")
                 + (f"; host shared by {self.ranks_per_node} ranks per node: CPU Adam "
                    f"{self.cpu_adam_rate / self.ranks_per_node / 1e9:.3f} Gparam/s per rank"

@@ -668,7 +668,9 @@ class ChunkOptimizer:
                 self.stats.exposed_s = time.perf_counter() - t0 + self._take_waited()
                 return
             coef, clipped = self._coefficient(norm, inv_scale)
+            t_queue = time.perf_counter()
             self._finish_offloaded(coef, clipped)
+            self._trace("compute", "step", "updates queued after the verdict", t_queue)
             t0 += self._update_persistent(coef)      # device Adam is not CPU Adam's exposure
             if not self.carry_over:
                 self.worker.drain()
