@@ -47,6 +47,10 @@ QUICK = [("llama2-7b", 4, 8192, None), ("llama2-13b", 8, 8192, None),
          ("llama2-13b", 2, 4096, 12.0), ("llama2-7b", 1, 2048, 12.0)]
 
 
+EXPLAIN_ABOVE = 1.10
+"""Cases whose ratio is above this are explained one by one (``explain``)."""
+
+
 def plan_case(model: str, mb: int, seq: int, drive: float | None) -> dict | None:
     """The plan ``protrain plan`` prints for the case, as its JSON; None when nothing fits."""
     from protrain import cli
@@ -96,6 +100,69 @@ def floor_of(model: str, mb: int, seq: int, drive: float | None, plan: dict) -> 
     return {"terms": terms, "floor": terms[binding], "binding": binding}
 
 
+LANES = {"device compute": "compute", "H2D": "h2d", "D2H": "d2h", "CPU Adam": "cpu_adam", "drive": "nvme"}
+"""The predicted timeline's lane of each floor term's resource."""
+
+
+def gap_of(plan: dict, binding: str, floor: float) -> dict:
+    """Where the predicted iteration's time above the floor goes, read off the plan's predicted
+    timeline on the binding resource's lane, folded onto one steady-state iteration [0, T) (the
+    work a step carries into the next forward lands at the window's start, as it does from the
+    step before): the lane's work beyond the floor's term (its busy time, and the kinds of work
+    in it), and its idle time by phase - forward, backward, the step's end; when its first work
+    starts, and how much of it runs past the iteration (into the next forward). ``extra +
+    idle`` is the iteration minus the floor."""
+    pred = plan["prediction"]
+    t_iter = pred["iter_time"]
+    fwd_end = pred["fwd_time"]
+    bwd_end = fwd_end + pred["bwd_time"]
+    lane = LANES[binding]
+    pieces, kinds = [], {}
+    events = [e for e in plan["timeline"]["events"] if e["lane"] == lane and e["end"] > e["start"]]
+    for e in events:
+        kinds[e["what"]] = kinds.get(e["what"], 0.0) + e["end"] - e["start"]
+        a, b = e["start"], e["end"]
+        while b > a:                             # folded: [a, b) cut at each multiple of T
+            k = a // t_iter
+            cut = min(b, (k + 1) * t_iter)
+            pieces.append((a - k * t_iter, cut - k * t_iter))
+            a = cut
+    busy = _union(pieces)
+    phases = {"forward": (0.0, fwd_end), "backward": (fwd_end, bwd_end), "step end": (bwd_end, t_iter)}
+    idle = {name: max(0.0, (hi - lo) - _overlap(busy, lo, hi)) for name, (lo, hi) in phases.items()}
+    busy_s = sum(b - a for a, b in busy)
+    return {"lane": lane, "busy_s": busy_s, "extra_work_s": busy_s - floor,
+            "work_by_kind_s": kinds, "idle_s": idle,
+            "first_start_s": min((e["start"] for e in events), default=0.0),
+            "carried_s": max(0.0, max((e["end"] for e in events), default=0.0) - t_iter)}
+
+
+def _union(pieces: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(pieces):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _overlap(busy: list[tuple[float, float]], lo: float, hi: float) -> float:
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in busy)
+
+
+def explain(r: dict) -> str:
+    """One line: the binding lane's extra work and idle time (``gap_of``), in seconds."""
+    g = r["gap"]
+    kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(g["work_by_kind_s"].items(), key=lambda kv: -kv[1]))
+    idle = ", ".join(f"{v:.2f} in {k}" for k, v in g["idle_s"].items() if v >= 0.005)
+    return (f"{r['binding']} lane busy {g['busy_s']:.2f} s ({g['extra_work_s']:+.2f} over the floor's "
+            f"{r['floor_s']:.2f}; {kinds}), idle {sum(g['idle_s'].values()):.2f} s"
+            + (f": {idle}" if idle else "")
+            + f"; its first work at {g['first_start_s']:.2f} s"
+            + (f", {g['carried_s']:.2f} s of it carried into the next forward" if g["carried_s"] >= 0.005 else ""))
+
+
 def run(cases, out: Path | None, progress: bool = False) -> dict:
     """Plan every case, each row printed as it is done with ``progress``; the JSON (``out``)
     rewritten after each case, so a run cut short keeps what it planned."""
@@ -110,6 +177,7 @@ def run(cases, out: Path | None, progress: bool = False) -> dict:
             rows.append({"model": model, "micro_batch": mb, "seq": seq, "drive_gbps": drive,
                          "predicted_s": it, "floor_s": f["floor"], "ratio": it / f["floor"],
                          "binding": f["binding"], "terms_s": f["terms"],
+                         "gap": gap_of(plan, f["binding"], f["floor"]),
                          "knobs": plan["knobs"], "plan_seconds": time.perf_counter() - t_case})
         if progress:
             print(f"[{k + 1}/{len(cases)}] " + (_row(rows[-1]) if plan is not None else
@@ -142,6 +210,12 @@ def print_table(result: dict) -> None:
           f"{'ratio':>6}  binding")
     for r in result["rows"]:
         print(_row(r))
+    above = [r for r in result["rows"] if r["ratio"] > EXPLAIN_ABOVE]
+    if above:
+        print(f"\nabove {EXPLAIN_ABOVE}: where the time above the floor goes (seconds)")
+        for r in above:
+            print(f"{r['model']} mb {r['micro_batch']} seq {r['seq']} drive {r['drive_gbps'] or '-'} "
+                  f"({r['ratio']:.3f}): {explain(r)}")
     if result["rows"]:
         print(f"{result['feasible']} feasible of {result['cases']} cases: predicted / floor median "
               f"{result['median_ratio']:.3f}, max {result['max_ratio']:.3f} "

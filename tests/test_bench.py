@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parent.parent / "bench"
 
 
@@ -101,3 +103,11 @@ def test_plan_floor_divides_each_plan_by_a_floor_it_cannot_beat():
         assert r["binding"] in r["terms_s"]
     # each resource the grid is about shows up: compute-bound and CPU-Adam-bound cases
     assert {"device compute", "CPU Adam"} <= {r["binding"] for r in result["rows"]}
+    # where the time above the floor goes: the binding lane's work beyond the floor's term and
+    # its idle time add up to the gap, and the lane did at least the floor's work
+    for r in result["rows"]:
+        g = r["gap"]
+        assert g["extra_work_s"] + sum(g["idle_s"].values()) == \
+            pytest.approx(r["predicted_s"] - r["floor_s"], rel=1e-6, abs=1e-9), r
+        assert g["extra_work_s"] >= -1e-9 * r["floor_s"] and g["busy_s"] <= r["predicted_s"] * (1 + 1e-9)
+        assert r["binding"].split()[0] in plan_floor.explain(r)
