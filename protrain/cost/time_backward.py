@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..block_mode import CKPT, CKPT_HOST, CKPT_SSD, SEL, SSD, SWAP
-from .time_queues import QueueState, StepCosts
+from .time_queues import QueueState, StepCosts, select
 from .time_state_io import at_rows, nvme_turn, staged_update, staged_update_masked
 
 
@@ -66,22 +66,26 @@ def _reupload(costs: StepCosts, q: QueueState, j: int, grad_out: np.ndarray, ava
     """Chunk j's upload for backward, where it is offloaded and no longer in a buffer: once the
     chunk n_buffer above it has sent its gradient off."""
     n_chunks = costs.layout.n_chunks
-    offl = costs.streamed(j)
-    reuse = j >= n_chunks - costs.nbuf          # still in a buffer from forward
-    need = offl & ~reuse
+    u = costs.refetched_in(j)
+    if u is False:                              # in no plan: nothing issued
+        avail[j] = 0.0
+        if costs.shared:
+            q.join_copy_queues()
+        return
+    need = costs.streamed(j) & (j < n_chunks - costs.nbuf) if u is None else True
     src = np.minimum(j + costs.nbuf, n_chunks - 1)
     t_up = costs.up_time(j)
-    end = np.maximum(np.maximum(q.h2d, np.where(need, grad_out[src, costs.rows], 0.0)),
+    end = np.maximum(np.maximum(q.h2d, select(u, need, costs.at_chunk(grad_out, src), 0.0)),
                      q.comp if costs.serial else 0.0) + t_up
     if q.trace is not None:
         q.record("h2d", "upload", f"chunk {j}", end - t_up, end, need)
-    q.h2d = np.where(need, end, q.h2d)
-    avail[j] = np.where(need, end, 0.0)
+    q.h2d = select(u, need, end, q.h2d)
+    avail[j] = select(u, need, end, 0.0)
     if costs.serial:
-        q.comp = np.where(need, end, q.comp)
+        q.comp = select(u, need, end, q.comp)
     if costs.shared:
         q.join_copy_queues()
-    q.h2d_bytes += np.where(need & (j >= costs.npers), costs.chunk_bytes(j), 0)
+    q.h2d_bytes += select(costs.host_in(j) if u else None, need & (j >= costs.npers), costs.chunk_bytes(j), 0)
 
 
 def _part_backward(costs: StepCosts, q: QueueState, p: int, avail: np.ndarray,
@@ -155,7 +159,7 @@ def _offload_gradient(costs: StepCosts, q: QueueState, c: int, grad_out: np.ndar
     first on a serial device whose checks are its own), then on to the CPU optimizer. A sharded
     chunk's gradients are reduce-scattered into its shard on the device, on the same queue, and
     wait there for device Adam."""
-    offl = costs.streamed(c)
+    offl, u = costs.streamed(c), costs.streams_in(c)
     if costs.optimizer_step and costs.t_allreduce[c]:
         # A persistent chunk's all-reduce starts as its backward ends, on the collectives'
         # queue (the runtime's persistent_backward_done); the step's end waits for what is left.
@@ -163,23 +167,23 @@ def _offload_gradient(costs: StepCosts, q: QueueState, c: int, grad_out: np.ndar
         end = start + costs.t_allreduce[c]
         if q.trace is not None:
             q.record("collective", "all_reduce", f"chunk {c}", start, end, ~offl)
-        q.net = np.where(offl, q.net, end)
-    host = c >= costs.npers                  # its states on the host: CPU Adam's
+        q.net = select(u, offl, q.net, end)
+    host, h = c >= costs.npers, costs.host_in(c)   # its states on the host: CPU Adam's
     if costs.serial and not costs.checks_on_host and costs.t_check[c]:   # the "device" checks, inline
         if q.trace is not None:
             q.record("compute", "check", f"chunk {c}", q.comp, q.comp + costs.t_check[c], host)
-        q.comp = np.where(host, q.comp + costs.t_check[c], q.comp)
+        q.comp = select(h, host, q.comp + costs.t_check[c], q.comp)
     t_down = costs.down_time(c)
     d_end = np.maximum(q.d2h, q.comp) + t_down
     if q.trace is not None:
         q.record("d2h", "offload", f"chunk {c}", d_end - t_down, d_end, offl)
-    q.d2h = np.where(offl, d_end, q.d2h)
-    grad_out[c] = np.where(offl, d_end, q.comp)
-    q.d2h_bytes += np.where(host, costs.chunk_bytes(c), 0)
+    q.d2h = select(u, offl, d_end, q.d2h)
+    grad_out[c] = select(u, offl, d_end, q.comp)
+    q.d2h_bytes += select(h, host, costs.chunk_bytes(c), 0)
     if costs.any_shard:
         q.shard_down = np.where(offl & ~host, d_end, q.shard_down)
     if costs.serial:
-        q.comp = np.where(offl, d_end, q.comp)
+        q.comp = select(u, offl, d_end, q.comp)
     if costs.shared:
         q.join_copy_queues()
     offl = host                               # the CPU optimizer's part, below

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..block_mode import CKPT_HOST, CKPT_SSD, SSD, SWAP
-from .time_queues import QueueState, StepCosts
+from .time_queues import QueueState, StepCosts, select
 
 
 def simulate_forward(costs: StepCosts, q: QueueState) -> np.ndarray:
@@ -51,18 +51,22 @@ def _upload(costs: StepCosts, q: QueueState, j: int, released: np.ndarray, ready
     """Chunk j's upload, where it is offloaded: after the uploads before it and once the chunk
     n_buffer below it has released the buffer (on a serial device, also after the compute
     issued so far)."""
-    offl = costs.streamed(j)
-    src = j - costs.nbuf
-    wait = np.where(offl & (src >= costs.nrep), released[np.maximum(src, 0), costs.rows], 0.0)
+    offl, u = costs.streamed(j), costs.streams_in(j)
+    reuse = costs.reuses_in(j)
+    if reuse is None:
+        src = j - costs.nbuf
+        wait = np.where(offl & (src >= costs.nrep), costs.at_chunk(released, np.maximum(src, 0)), 0.0)
+    else:
+        wait = costs.at_chunk(released, j - costs.nbuf) if reuse else 0.0
     q.up_start[j] = np.maximum(np.maximum(q.h2d, wait), q.comp if costs.serial else 0.0)
     end = q.up_start[j] + costs.up_time(j)
     if q.trace is not None:
         q.record("h2d", "upload", f"chunk {j}", q.up_start[j], end, offl)
-    q.h2d = np.where(offl, end, q.h2d)
-    ready[j] = np.where(offl, end, 0.0)
+    q.h2d = select(u, offl, end, q.h2d)
+    ready[j] = select(u, offl, end, 0.0)
     if costs.shared:
         q.join_copy_queues()
-    q.h2d_bytes += np.where(j >= costs.npers, costs.chunk_bytes(j), 0)
+    q.h2d_bytes += select(costs.host_in(j), j >= costs.npers, costs.chunk_bytes(j), 0)
 
 
 def _write_out_activations(costs: StepCosts, q: QueueState, p: int, swap_out_end: np.ndarray) -> None:

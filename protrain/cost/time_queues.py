@@ -95,14 +95,53 @@ class StepCosts:
     """Some plan keeps states on the drive (else the CPU queue's simpler paths serve)."""
     any_shard: bool = False
     """Some plan has sharded persistent chunks (else chunk times are the same in every plan)."""
+    row_index: np.ndarray | None = None
+    """[K] 0..K-1 (``rows``)."""
+    rep_range: tuple[int, int] = (0, 0)
+    host_range: tuple[int, int] = (0, 0)
+    """The least and most of ``nrep`` / ``npers`` over the plans: a chunk at or above the
+    most streams (``streamed``) / has its states on the host in every plan, one below the
+    least in none (``streams_in``, ``host_in``) - the common case, a search batch's points
+    mostly share n_persist, where a per-plan select is not needed."""
+
+    buf_range: tuple[int, int] = (0, 0)
+    """The least and most of ``nbuf`` over the plans (``refetched_in``, ``reuses_in``)."""
 
     @property
     def k_plans(self) -> int:
         return self.modes.shape[1]
 
+    def reuses_in(self, j: int) -> bool | None:
+        """``streams_in`` for the forward upload of chunk j reusing the buffer of chunk
+        j - n_buffer, itself streamed (``_upload``'s wait)."""
+        if j - self.buf_range[1] >= self.rep_range[1]:
+            return True
+        return False if j - self.buf_range[0] < self.rep_range[0] else None
+
+    def refetched_in(self, j: int) -> bool | None:
+        """``streams_in`` for chunk j's upload in backward: it streams and no buffer holds it
+        still from forward (j below n_chunks - n_buffer)."""
+        n = self.layout.n_chunks
+        u = self.streams_in(j)
+        if u is True and j < n - self.buf_range[1]:
+            return True
+        return False if u is False or j >= n - self.buf_range[0] else None
+
+    def at_chunk(self, times: np.ndarray, chunk) -> np.ndarray:
+        """``times[chunk, plan]`` for each plan: ``chunk`` [K], ``times`` [chunks, K]."""
+        return times.ravel().take(chunk * self.k_plans + self.rows)
+
     @property
     def rows(self) -> np.ndarray:
-        return np.arange(self.k_plans)
+        return self.row_index if self.row_index is not None else np.arange(self.k_plans)
+
+    def streams_in(self, c: int) -> bool | None:
+        """True: chunk c streams (``streamed``) in every plan; False: in none; None: in some."""
+        return True if c >= self.rep_range[1] else False if c < self.rep_range[0] else None
+
+    def host_in(self, c: int) -> bool | None:
+        """``streams_in`` for chunk c's states on the host (c >= ``npers``)."""
+        return True if c >= self.host_range[1] else False if c < self.host_range[0] else None
 
     def on_drive(self, c: int) -> np.ndarray:
         """[K] whether chunk c's states are on the drive."""
@@ -190,7 +229,22 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
         inline=serial and not hw.cpu_adam_thread, shared=hw.copy_engines == 1, gds=gds,
         optimizer_step=optimizer_step, cpu_overlap=cpu_overlap, checks_on_host=checks_on_host,
         speculation_wrong=speculation_wrong, carry_over=carry_over, any_nvme=bool((nnvme > 0).any()),
-        any_shard=bool((nshard > 0).any()))
+        any_shard=bool((nshard > 0).any()), row_index=np.arange(k_plans),
+        rep_range=_least_most(npers - nshard), host_range=_least_most(npers), buf_range=_least_most(nbuf))
+
+
+def _least_most(x: np.ndarray) -> tuple[int, int]:
+    return (int(x.min()), int(x.max())) if len(x) else (0, 0)
+
+
+def select(uniform: bool | None, mask, a, b):
+    """``np.where(mask, a, b)``, where ``uniform`` (``StepCosts.streams_in`` / ``host_in``)
+    says that ``mask`` is True (False) for every plan: then ``a`` (``b``) as it is, no select.
+    The values are the same; the simulation's loops over chunks call this a few times a
+    chunk, and a select over thousands of plans is most of such a call's cost."""
+    if uniform is None:
+        return np.where(mask, a, b)
+    return a if uniform else b
 
 
 @dataclass(slots=True)

@@ -89,7 +89,7 @@ def staged_update_masked(costs: StepCosts, q: QueueState, c: int, which: np.ndar
     start at max(``cpu_free``, ``ready``). Returns (end, length) of its turn, per plan."""
     start = np.maximum(cpu_free, ready)
     end = start + t_turn
-    rows = np.flatnonzero(which & costs.on_drive(c))
+    rows = np.flatnonzero(which & costs.on_drive(c)) if costs.any_nvme else ()
     if len(rows):
         s, e = staged_update(costs, q, rows, c, at_rows(want, rows), at_rows(cpu_free, rows),
                              at_rows(ready, rows), at_rows(t_turn, rows))

@@ -254,15 +254,20 @@ def _predicted_step(profile, hw, config, layout, knobs: Knobs, codes, mem: Memor
     the accumulating micro-steps."""
     world = config.data_parallel_size
     spec_from = layout.n_chunks - n_spec if speculates(config) else None
-    timed = lambda **kw: simulate(  # noqa: E731
-        profile, layout, hw, knobs.n_persist, knobs.n_buffer, codes, cpu_overlap=config.cpu_optim_overlap,
-        world=world, carry_over=carries_over(config, hw), checks_on_host=checks_on_host(config),
-        n_nvme=knobs.n_nvme, n_shard=knobs.n_shard, **kw)
+    timed = lambda rows=1, **kw: simulate(  # noqa: E731
+        profile, layout, hw, knobs.n_persist, knobs.n_buffer, np.repeat(codes, rows, axis=0),
+        cpu_overlap=config.cpu_optim_overlap, world=world, carry_over=carries_over(config, hw),
+        checks_on_host=checks_on_host(config), n_nvme=knobs.n_nvme, n_shard=knobs.n_shard, **kw)
     trace: list = []
-    t = timed(speculate_from=spec_from, trace=trace)
     # The runtime's rule: a step after one that clipped (or overflowed) does not speculate; a
-    # speculated step that clips restores and redoes its chunks.
-    unspeculated = float((timed(speculate_from=layout.n_chunks) if n_spec else t).iter_time[0])
+    # speculated step that clips restores and redoes its chunks. The step as it speculates
+    # (traced: the first plan) and as it would without, in one simulation of two plans.
+    if n_spec:
+        t = timed(2, speculate_from=np.array([spec_from, layout.n_chunks]), trace=trace)
+        unspeculated = float(t.iter_time[1])
+    else:
+        t = timed(speculate_from=spec_from, trace=trace)
+        unspeculated = float(t.iter_time[0])
     rolled_back = float((timed(speculate_from=spec_from, speculation_wrong=True) if n_spec
                          else t).iter_time[0])
     timeline = predicted_timeline(
