@@ -68,7 +68,7 @@ def plan_case(model: str, mb: int, seq: int, drive: float | None) -> dict | None
 
 def floor_of(model: str, mb: int, seq: int, drive: float | None, plan: dict) -> dict:
     """The floor's terms (seconds) for the plan, and the binding one."""
-    from protrain.block_mode import CKPT, SEL, BlockMode
+    from protrain.block_mode import FULL_RECOMPUTE, SEL, BlockMode
     from protrain.layout import build_layout
     from protrain.profile.analytic import PRESETS, analytic_profile
     from protrain.profile.machines import DEFAULT_HOST_MEMORY, machine
@@ -77,7 +77,9 @@ def floor_of(model: str, mb: int, seq: int, drive: float | None, plan: dict) -> 
     profile = analytic_profile(shape, hw)
     modes = [BlockMode(m).code for m in plan["block_modes"]]
     blocks = profile.blocks
-    recompute = sum(b.fwd_time for b, m in zip(blocks, modes) if m == CKPT) + \
+    # Every fully recomputed block (its input kept on the device, in host memory or on the
+    # drive) runs its forward again; a selective one its attention.
+    recompute = sum(b.fwd_time for b, m in zip(blocks, modes) if m in FULL_RECOMPUTE) + \
         sum(b.sel_recompute_time for b, m in zip(blocks, modes) if m == SEL)
     compute = sum(p.fwd_time + p.bwd_time for p in profile.parts) + recompute
     knobs, pred = plan["knobs"], plan["prediction"]
