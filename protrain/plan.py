@@ -123,6 +123,9 @@ class Prediction:
     iter_time_unspeculated: float = 0.0
     """With speculating chunks (``Plan.n_speculate``): the iteration when nothing speculates -
     the runtime's rule after a step that clipped or overflowed (0: an older plan file)."""
+    cpu_optim_exposed_unspeculated: float = 0.0
+    """With speculating chunks: ``cpu_optim_exposed`` when nothing speculates (0: an older plan
+    file, or no chunk speculates - then ``cpu_optim_exposed`` is it)."""
     iter_time_rolled_back: float = 0.0
     """With speculating chunks: the iteration whose speculation was wrong (the step clips):
     the speculated chunks restored from their backups and updated again after backward."""

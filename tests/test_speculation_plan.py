@@ -112,6 +112,10 @@ def test_the_runtime_rule_after_a_clipped_step_is_priced():
     p = spec.prediction
     assert p.iter_time < p.iter_time_unspeculated < p.iter_time_rolled_back
     assert p.iter_time_unspeculated == pytest.approx(after.prediction.iter_time, rel=1e-12)
+    # the exposed CPU Adam of a step that does not speculate, as the plan without speculation
+    # (what bench/cpu_adam_exposed.py compares a round of clipped steps with)
+    assert p.cpu_optim_exposed_unspeculated == pytest.approx(after.prediction.cpu_optim_exposed, rel=1e-12)
+    assert p.cpu_optim_exposed < p.cpu_optim_exposed_unspeculated
     k = spec.knobs
     layout = build_layout(prof, k.chunk_size // prof.param_bytes)
     codes = np.array([[m.code for m in layout_block_modes(prof.n_blocks, k.n_swap, k.n_checkpoint,

@@ -264,10 +264,10 @@ def _predicted_step(profile, hw, config, layout, knobs: Knobs, codes, mem: Memor
     # (traced: the first plan) and as it would without, in one simulation of two plans.
     if n_spec:
         t = timed(2, speculate_from=np.array([spec_from, layout.n_chunks]), trace=trace)
-        unspeculated = float(t.iter_time[1])
+        unspeculated, exposed_unspeculated = float(t.iter_time[1]), float(t.cpu_optim_exposed[1])
     else:
         t = timed(speculate_from=spec_from, trace=trace)
-        unspeculated = float(t.iter_time[0])
+        unspeculated, exposed_unspeculated = float(t.iter_time[0]), float(t.cpu_optim_exposed[0])
     rolled_back = float((timed(speculate_from=spec_from, speculation_wrong=True) if n_spec
                          else t).iter_time[0])
     timeline = predicted_timeline(
@@ -288,7 +288,8 @@ def _predicted_step(profile, hw, config, layout, knobs: Knobs, codes, mem: Memor
         model_state_bytes=mem.model_state_bytes, activation_peak_bytes=mem.activation_peak_bytes,
         peak_at=mem.peak_at, host_bytes=mem.host_bytes, swap_host_bytes=mem.swap_host_bytes,
         h2d_bytes=int(t.h2d_bytes[0]), d2h_bytes=int(t.d2h_bytes[0]), ssd_bytes=mem.ssd_bytes,
-        iter_time_unspeculated=unspeculated, iter_time_rolled_back=rolled_back,
+        iter_time_unspeculated=unspeculated, cpu_optim_exposed_unspeculated=exposed_unspeculated,
+        iter_time_rolled_back=rolled_back,
         norm_scratch_bytes=mem.norm_scratch_bytes, nvme_state_bytes=mem.nvme_state_bytes,
         nvme_state_io_bytes=mem.nvme_state_io_bytes, staging_bytes=mem.staging_bytes)
     return pred, timeline
