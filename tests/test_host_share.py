@@ -284,6 +284,34 @@ def test_host_memory_is_the_nodes_and_each_rank_plans_for_its_share(capsys):
     assert " of 4.0 GiB per rank (the node's 32.0 GiB / 8 ranks) " in row, row
 
 
+def test_variants_refused_under_pins_cost_no_search_of_the_unpinned_plan(monkeypatch, capsys):
+    """With n_shard pinned and a host share too small for some variants, each refused variant
+    is diagnosed (would it fit without the pins?) and named among the notes by its
+    diagnosis's first clause - without the search of the plan without the pins that only the
+    whole message needs (a search per variant, never shown); and whether it fits without them
+    is found in a few rounds of fitting, doubling each time, not a call per pair."""
+    from protrain.search import loop
+    unpinned, rounds = [], []
+    monkeypatch.setattr(loop, "search", lambda *a, **kw: unpinned.append(a) or pytest.fail("searched"))
+    real_fits = loop.fits
+
+    def fits(*a):
+        real = loop._SearchState.fit_lowest
+        calls = []
+        monkeypatch.setattr(loop._SearchState, "fit_lowest", lambda st, *b, **kw: calls.append(1) or real(st, *b, **kw))
+        try:
+            return real_fits(*a)
+        finally:
+            monkeypatch.setattr(loop._SearchState, "fit_lowest", real)
+            rounds.append(len(calls))
+    monkeypatch.setattr(loop, "fits", fits)
+    plan = _plan_json(capsys, *LONG_7B, "--ranks-per-node", "8", "--host-memory", "32GiB")
+    refused = [n for n in plan["notes"] if "does not fit: no plan fits with the pinned knobs {'n_shard': 0}: "
+               "host memory too small" in n]
+    assert refused and not unpinned
+    assert rounds and max(rounds) <= 20, rounds      # 3.5 k pairs in all: 12 rounds at most
+
+
 def test_a_model_that_fits_a_node_per_rank_but_not_eight_ranks_a_node_names_the_share(capsys):
     from protrain.cli import main
     cmd = ["plan", "--model", "llama2-13b", "--world", "8", "--host-memory", "32GiB", "--pin", "n_shard=0"]

@@ -147,7 +147,7 @@ def _reasons(values, plans, failures, slower, chosen) -> list[str]:
         if v in failures:
             e = failures[v]
             need = (f"needs {fmt_bytes(e.device_needed)} of device memory" if e.device_needed
-                    else str(e).split(";")[0])
+                    else e.headline)
             out.append(f"{what} does not fit: {need}")
         elif v in slower:
             out.append(f"{what}: no plan below {fmt_seconds(slower[v])} per step (faster than the "

@@ -164,7 +164,8 @@ def _pinned_diagnosis(profile, hw, config: PlannerConfig, stats: dict, search: S
                     f"{found}: unpin them (set to \"auto\") or change the pinned values")
         return InfeasibleError(
             message, device_needed=binding.device_needed if binding is not None else None,
-            host_needed=binding.host_needed if binding is not None else None)
+            host_needed=binding.host_needed if binding is not None else None,
+            headline=f"no plan fits with the pinned knobs {pins}: {why}".split(";")[0])
     return None
 
 

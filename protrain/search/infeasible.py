@@ -18,8 +18,9 @@ class InfeasibleError(RuntimeError):
 
     def __init__(self, message: str | Callable[[], str], *, device_needed: int | None = None,
                  host_needed: int | None = None, micro_batch_fit: int | None = None,
-                 seq_len_fit: int | None = None):
+                 seq_len_fit: int | None = None, headline: str | None = None):
         self._write = message if callable(message) else None
+        self._headline = headline
         super().__init__("" if callable(message) else message)
         self.device_needed = device_needed
         self.host_needed = host_needed
@@ -27,6 +28,12 @@ class InfeasibleError(RuntimeError):
         self.seq_len_fit = seq_len_fit
         """The sequence length the activations would fit at, scaled linearly from this one's
         (an estimate; ``protrain plan --seq max`` plans its way to the exact one)."""
+
+    @property
+    def headline(self) -> str:
+        """The message's first clause, for a line among the notes of the searches around this
+        one (a variant that does not fit): given where writing the rest costs a search."""
+        return self._headline if self._headline is not None else str(self).split(";")[0]
 
     def __str__(self) -> str:
         if self._write is not None:

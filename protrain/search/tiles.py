@@ -120,7 +120,7 @@ def _reasons(knob, values, plans, failures, slower, chosen) -> list[str]:
         if t in failures:
             e = failures[t]
             need = (f"needs {fmt_bytes(e.device_needed)} of device memory" if e.device_needed
-                    else str(e).split(";")[0])
+                    else e.headline)
             out.append(f"{what} does not fit: {need}")
         elif t in slower:
             out.append(f"{what}: no plan below {fmt_seconds(slower[t])} per step (the untiled plans' fastest "

@@ -188,7 +188,7 @@ def _reasons(degrees, plans, failures, a2a, shape: SPShape, unsupported, best: i
             e = failures[p]
             need = (f"needs {fmt_bytes(e.device_needed)} of device memory" if e.device_needed else
                     f"needs {fmt_bytes(e.host_needed)} of host memory per rank" if e.host_needed else
-                    str(e).split(";")[0])
+                    e.headline)
             out.append(f"{k}={p} does not fit: {need}" + _fits_up_to(e, p, shape))
             continue
         pr = plans[p].prediction
