@@ -203,21 +203,13 @@ def step_costs(profile: ModelProfile, layout: ChunkLayout, hw: HardwareProfile, 
         spec_from = np.broadcast_to(np.asarray(speculate_from, dtype=np.int64), (k_plans,))
         t_backup = backup_times(layout, hw, t_adam, world)
         t_spec = t_host_check + t_adam + t_backup
-    # A CKPT_HOST / CKPT_SSD part copies its input (and back); other parts what they saved.
-    saved = np.array([offload_bytes(p) for p in profile.parts], dtype=np.float64)
-    inputs = np.array([ckpt_input_bytes(p) for p in profile.parts], dtype=np.float64)
-    saved = np.where(np.isin(modes, INPUT_MOVED), inputs[:, None], saved[:, None])
+    saved, w_time, r_time = activation_copy_times(profile, hw, modes)
     if ((nbuf < 1) & (npers - nshard < n_chunks)).any():
         raise ValueError("a plan with non-persistent chunks needs at least one buffer")
     if ((modes == SSD) | (modes == CKPT_SSD)).any() and (hw.nvme_write_bandwidth <= 0 or hw.nvme_read_bandwidth <= 0):
         raise ValueError("plans with SSD blocks need the NVMe bandwidths of the SSD path")
     serial = hw.copy_engines <= 0
     gds = hw.nvme_gds
-    # Without GDS an NVMe copy bounces through the host: no faster than the PCIe copy.
-    w_time = (saved / min(rr.nvme_write, np.inf if gds else rr.d2h)
-              if rr.nvme_write > 0 else saved * 0)
-    r_time = (saved / min(rr.nvme_read, np.inf if gds else rr.h2d)
-              if rr.nvme_read > 0 else saved * 0)
     return StepCosts(
         profile=profile, layout=layout, hw=hw, rr=rr, world=world, modes=modes, npers=npers, nrep=npers - nshard,
         nbuf=nbuf, nnvme=nnvme, drive_rows=np.arange(n_chunks)[:, None] >= (n_chunks - nnvme)[None, :],
@@ -356,3 +348,20 @@ class QueueState:
     def join_copy_queues(self) -> None:
         """One copy engine: a copy in either direction waits for every copy issued before it."""
         self.d2h = self.h2d = np.maximum(self.h2d, self.d2h)
+
+
+def activation_copy_times(profile: ModelProfile, hw: HardwareProfile, modes: np.ndarray):
+    """(bytes each part copies off the device and back, its NVMe write and read seconds), each
+    [parts, K] for per-part mode codes ``modes`` [parts, K]: a CKPT_HOST / CKPT_SSD part copies
+    its input, other parts what they saved (only SWAP / SSD parts copy them: the callers mask)."""
+    rr = rank_rates(hw)
+    saved = np.array([offload_bytes(p) for p in profile.parts], dtype=np.float64)
+    inputs = np.array([ckpt_input_bytes(p) for p in profile.parts], dtype=np.float64)
+    saved = np.where(np.isin(modes, INPUT_MOVED), inputs[:, None], saved[:, None])
+    # Without GDS an NVMe copy bounces through the host: no faster than the PCIe copy.
+    gds = hw.nvme_gds
+    w_time = (saved / min(rr.nvme_write, np.inf if gds else rr.d2h)
+              if rr.nvme_write > 0 else saved * 0)
+    r_time = (saved / min(rr.nvme_read, np.inf if gds else rr.h2d)
+              if rr.nvme_read > 0 else saved * 0)
+    return saved, w_time, r_time

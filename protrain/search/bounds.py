@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..block_mode import SEL, full_recompute
+from ..block_mode import CKPT, CKPT_HOST, CKPT_SSD, SEL, SSD, SWAP, full_recompute
 from ..config import PlannerConfig
 from ..cost.chunk_times import (backup_times, check_times, chunk_transfer_times, device_optimizer_floor,
                                 state_io_times)
 from ..cost.host_share import rank_rates
+from ..cost.memory import part_modes
+from ..cost.time_queues import activation_copy_times
 from ..profile.hardware import HardwareProfile
 from ..state_tier import STAGING_SLOTS
 from ..profile.model_profile import ModelProfile
@@ -42,6 +44,97 @@ def forward_write_bound(profile: ModelProfile, hw: HardwareProfile, csum: np.nda
         ssd = np.zeros(len(n_swap))
     writes = np.maximum(swap, ssd) if hw.nvme_gds else swap + ssd
     return np.where(writes > 0, writes + profile.parts[-1].fwd_time, 0.0)
+
+
+def activation_chains(profile: ModelProfile, hw: HardwareProfile, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) per block layout ``codes`` [K, n_blocks]: lower bounds on each
+    phase from its compute chained with its activations' copies, the step-time model's own
+    recurrences (cost.time_forward, cost.time_backward) with every chunk resident and nothing
+    else on the copy queues. Forward: part p >= 2 starts after block part p - 2's write, each
+    write after its block's forward and the writes before it on its queue. Backward: a block's
+    read is issued as the part after it starts its backward, on its queue after the reads
+    before it, and the block's recompute and backward wait for it. The model is max-plus (every
+    time a max of earlier times plus a duration), so leaving out the uploads, the gradient
+    copies and their waits only makes each time earlier: a bound for every plan. Where a plan
+    swaps or writes many blocks, forward and backward run at the copies' pace, not at the
+    compute's (a 70B model with 10 blocks on the drive and 28 swapped: forward 23.9 s against
+    18.7 s for its writes alone, backward 36.5 s against 24.7 s of compute)."""
+    return forward_chain(profile, hw, codes), backward_chain(profile, hw, codes)
+
+
+def _copies(profile: ModelProfile, hw: HardwareProfile, codes: np.ndarray):
+    """(per-part modes [parts, K], bytes copied, NVMe write and read seconds, whether the part
+    swaps, whether it goes to the drive) for ``activation_chains``."""
+    modes = part_modes(profile, codes).T                       # [parts, K]
+    saved, w_time, r_time = activation_copy_times(profile, hw, modes)
+    return (modes, saved, w_time, r_time, (modes == SWAP) | (modes == CKPT_HOST),
+            (modes == SSD) | (modes == CKPT_SSD))
+
+
+def forward_chain(profile: ModelProfile, hw: HardwareProfile, codes: np.ndarray) -> np.ndarray:
+    """``activation_chains``' forward."""
+    parts = profile.parts
+    modes, saved, w_time, _, swaps, drives = _copies(profile, hw, codes)
+    k = modes.shape[1]
+    rr = rank_rates(hw)
+    serial, gds = hw.copy_engines <= 0, hw.nvme_gds
+    comp, d2h, ssd_w = np.zeros(k), np.zeros(k), np.zeros(k)
+    out = np.zeros((len(parts), k))                            # the part's write done at
+    for p, part in enumerate(parts):
+        if p >= 2:
+            comp = np.maximum(comp, out[p - 2])
+        comp = comp + part.fwd_time
+        if part.kind != "block":
+            continue
+        sw, sd = swaps[p], drives[p]
+        end = np.maximum(d2h, comp) + saved[p] / rr.d2h
+        d2h = np.where(sw, end, d2h)
+        out[p] = np.where(sw, end, 0.0)
+        if serial:
+            comp = np.where(sw, end, comp)
+        if sd.any():
+            queue = ssd_w if gds else d2h
+            end = np.maximum(queue, comp) + w_time[p]
+            if gds:
+                ssd_w = np.where(sd, end, ssd_w)
+            else:
+                d2h = np.where(sd, end, d2h)
+            out[p] = np.where(sd, end, out[p])
+    return comp
+
+
+def backward_chain(profile: ModelProfile, hw: HardwareProfile, codes: np.ndarray) -> np.ndarray:
+    """``activation_chains``' backward."""
+    parts = profile.parts
+    modes, saved, _, r_time, swaps, drives = _copies(profile, hw, codes)
+    k = modes.shape[1]
+    rr = rank_rates(hw)
+    serial, gds = hw.copy_engines <= 0, hw.nvme_gds
+    comp, h2d, ssd_r = np.zeros(k), np.zeros(k), np.zeros(k)
+    back = np.zeros((len(parts), k))                           # the part's read done at
+    for p in range(len(parts) - 1, -1, -1):
+        part, m = parts[p], modes[p]
+        start = comp
+        if serial and p >= 1 and parts[p - 1].kind == "block":
+            comp = comp + np.where(swaps[p - 1], saved[p - 1] / rr.h2d, 0.0)
+        comp = np.where(swaps[p] | drives[p], np.maximum(comp, back[p]), comp)
+        full = (m == CKPT) | (m == CKPT_HOST) | (m == CKPT_SSD)
+        comp = comp + np.where(full, part.fwd_time, np.where(m == SEL, part.sel_recompute_time, 0.0)) \
+            + part.bwd_time
+        if p >= 1 and parts[p - 1].kind == "block":
+            b = p - 1
+            end = np.maximum(h2d, start) + saved[b] / rr.h2d
+            h2d = np.where(swaps[b], end, h2d)
+            back[b] = np.where(swaps[b], end, 0.0)
+            if drives[b].any():
+                queue = ssd_r if gds else h2d
+                end = np.maximum(queue, start) + r_time[b]
+                if gds:
+                    ssd_r = np.where(drives[b], end, ssd_r)
+                else:
+                    h2d = np.where(drives[b], end, h2d)
+                back[b] = np.where(drives[b], end, back[b])
+    return comp
 
 
 def _suffix(t: np.ndarray) -> np.ndarray:
@@ -79,6 +172,7 @@ def step_lower_bound(profile: ModelProfile, hw: HardwareProfile, config: Planner
         bwd_lb = np.maximum(np.maximum(bwd_compute, reup + swap_bytes / rr.h2d), ssd_in)
     else:   # bounced through the host: on the upload queue with the chunk re-uploads
         bwd_lb = np.maximum(bwd_compute, reup + swap_bytes / rr.h2d + ssd_in)
+    bwd_lb = np.maximum(bwd_lb, acts.bwd_read[a_idx])
     adam = _suffix(t_adam)[np_idx]
     cpu_lb = _cpu_optimizer_bound(profile, hw, config, layout, np_idx, nb, host, fwd_lb, bwd_lb,
                                   t_down, adam, n_nvme if nvme_most is None else nvme_most)
@@ -202,6 +296,7 @@ class SpeculatingIterationBound:
         self.backward, self.checks = backward, checks
         self.n_nvme = np.broadcast_to(np.asarray(n_nvme), np.shape(self.n_off))
         self.backup_shift = self.backup_top[self.n_nvme]
+        self.t_adam, self.tail = t_adam, upload_tail(profile, layout, t_up)
         lead = first_gradient(profile, layout) + (t_down[-1] if nch else 0.0)
         self.lead = np.where(self.n_off > 0, lead, 0.0)
         # What every count's chain shares, summed in _chain's order (the same floats).
@@ -225,32 +320,81 @@ class SpeculatingIterationBound:
         backups = self.backup_top[s] - self.backup_top[np.minimum(s, n_nvme)]
         return np.maximum(self._chain(s, backups, rows), after)
 
+    def _last_in_host(self, s, n_off, n_nvme, backward, adam):
+        """``after``'s chain through the highest chunk in host memory the step leaves for after
+        backward, h: the CPU takes those lowest first, interleaved in proportion with the D left
+        on the drive (``time_state_io.nvme_turn``), so at most ceil(D / H) - 1 of the drive's
+        follow h's update (H: those in host memory), and one of them may run before the last
+        gradient lands; h's upload in the next forward waits for its update, and that forward
+        has at least ``upload_tail`` left. Where states on the drive are interleaved, the last
+        update is often h, low in the next forward's order (a 70B model, 91 of 312 chunks on the
+        drive: 3 s of forward after it)."""
+        n = len(self.adam_top) - 1
+        deep = np.maximum(n_nvme, s)                        # the chunks above h
+        held = n_off - deep                                 # H
+        drive = np.maximum(n_nvme - s, 0)                   # D
+        trail = np.where(drive > 0, -(-drive // np.maximum(held, 1)) - 1, 0)
+        first = np.where(drive > 0, self.t_adam[np.clip(n - n_nvme, 0, n - 1)], 0.0)
+        work = adam - self.adam_top[np.minimum(s + trail, n)] - first
+        h = np.clip(n - deep - 1, 0, max(n - 1, 0))
+        tail = self.tail[h] if n else np.zeros(np.shape(h))
+        return np.where((held > 0) & (s < n_off), backward + work + tail, -np.inf)
+
     def with_reads(self, s_max, t_read, t_write, *, shared: bool, pinned: bool) -> np.ndarray:
-        """Per plan: the least over s in [0, s_max] (at s_max where ``pinned``) of ``at(s)`` and
-        ``chain_after_reads`` (``refine_speculating_reads``): a [plans, counts] table."""
+        """Per plan: the least over s in [0, s_max] (at s_max where ``pinned``) of ``at(s)``,
+        ``chain_after_reads`` (``refine_speculating_reads``) and ``_last_in_host``. Every term
+        is either the same for the plans of one (offloaded chunks, chunks on the drive, s_max)
+        - A(s) - or their backward plus one - B(s): a [groups, counts] table of each (a search
+        batch of 4 k points holds about 200 groups), and per plan the least over s of
+        max(A(s), backward + B(s)), found by bisection over the counts sorted by A - B."""
         plans = len(self.n_off)
         s_max = np.broadcast_to(np.asarray(s_max), (plans,))
+        keys, rep, grp = np.unique(np.stack([self.n_off, self.n_nvme, s_max]), axis=1,
+                                   return_index=True, return_inverse=True)
+        grp = grp.reshape(-1)
         # The counts no plan may take are left out of the table (a 206B model: 13 of 500).
         s = np.arange(min(int(s_max.max(initial=0)), len(self.adam_top) - 1) + 1)[None, :]
-        n_off, nv = self.n_off[:, None], self.n_nvme[:, None]
-        backward = np.broadcast_to(self.backward, (plans,))[:, None]
-        adam = self.adam[:, None]
-        after = np.where(s < n_off, backward + adam - self.adam_top[s] + self.up_next[s], backward)
+        n_off, nv, sm = (k[:, None] for k in keys)
+        adam = self.adam[rep][:, None]
+        lead, base = self.lead[rep][:, None], self._base[rep][:, None]
+        after = np.where(s < n_off, adam - self.adam_top[s] + self.up_next[s], 0.0)
         backups = self.backup_top[s] - self.backup_top[np.minimum(s, nv)]
-        uploads = np.where(self._offloading[:, None], self.up_next[np.minimum(s, self._last[:, None])], 0.0)
-        chain = self._base[:, None] + backups + uploads
+        uploads = np.where(self._offloading[rep][:, None], self.up_next[np.minimum(s, self._last[rep][:, None])], 0.0)
+        chain = base + backups + uploads
         # chain_after_reads: the k-th speculating chunk on the drive starts once its read is
         # done; the CPU has the updates from it on, the backups and the uploads still to do.
         top = lambda t: np.concatenate([[0.0], np.cumsum(t[::-1])])    # noqa: E731  (last k chunks)
         k = np.minimum(s, nv)
-        ready = self.lead[:, None] + top(t_read)[k]
+        ready = lead + top(t_read)[k]
         if shared:
             ready = ready + top(t_write)[np.maximum(k - STAGING_SLOTS, 0)]
         drive = np.where(k > 0, ready + adam - self.adam_top[np.maximum(k - 1, 0)] + backups + uploads, -np.inf)
-        value = np.maximum(np.maximum(chain, after), drive)
+        fixed = np.maximum(chain, drive)                                     # A(s)
+        rising = np.maximum(after, self._last_in_host(s, n_off, nv, 0.0, adam))  # B(s)
+        bw = np.broadcast_to(self.backward, (plans,))
         if pinned:
-            return value[np.arange(plans), np.minimum(s_max, n_off[:, 0])]
-        return np.where((s <= s_max[:, None]) & (s <= n_off), value, np.inf).min(axis=1)
+            at = np.minimum(s_max, self.n_off)
+            return np.maximum(fixed[grp, at], bw + rising[grp, at])
+        valid = (s <= sm) & (s <= n_off)
+        fixed = np.where(valid, fixed, np.inf)
+        # max(A, b + B) is A while b <= A - B, b + B above: sorted by A - B, the least is the
+        # least A of the counts at or above b, or b + the least B of those below.
+        turn = np.where(valid, fixed - rising, np.inf)
+        order = np.argsort(turn, axis=1, kind="stable")
+        turn = np.take_along_axis(turn, order, axis=1)
+        a_above = np.minimum.accumulate(np.take_along_axis(fixed, order, axis=1)[:, ::-1], axis=1)[:, ::-1]
+        a_above = np.concatenate([a_above, np.full((len(rep), 1), np.inf)], axis=1)
+        b_below = np.minimum.accumulate(np.where(np.isfinite(turn), np.take_along_axis(rising, order, axis=1), np.inf),
+                                        axis=1)
+        b_below = np.concatenate([np.full((len(rep), 1), np.inf), b_below], axis=1)
+        lo, hi = np.zeros(plans, dtype=np.int64), np.full(plans, turn.shape[1], dtype=np.int64)
+        while (lo < hi).any():                      # lo: the counts whose A - B is below b
+            active = lo < hi
+            mid = (lo + hi) // 2
+            below = turn[grp, np.minimum(mid, turn.shape[1] - 1)] < bw
+            lo = np.where(active & below, mid + 1, lo)
+            hi = np.where(active & ~below, mid, hi)
+        return np.minimum(a_above[grp, lo], bw + b_below[grp, lo])
 
     def least(self, s_max):
         # s < n_off: after(s) >= backward + adam - fall[s], fall nondecreasing; chain(s) >= it
@@ -291,13 +435,21 @@ def carried_floor(profile: ModelProfile, layout, hw: HardwareProfile, world: int
     the search simulated them all (70B with a drive: 167 k simulations)."""
     nch = layout.n_chunks
     t_up, t_down, t_adam = chunk_transfer_times(layout, profile, hw, world)
-    fwd_after = np.concatenate([np.cumsum([p.fwd_time for p in profile.parts][::-1])[::-1], [0.0]])
-    late = t_up + fwd_after[np.asarray(layout.chunk_first_part, dtype=np.int64) + 1] if nch else np.zeros(0)
+    late = upload_tail(profile, layout, t_up)
     least_late = np.concatenate([np.minimum.accumulate(late[::-1])[::-1], [0.0]])   # min over c >= n
     lead = first_gradient(profile, layout) + (t_down[-1] if nch else 0.0)
     out = lead + _suffix(t_adam) + least_late
     out[nch] = 0.0
     return out
+
+
+def upload_tail(profile: ModelProfile, layout, t_up: np.ndarray) -> np.ndarray:
+    """[chunks] the least of forward left once chunk c's upload starts: the upload, then the
+    forward compute of the parts after its first user (they run after it)."""
+    fwd_after = np.concatenate([np.cumsum([p.fwd_time for p in profile.parts][::-1])[::-1], [0.0]])
+    if not layout.n_chunks:
+        return np.zeros(0)
+    return t_up + fwd_after[np.asarray(layout.chunk_first_part, dtype=np.int64) + 1]
 
 
 def backward_compute(profile: ModelProfile, codes: np.ndarray) -> np.ndarray:

@@ -27,7 +27,8 @@ class ActivationConfigs:
     swap_host: np.ndarray      # [A] bytes
     ssd: np.ndarray            # [A] bytes written to NVMe per iteration
     recompute: np.ndarray      # [A] seconds of recompute in backward
-    fwd_write: np.ndarray      # [A] seconds forward cannot beat: its swap / SSD write queues
+    fwd_write: np.ndarray      # [A] seconds forward cannot beat: its compute and swap / SSD writes
+    bwd_read: np.ndarray       # [A] seconds backward cannot beat: its compute, recompute and reads
     ckpt_input: str = "device"
     """Where the checkpointed blocks keep their inputs (``Knobs.ckpt_input``)."""
 

@@ -88,7 +88,8 @@ def pair_space(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig
     least = (lambda x: np.minimum.reduceat(x[order], heads)) if len(order) else (lambda x: x[:0])  # noqa: E731
     # A configuration per block with the least of each figure the bounds rise with.
     floor_acts = replace(acts, recompute=least(acts.recompute), fwd_write=least(acts.fwd_write),
-                         swap_host=least(acts.swap_host), ssd=least(acts.ssd), act_peak=least(acts.act_peak))
+                         bwd_read=least(acts.bwd_read), swap_host=least(acts.swap_host), ssd=least(acts.ssd),
+                         act_peak=least(acts.act_peak))
     block, n_persist = (x.ravel() for x in np.meshgrid(np.arange(len(heads)), nps, indexing="ij"))
     # A pair none of whose points can fit the device is left out: the least activation peak of
     # its block beside the least states of its chunks on the device (sharded where plans shard).

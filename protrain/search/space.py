@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..block_mode import CKPT_HOST, CKPT_SSD, SEL, full_recompute, layout_codes
+from ..block_mode import CKPT, CKPT_HOST, CKPT_SSD, NONE, SEL, SSD, SWAP, full_recompute, layout_codes
 from ..config import ALL, PlannerConfig
 from ..cost.chunk_times import state_io_times
 from ..cost.host_share import host_memory_share, nvme_free_share, rank_rates
@@ -17,7 +17,7 @@ from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..units import fmt_bytes
-from .bounds import degree_floor, forward_write_bound, step_lower_bound
+from .bounds import backward_chain, degree_floor, forward_chain, forward_write_bound, step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .infeasible import InfeasibleError
 from .sharding import fewest_sharded, least_device_states, most_sharded
@@ -201,6 +201,7 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
     sel_t = np.array([b.sel_recompute_time for b in profile.blocks])
     peak = np.empty(len(triples), dtype=np.int64)
     rec = np.zeros(len(triples))
+    top = np.full(len(triples), -1, dtype=np.int8)       # the mode of the block above the offloaded ones
     inputs = np.zeros(len(triples), dtype=np.int64)      # CKPT_HOST / CKPT_SSD blocks' inputs moved
     in_bytes = np.array([ckpt_input_bytes(b) for b in profile.blocks], dtype=np.int64)
     for lo in range(0, len(triples), _WALK_BATCH):
@@ -212,12 +213,65 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
             rec[lo:lo + len(t)] = full_recompute(codes).astype(np.float64) @ fwd + \
                 (codes == SEL).astype(np.float64) @ sel_t
             inputs[lo:lo + len(t)] = np.isin(codes, (CKPT_HOST, CKPT_SSD)).astype(np.int64) @ in_bytes
+            above = t[:, 1] < n
+            top[lo:lo + len(t)][above] = codes[np.flatnonzero(above), t[above, 1]]
     on_host, on_drive = (inputs[back], 0) if ckpt_input == "host" else (0, inputs[back]) \
         if ckpt_input == "drive" else (0, 0)
+    fwd_chain, bwd_chain = _chains(profile, hw, nc, ns, nd, nl, top[back], rec[back])
     return ActivationConfigs(
         n_blocks=n, n_ckpt=nc, n_swap=ns, n_ssd=nd, n_sel=nl, act_peak=peak[back],
         swap_host=swap_host + on_host, ssd=ssd + on_drive, recompute=rec[back],
-        fwd_write=forward_write_bound(profile, hw, csum, ns, nd), ckpt_input=ckpt_input)
+        fwd_write=np.maximum(forward_write_bound(profile, hw, csum, ns, nd), fwd_chain),
+        bwd_read=bwd_chain, ckpt_input=ckpt_input)
+
+
+def _chains(profile: ModelProfile, hw: HardwareProfile, nc, ns, nd, nl, top, rec):
+    """(forward, backward) of ``bounds.activation_chains`` for every configuration, from one
+    chain per key: the layout puts the SSD and swapped blocks first and recomputes only blocks
+    above them, so forward's chain depends on the two counts alone, and backward's is the
+    compute of the parts above those blocks (with their recompute) plus what the first of
+    them adds, the same for every configuration of one (n_ssd, n_swap, mode of the block above
+    them) (the model is max-plus: shifting its inputs shifts its times). Each key's chain runs
+    on a layout of its offloaded blocks and that block alone recomputed. The checkpointed
+    blocks' input copies (``ckpt_input`` host / drive) are left out of the chains: a bound
+    still, for the same reason. A 70B model has 187 k configurations, 1.8 k (n_ssd, n_swap)
+    and 5.5 k keys."""
+    n = profile.n_blocks
+    if not n:
+        return (np.full(len(nc), sum(p.fwd_time for p in profile.parts)),
+                sum(p.bwd_time for p in profile.parts) + rec)
+    first = nd + ns
+    j = np.arange(n)[None, :]
+
+    def layouts(d, f, mode):
+        codes = np.where(j < d[:, None], SSD, np.where(j < f[:, None], SWAP, NONE)).astype(np.int8)
+        codes[j == f[:, None]] = np.broadcast_to(mode[:, None], codes.shape)[j == f[:, None]]
+        return codes
+
+    pair = first * (n + 1) + nd
+    uniq, pair_of = _dedupe(pair, (n + 1) ** 2)
+    fwd = forward_chain(profile, hw, layouts(uniq % (n + 1), uniq // (n + 1), np.zeros(len(uniq), np.int8)))
+    mode = np.where(top < 0, NONE, np.where(np.isin(top, (CKPT_HOST, CKPT_SSD)), CKPT, top)).astype(np.int64)
+    uniq, key_of = _dedupe(pair * 8 + mode, (n + 1) ** 2 * 8)
+    d, f, m = uniq // 8 % (n + 1), uniq // 8 // (n + 1), (uniq % 8).astype(np.int8)
+    bwd = backward_chain(profile, hw, layouts(d, f, m))
+    # Backward's compute from the block above the offloaded ones on (the post part when none is).
+    parts = list(profile.block_part_indices) + [profile.block_part_indices[-1] + 1]
+    bwd_from = np.concatenate([np.cumsum([p.bwd_time for p in profile.parts][::-1])[::-1], [0.0]])
+    redo = np.array([[0.0, b.fwd_time, 0.0, 0.0, b.sel_recompute_time] for b in profile.blocks] + [[0.0] * 5])
+    above_key = bwd_from[np.asarray(parts)[f]] + redo[f, m]
+    return fwd[pair_of], bwd_from[np.asarray(parts)[first]] + rec + (bwd - above_key)[key_of]
+
+
+def _dedupe(keys: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct ``keys``, ascending; each key's index among them): small non-negative
+    integer keys, without a sort."""
+    seen = np.zeros(size, dtype=bool)
+    seen[keys] = True
+    uniq = np.flatnonzero(seen)
+    index = np.zeros(size, dtype=np.int64)
+    index[uniq] = np.arange(len(uniq))
+    return uniq, index[keys]
 
 
 def candidate_grid(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig,
