@@ -349,9 +349,11 @@ class SpeculatingIterationBound:
         max(A(s), backward + B(s)), found by bisection over the counts sorted by A - B."""
         plans = len(self.n_off)
         s_max = np.broadcast_to(np.asarray(s_max), (plans,))
-        keys, rep, grp = np.unique(np.stack([self.n_off, self.n_nvme, s_max]), axis=1,
-                                   return_index=True, return_inverse=True)
+        span = len(self.adam_top) + 1                  # each of the three lies in [0, span)
+        _, rep, grp = np.unique((self.n_off.astype(np.int64) * span + self.n_nvme) * span + s_max,
+                                return_index=True, return_inverse=True)
         grp = grp.reshape(-1)
+        keys = np.stack([self.n_off[rep], self.n_nvme[rep], s_max[rep]])
         # The counts no plan may take are left out of the table (a 206B model: 13 of 500).
         s = np.arange(min(int(s_max.max(initial=0)), len(self.adam_top) - 1) + 1)[None, :]
         n_off, nv, sm = (k[:, None] for k in keys)

@@ -77,6 +77,11 @@ BOUND_ROUNDING = 1e-9
 
 _POINT_COLUMNS = tuple(f.name for f in fields(CandidateGrid) if f.name != "layout")
 
+_COLUMNS = (("lower_bound", np.float64, 0.0), ("moved", np.float64, 0.0), ("owner", np.int64, 0),
+            ("local", np.int64, 0), ("times", np.float64, np.inf), ("speculating", np.int64, 0),
+            ("simulated", bool, False), ("considered", bool, False))
+"""(name, dtype, initial value) of _SearchState's per-point columns."""
+
 
 def plan_key(iter_time: float, peak: int, knobs: tuple) -> tuple:
     """Order between plans the model tells apart: faster, then smaller peak, then smaller knobs."""
@@ -110,21 +115,14 @@ class _SearchState:
     stats: dict
     """What the fitted points' nearest misses needed, for the diagnosis when nothing fits."""
     grids: list[CandidateGrid] = field(default_factory=list)
-    lower_bound: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    """A lower bound on each point's step time, refined just before the point is simulated."""
-    moved: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    """Bytes each point moves per step (known without simulating)."""
-    owner: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    local: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    times: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    """Each point's simulated step time; inf until simulated."""
-    speculating: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    """Each simulated point's offloaded chunks speculating (``boundary_times``' pick)."""
-    simulated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     grid_space: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """The chunk size (index into ``spaces``) of each grid."""
-    considered: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    """Points the fastest-time phase has taken (simulated, or ruled out by their refined bound)."""
+    rows: int = 0
+    """Points fitted so far: the length of the per-point columns below."""
+    _cols: dict = field(default_factory=lambda: {name: np.zeros(0, dtype=dtype) for name, dtype, _ in _COLUMNS})
+    """Each per-point column with room to grow (its first ``rows`` entries are the points'):
+    appended to as pairs are fitted, a few hundred times in a large search, so the room
+    doubles rather than the arrays being copied at each fit."""
     refine_on_fit: bool = True
     """Whether fitted points get their refined bounds at once (``bounds.speculating_reads``):
     the fastest-time phase orders by them; the hedge refines only what it would simulate."""
@@ -136,6 +134,37 @@ class _SearchState:
     """(candidates left, the most they could be faster) when the search stopped early."""
     fewer_buffers: dict[int, tuple[int, int]] = field(default_factory=dict)
     """(n_buffer, peak) of the tied points whose fewest buffers keep their time and bytes."""
+
+    lower_bound = property(lambda self: self._col("lower_bound"))
+    """A lower bound on each point's step time, refined just before the point is simulated."""
+    moved = property(lambda self: self._col("moved"))
+    """Bytes each point moves per step (known without simulating)."""
+    owner = property(lambda self: self._col("owner"))
+    local = property(lambda self: self._col("local"))
+    """Point i is row ``local[i]`` of grid ``owner[i]``."""
+    times = property(lambda self: self._col("times"))
+    """Each point's simulated step time; inf until simulated."""
+    speculating = property(lambda self: self._col("speculating"))
+    """Each simulated point's offloaded chunks speculating (``boundary_times``' pick)."""
+    simulated = property(lambda self: self._col("simulated"))
+    considered = property(lambda self: self._col("considered"))
+    """Points the fastest-time phase has taken (simulated, or ruled out by their refined bound)."""
+
+    def _col(self, name: str) -> np.ndarray:
+        return self._cols[name][:self.rows]
+
+    def _append(self, **values) -> None:
+        """Append one grid's points: each column's values (the others their initial value)."""
+        n = len(values["lower_bound"])
+        if self.rows + n > len(self._cols["lower_bound"]):
+            room = max(2 * (self.rows + n), 1024)
+            for name, dtype, _ in _COLUMNS:
+                grown = np.empty(room, dtype=dtype)
+                grown[:self.rows] = self._cols[name][:self.rows]
+                self._cols[name] = grown
+        for name, _, initial in _COLUMNS:
+            self._cols[name][self.rows:self.rows + n] = values.get(name, initial)
+        self.rows += n
 
     def fit(self, pick) -> int:
         """Fit the unfitted pairs ``pick(space)`` selects (a mask over its pairs); their
@@ -158,14 +187,7 @@ class _SearchState:
                     for lo in range(0, n, 4096)])
             self.grids.append(g)
             self.grid_space = np.append(self.grid_space, self.spaces.index(ps))
-            self.lower_bound = np.concatenate([self.lower_bound, g.lower_bound])
-            self.moved = np.concatenate([self.moved, g.moved])
-            self.owner = np.concatenate([self.owner, np.full(n, len(self.grids) - 1)])
-            self.local = np.concatenate([self.local, np.arange(n)])
-            self.times = np.concatenate([self.times, np.full(n, np.inf)])
-            self.speculating = np.concatenate([self.speculating, np.zeros(n, dtype=np.int64)])
-            self.simulated = np.concatenate([self.simulated, np.zeros(n, dtype=bool)])
-            self.considered = np.concatenate([self.considered, np.zeros(n, dtype=bool)])
+            self._append(lower_bound=g.lower_bound, moved=g.moved, owner=len(self.grids) - 1, local=np.arange(n))
         return fitted
 
     def fit_lowest(self, points: int, key=lambda ps: ps.bound, eligible=lambda ps: True) -> None:

@@ -201,7 +201,6 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
     sel_t = np.array([b.sel_recompute_time for b in profile.blocks])
     peak = np.empty(len(triples), dtype=np.int64)
     rec = np.zeros(len(triples))
-    top = np.full(len(triples), -1, dtype=np.int8)       # the mode of the block above the offloaded ones
     inputs = np.zeros(len(triples), dtype=np.int64)      # CKPT_HOST / CKPT_SSD blocks' inputs moved
     in_bytes = np.array([ckpt_input_bytes(b) for b in profile.blocks], dtype=np.int64)
     for lo in range(0, len(triples), _WALK_BATCH):
@@ -213,11 +212,9 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
             rec[lo:lo + len(t)] = full_recompute(codes).astype(np.float64) @ fwd + \
                 (codes == SEL).astype(np.float64) @ sel_t
             inputs[lo:lo + len(t)] = np.isin(codes, (CKPT_HOST, CKPT_SSD)).astype(np.int64) @ in_bytes
-            above = t[:, 1] < n
-            top[lo:lo + len(t)][above] = codes[np.flatnonzero(above), t[above, 1]]
     on_host, on_drive = (inputs[back], 0) if ckpt_input == "host" else (0, inputs[back]) \
         if ckpt_input == "drive" else (0, 0)
-    fwd_chain, bwd_chain = _chains(profile, hw, nc, ns, nd, nl, top[back], rec[back])
+    fwd_chain, bwd_chain = _chains(profile, hw, nc, ns, nd, nl, rec[back])
     return ActivationConfigs(
         n_blocks=n, n_ckpt=nc, n_swap=ns, n_ssd=nd, n_sel=nl, act_peak=peak[back],
         swap_host=swap_host + on_host, ssd=ssd + on_drive, recompute=rec[back],
@@ -225,7 +222,7 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
         bwd_read=bwd_chain, ckpt_input=ckpt_input)
 
 
-def _chains(profile: ModelProfile, hw: HardwareProfile, nc, ns, nd, nl, top, rec):
+def _chains(profile: ModelProfile, hw: HardwareProfile, nc, ns, nd, nl, rec):
     """(forward, backward) of ``bounds.activation_chains`` for every configuration, from one
     chain per key: the layout puts the SSD and swapped blocks first and recomputes only blocks
     above them, so forward's chain depends on the two counts alone, and backward's is the
@@ -251,7 +248,9 @@ def _chains(profile: ModelProfile, hw: HardwareProfile, nc, ns, nd, nl, top, rec
     pair = first * (n + 1) + nd
     uniq, pair_of = _dedupe(pair, (n + 1) ** 2)
     fwd = forward_chain(profile, hw, layouts(uniq % (n + 1), uniq // (n + 1), np.zeros(len(uniq), np.int8)))
-    mode = np.where(top < 0, NONE, np.where(np.isin(top, (CKPT_HOST, CKPT_SSD)), CKPT, top)).astype(np.int64)
+    # The block above the offloaded ones is the first recomputed (``layout_codes``): fully
+    # where any is (its input kept on the device here), else selectively.
+    mode = np.where((first >= n) | (nc + nl == 0), NONE, np.where(nc > 0, CKPT, SEL)).astype(np.int64)
     uniq, key_of = _dedupe(pair * 8 + mode, (n + 1) ** 2 * 8)
     d, f, m = uniq // 8 % (n + 1), uniq // 8 // (n + 1), (uniq % 8).astype(np.int8)
     bwd = backward_chain(profile, hw, layouts(d, f, m))
