@@ -264,7 +264,8 @@ class SpeculatingIterationBound:
     backward). Counted from one forward's end to the next, with c the chunk whose update the
     CPU does last (n - s - 1, the last left for after backward in chunk order; with every
     offloaded chunk speculating, the lowest), and the next forward's upload of c starting
-    at least the uploads of chunks c..n-1 before that forward ends, the iteration is at least
+    at least the uploads of chunks c..n-1, or c's upload and the forward compute after c's
+    first user, before that forward ends (``up_next``), the iteration is at least
       - ``chain(s)``: the first gradient (backward of the parts from the last chunk's first
         user, its copy to the host), then every piece of CPU work of the step - every update,
         the host checks, the s backups; then those uploads;
@@ -290,7 +291,17 @@ class SpeculatingIterationBound:
         top = lambda t: np.concatenate([[0.0], np.cumsum(t[::-1])])    # noqa: E731  (last s chunks)
         self.adam_top = top(t_adam)
         self.backup_top = top(backup_times(layout, hw, t_adam, world))
-        self.up_next = np.concatenate([top(t_up)[1:], [0.0]])           # uploads of the last s + 1
+        # What the next forward has left once it starts the upload of c = n - s - 1, the chunk
+        # updated last: the uploads of c and the chunks above it, and (``upload_tail``) c's
+        # upload then the forward compute of the parts after c's first user - the compute
+        # dominates where c is deep (a 70B model: seconds against milliseconds). A count's
+        # value is the least over the counts above it: the update done last may be one of a
+        # lower chunk (interleaved with the drive's: ``_last_in_host``), and ``least`` needs
+        # a side that never falls.
+        up = np.concatenate([top(t_up)[1:], [0.0]])                       # uploads of the last s + 1
+        up[:nch] = np.maximum(up[:nch], upload_tail(profile, layout, t_up)[::-1])
+        up[:nch] = np.minimum.accumulate(up[:nch][::-1])[::-1]
+        self.up_next = up
         self.n_off = nch - np.asarray(n_persist)
         self.adam = self.adam_top[self.n_off]
         self.backward, self.checks = backward, checks
