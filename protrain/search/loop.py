@@ -48,7 +48,7 @@ from .space import (activation_configs, candidate_capacities, chunk_bytes_prefix
 
 _BATCH = 2048
 _FIRST_BATCH = 256
-"""The fastest-time phase's first batch; each next one twice the last, up to ``_BATCH``. A
+"""The first batch of the fastest-time phase and of the hedge; the next ones ``_BATCH``. A
 simulation's cost is mostly per call (its loops over parts and chunks), yet where the bounds
 are tight the first few hundred points hold the fastest and rule out the rest (a 206B model:
 one simulation of 2048 points takes 0.9 s, of 256 0.4 s)."""
