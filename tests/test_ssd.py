@@ -327,7 +327,10 @@ def test_signals_clean_up_without_overriding_the_program(sig, handler, tmp_path)
     """The default action of SIGTERM / SIGHUP (terminate) skips atexit: the run directory is
     removed first. A SIGTERM the program ignores, or handles itself, keeps the process (and so
     its files, which it still uses) alive; they go at its exit."""
-    before = {"default": "", "SIG_IGN": "signal.signal(signal.SIGTERM, signal.SIG_IGN)",
+    # "default" sets it: a suite started under nohup hands its children SIGHUP ignored, and a
+    # signal ignored at the start stays ignored (the program's choice, see the SIG_IGN case).
+    before = {"default": f"signal.signal(signal.{sig}, signal.SIG_DFL)",
+              "SIG_IGN": "signal.signal(signal.SIGTERM, signal.SIG_IGN)",
               "the program's": "signal.signal(signal.SIGTERM, lambda s, f: print('HANDLED', flush=True))"}
     after = "time.sleep(1.0); print('EXISTS' if run.path.exists() else 'GONE', flush=True); sys.exit(0)" \
         if handler != "default" else ""
