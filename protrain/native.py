@@ -184,17 +184,18 @@ def _torch_build_dir(name: str) -> str | None:
 
 def _build_dir(name: str, sources: list[str], flags: list[str]) -> str:
     """This build's directory: ``<name>_<hash>`` under ``TORCH_EXTENSIONS_DIR`` (default
-    ``~/.cache/torch_extensions``), the hash of the sources' text, the flags, Python's and
-    torch's versions. torch's default, one directory per name, is shared by every checkout
-    using this cache: checkouts with different sources rebuild over each other, and a process
-    that finds another one's build under way waits for it and loads that build -- the other
-    checkout's code."""
+    ``~/.cache/torch_extensions``), the hash of the sources' paths and text, the flags,
+    Python's and torch's versions. torch's default, one directory per name, is shared by every
+    checkout using this cache: checkouts with different sources rebuild over each other, and a
+    process that finds another one's build under way waits for it and loads that build -- the
+    other checkout's code. The paths too: ninja rebuilds what a build file names anew, so two
+    checkouts of the same sources sharing a directory would rebuild over each other (70 s here)."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
     h = hashlib.sha1()
     for src in sources:
         h.update(Path(src).read_bytes())
-    h.update("\0".join([*flags, sys.version, torch.__version__]).encode())
+    h.update("\0".join([*sources, *flags, sys.version, torch.__version__]).encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     path = Path(root) / f"{name}_{h.hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)
