@@ -44,7 +44,6 @@ def test_chains_equal_the_exact_recurrence_and_lie_below_the_simulation(drive, w
     on_device = np.where(np.isin(codes, (CKPT_HOST, CKPT_SSD)), CKPT, codes).astype(np.int8)
     fwd, bwd = bounds.activation_chains(prof, hw, on_device)
     fwd_compute = sum(p.fwd_time for p in prof.parts)
-    # (the writes' sum alone, ``forward_write_bound``, never exceeds the chain)
     assert np.allclose(acts.fwd_write, fwd, rtol=1e-12, atol=0)
     assert np.allclose(acts.bwd_read, bwd, rtol=1e-12, atol=0)
     # Below the simulation, plan by plan (one layout, every configuration, all chunks offloaded).

@@ -22,30 +22,6 @@ from .policy import checks_on_host, speculation_max, speculative_writes, weak_cp
 from .sharding import most_sharded
 
 
-def forward_write_bound(profile: ModelProfile, hw: HardwareProfile, csum: np.ndarray,
-                        n_swap: np.ndarray, n_ssd: np.ndarray) -> np.ndarray:
-    """A lower bound on the end of forward from the activation writes (cost.time_model): part
-    p >= 2 waits for the write of block part p - 2, so the post part starts after every write
-    queued for the blocks before the last one (writes of one queue run one after another).
-    SWAP writes use the D2H queue; SSD writes have their own queue under GPUDirect Storage and
-    share the D2H queue in compatibility mode. ``csum``: prefix sums of the blocks' saved
-    bytes."""
-    n = profile.n_blocks
-    if n < 2:
-        return np.zeros(len(n_swap))
-    head = lambda k: csum[np.minimum(k, n - 1)]      # noqa: E731 - bytes of blocks < k, last excluded
-    rr = rank_rates(hw)
-    d2h = rr.d2h
-    swap = (head(n_ssd + n_swap) - head(n_ssd)) / d2h
-    if rr.nvme_write > 0:
-        bw = rr.nvme_write if hw.nvme_gds else min(rr.nvme_write, d2h)
-        ssd = head(n_ssd) / bw
-    else:
-        ssd = np.zeros(len(n_swap))
-    writes = np.maximum(swap, ssd) if hw.nvme_gds else swap + ssd
-    return np.where(writes > 0, writes + profile.parts[-1].fwd_time, 0.0)
-
-
 def activation_chains(profile: ModelProfile, hw: HardwareProfile, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) per block layout ``codes`` [K, n_blocks]: lower bounds on each
     phase from its compute chained with its activations' copies, the step-time model's own

@@ -17,7 +17,7 @@ from ..layout import build_layout, chunk_capacities, why_persistent
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
 from ..units import fmt_bytes
-from .bounds import backward_chain, degree_floor, forward_chain, forward_write_bound, step_lower_bound
+from .bounds import backward_chain, degree_floor, forward_chain, step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .infeasible import InfeasibleError
 from .sharding import fewest_sharded, least_device_states, most_sharded
@@ -218,7 +218,7 @@ def activation_configs(profile: ModelProfile, config: PlannerConfig, hw: Hardwar
     return ActivationConfigs(
         n_blocks=n, n_ckpt=nc, n_swap=ns, n_ssd=nd, n_sel=nl, act_peak=peak[back],
         swap_host=swap_host + on_host, ssd=ssd + on_drive, recompute=rec[back],
-        fwd_write=np.maximum(forward_write_bound(profile, hw, csum, ns, nd), fwd_chain),
+        fwd_write=fwd_chain,
         bwd_read=bwd_chain, ckpt_input=ckpt_input)
 
 
