@@ -371,6 +371,9 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
     checked = on_drive = 0
     floor = space.search_floor(prof, hw, config)     # the sequence-parallel loop's, below every point's
     assert floor > 0
+    from protrain.search import pairs
+    free = pairs.activation_free_floor(prof, hw, config)   # an outer loop's variant's, before its configs
+    assert free >= floor * (1 - 1e-12)
     for cap in chunk_capacities(prof, sizes):
         grid = space.candidate_grid(prof, hw, config, acts, cap, budget, {})
         if not len(grid.lower_bound):
@@ -379,6 +382,7 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
         t = evaluation.simulate_points(prof, hw, config, acts, grid, idx)
         assert (grid.lower_bound <= t * (1 + 1e-12)).all()
         assert floor <= grid.lower_bound.min() * (1 + 1e-12)
+        assert free <= grid.lower_bound.min() * (1 + 1e-12)
         # ... and the per-chunk CPU-optimizer bound refined just before simulating
         refined = bounds.refine_cpu_bound(prof, hw, config, acts, grid, idx)
         assert (refined <= t * (1 + 1e-12)).all()
@@ -394,7 +398,6 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
         on_drive += int((grid.n_nvme > 0).sum())
     # Each pair's bounds (search.pairs: the search fits a pair only once they say it may be
     # needed) lie below every point of the pair, step and bytes.
-    from protrain.search import pairs
     for cap, block in itertools.product(chunk_capacities(prof, sizes), (3, pairs.BLOCK_CONFIGS)):
         ps = pairs.pair_space(prof, hw, config, acts, cap, budget, block)
         for v in range(len(ps.bound)):
@@ -405,6 +408,52 @@ def test_every_lower_bound_is_below_the_simulated_time(case, gas, overlap, world
     assert checked > 0
     if ssd == "gds" and host < 64 * MiB:      # the host-bound case puts states on the drive
         assert on_drive > 0
+
+
+def _variants(prof):
+    """The outer loops' variants of ``prof``: the model's own, tiled MLPs, a tiled head, both."""
+    from protrain.profile.transforms import with_head_tile, with_mlp_tile
+    return {"own": prof, "mlp": with_mlp_tile(prof, 128), "head": with_head_tile(prof, 128),
+            "both": with_head_tile(with_mlp_tile(prof, 128), 128)}
+
+
+@pytest.mark.parametrize("case", [0, 3])
+def test_the_least_activation_peak_is_below_every_layouts_peak(case):
+    """``least_activation_peak`` (the variants' floor's activation peak, before any layout is
+    walked) lies below the walk of every layout of every mode, tiled or not, and is reached
+    closely (within the largest block's saved bytes) by the layout that frees the most."""
+    from protrain.cost.memory import activation_walk, least_activation_peak
+    shape, dev, host, sizes = CASES[case]
+    for name, prof in _variants(analytic_profile(shape, small_hw())).items():
+        codes = np.array(list(itertools.product(range(7), repeat=prof.n_blocks)), dtype=np.int8)
+        peaks = activation_walk(prof, codes)[0]
+        least = least_activation_peak(prof)
+        assert 0 < least <= peaks.min(), name
+        assert peaks.min() - least <= max(b.saved_bytes for b in prof.blocks), name
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_a_variants_activation_free_floor_is_below_each_of_its_points(where):
+    """An outer loop skips a variant (tiled MLPs or head, the inputs in host memory) whose
+    ``activation_free_floor`` is above its incumbent, before building its activation
+    configurations: the floor must lie below the bound of every pair (so of every point, and
+    every simulated time) of the variant's own space, and the search pruned by it must give
+    the plan the unpruned search gives."""
+    from protrain.search import loop, pairs
+    shape, dev, host, sizes = CASES[0]
+    hw = small_hw(device_memory=dev, host_memory=host)
+    config = PlannerConfig(chunk_sizes=sizes, cpu_optim_overlap=False, cpu_optim_speculative=True,
+                           pins=KnobPins(ckpt_input=where))
+    for name, prof in _variants(analytic_profile(shape, hw)).items():
+        free = pairs.activation_free_floor(prof, hw, config)
+        _, budget, caps, acts, spaces = loop._space(prof, hw, config)
+        bounds = np.concatenate([ps.bound for ps in spaces])
+        assert 0 < free <= bounds.min() * (1 + 1e-12), name
+        plan = search(prof, hw, config)
+        assert free <= plan.fastest() * (1 + 1e-12)
+        assert search(prof, hw, config, beat=free * 0.99) is None         # below the floor: nothing built
+        again = search(prof, hw, config, beat=plan.fastest() * 1.001)     # above it: the same plan
+        assert again.knobs == plan.knobs
 
 
 def test_search_equals_brute_force_with_pins():

@@ -245,6 +245,34 @@ def activation_walk_points(profile: ModelProfile, block_modes) -> np.ndarray:
     return np.stack([fwd, bwd], axis=2).reshape(m.shape[0], -1)
 
 
+def least_activation_peak(profile: ModelProfile) -> int:
+    """A lower bound on ``activation_walk``'s peak over every block layout, without walking
+    any: each walk point less the most every block before it can free whatever its mode (its
+    saved bytes, or what a recompute or an offload gives back, the largest of them), and the
+    least a block in flight can add (none, unless a figure is negative). The search's floor
+    for a variant before its activation configurations are built
+    (``search.pairs.activation_free_floor``); tests/test_memory_model.py checks it against
+    every layout of small models."""
+    parts = profile.parts
+    if not parts:
+        return 0
+    saved = np.array([p.saved_bytes for p in parts], dtype=np.int64)
+    kept = np.array([p.kept_bytes for p in parts], dtype=np.int64)
+    held = np.array([p.in_bytes - p.in_shared_bytes for p in parts], dtype=np.int64)
+    block = np.zeros(len(parts), dtype=bool)
+    block[list(profile.block_part_indices)] = True
+    own = saved - kept
+    freed_most = np.where(block, np.maximum.reduce([saved, own, own - held, np.zeros_like(saved)]), 0)
+    x_most = np.cumsum(freed_most) - freed_most
+    # In flight (``prev_swapped``): the part before's own_offl (>= own), or its held input, or 0.
+    inflight = np.where(block, np.minimum.reduce([own, held, np.zeros_like(saved)]), 0)
+    least_in = np.zeros_like(inflight)
+    least_in[1:] = inflight[:-1]
+    fp = np.array([p.fwd_peak for p in parts], dtype=np.int64)
+    bp = np.array([p.bwd_peak for p in parts], dtype=np.int64)
+    return max(0, int((np.maximum(fp, bp) - x_most + least_in).max()))
+
+
 def offload_bytes(part) -> int:
     """Bytes a SWAP / SSD part copies off the device: every storage it saved, including those
     an earlier part saved first (each offloaded block keeps its own copies)."""

@@ -42,7 +42,7 @@ from .candidates import ActivationConfigs, CandidateGrid
 from .diagnosis import diagnose_infeasible
 from .evaluation import evaluate, simulate_points, simulate_points_speculating
 from .policy import planned_state_bytes
-from .pairs import PairSpace, fit_pairs, pair_space
+from .pairs import PairSpace, activation_free_floor, fit_pairs, pair_space
 from .space import (activation_configs, candidate_capacities, chunk_bytes_prefix, least_state_drive_time,
                     note_buffers, reupload_bytes, search_floor)
 
@@ -280,7 +280,8 @@ def search(profile: ModelProfile, hw: HardwareProfile,
         raise ValueError("search() plans one rank's profile as it is; a sequence-parallel degree "
                          "is chosen by protrain.sp.planner.search_sequence_parallel")
     t0 = time.perf_counter()
-    if beat < np.inf and search_floor(profile, hw, config) > beat * (1 + BOUND_ROUNDING):
+    if beat < np.inf and (search_floor(profile, hw, config) > beat * (1 + BOUND_ROUNDING)
+                          or activation_free_floor(profile, hw, config) > beat * (1 + BOUND_ROUNDING)):
         return None         # no plan of any chunk size and n_persist can beat it: nothing to build
     hw, budget, caps, acts, spaces = _space(profile, hw, config)
     stats: dict = {}

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..config import PlannerConfig
-from ..cost.memory import activation_file_space, buffer_numel
+from ..cost.memory import (activation_file_space, buffer_numel, ckpt_input_bytes, least_activation_peak,
+                           offload_bytes)
 from ..layout import ChunkLayout, build_layout
 from ..profile.hardware import HardwareProfile
 from ..profile.model_profile import ModelProfile
@@ -29,8 +30,10 @@ from .bounds import step_lower_bound
 from .candidates import ActivationConfigs, CandidateGrid
 from .policy import norm_scratch, planned_state_bytes
 from .sharding import least_device_states, most_sharded
-from .space import (_drive_states, _fitting_configs, _state_io_top, _state_top, chunk_bytes_prefix,
-                    grid_of_pairs, model_state_bytes, most_buffers, new_seen, reupload_bytes)
+from .infeasible import InfeasibleError
+from .space import (_drive_states, _fitting_configs, _persistent_counts, _state_io_top, _state_top,
+                    candidate_capacities, chunk_bytes_prefix, grid_of_pairs, model_state_bytes, most_buffers,
+                    new_seen, reupload_bytes)
 
 BLOCK_CONFIGS = 64
 RECOMPUTE_BUCKETS = 64
@@ -139,6 +142,45 @@ def _floors(profile, hw, config, floor_acts: ActivationConfigs, swap_most, layou
         2.0 * (ub[nch] - ub[n_persist]) + reupload_bytes(layout, profile, config, n_persist, nb) +
         2.0 * (floor_acts.swap_host[block] + floor_acts.ssd[block])) + _state_io_top(profile, config, layout)[nv]
     return bound, moved
+
+
+def activation_free_floor(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig) -> float:
+    """A lower bound on the step of every point the search could build for ``profile``,
+    whatever its activation configuration: ``_floors`` of every chunk size and n_persist at one
+    configuration holding the least of each figure the bound rises with (no recompute, nothing
+    swapped or written to the drive, the least activation peak any layout can have:
+    ``cost.memory.least_activation_peak``; each pair's own least is at or above it) and, for the verdict's chain, which falls with them, the most host bytes any
+    configuration can swap (every block's larger of its saved tensors and its input). Tighter
+    than ``space.search_floor`` - the backward and CPU Adam's chain after it, the buffers, the
+    speculation's room - and still without the activation configurations: an outer loop's
+    variant that cannot beat its incumbent (a tiled MLP's longer backward) is ruled out before
+    they are built (a 70B model on 8 ranks: 0.5 s each). 0 where the search would refuse the
+    configuration (it says why)."""
+    hw = hw.with_limits(device_memory=config.device_memory, host_memory=config.host_memory)
+    budget = hw.device_memory / (1.0 + config.memory_margin)
+    moved_inputs = (config.pins.ckpt_input or "device") == "host"
+    swap_most = sum(max(offload_bytes(b), ckpt_input_bytes(b) if moved_inputs else 0) for b in profile.blocks)
+    zero_f, zero_i = np.zeros(1), np.zeros(1, dtype=np.int64)
+    peak = least_activation_peak(profile)
+    free = ActivationConfigs(n_blocks=profile.n_blocks, n_ckpt=zero_i, n_swap=zero_i, n_ssd=zero_i, n_sel=zero_i,
+                             act_peak=np.array([peak], dtype=np.int64), swap_host=zero_i, ssd=zero_i, recompute=zero_f, fwd_write=zero_f,
+                             bwd_read=zero_f)
+    floors = []
+    try:
+        for cap in candidate_capacities(profile, config):
+            layout = build_layout(profile, cap)
+            persist = model_state_bytes(profile, config, layout)[0]
+            nps = _persistent_counts(profile, config, layout, persist, budget)
+            nps = nps[peak + least_device_states(profile, config, layout, persist)[nps]
+                      + norm_scratch(profile, config, layout)[nps] <= budget]
+            block = np.zeros(len(nps), dtype=np.int64)
+            bound = _floors(profile, hw, config, free, np.array([swap_most], dtype=np.int64), layout, budget,
+                            block, nps)[0]
+            if len(bound):
+                floors.append(float(bound.min()))
+    except InfeasibleError:
+        return 0.0
+    return min(floors, default=0.0)     # (nothing fits: the search says why)
 
 
 def fit_pairs(profile: ModelProfile, hw: HardwareProfile, config: PlannerConfig, acts: ActivationConfigs,
