@@ -837,7 +837,7 @@ class ProTrainEngine(DeepSpeedEngine):
     def _hardware(self, refresh: bool = False):
         """This machine as the planner prices it (``refresh``: measured now, not cached): the
         node's rates, shared by this host's ranks (``HardwareProfile.ranks_per_node``)."""
-        from protrain.cost.host_update import host_update_passes, runtime_update_rate
+        from protrain.cost.host_update import backup_as_run, host_update_passes, runtime_update_rate
         from protrain.measure.probe import probe_hardware
         from protrain.runtime.runtime import uses_native_kernel
         cfg = self.protrain_config
@@ -849,12 +849,12 @@ class ProTrainEngine(DeepSpeedEngine):
         # CPU Adam priced as the runtime runs it: the kernel and the passes around it
         setup = replace(self.optimizer.runtime_setup(), cpu_adam=cfg.cpu_adam)
         dtype = next(p.dtype for p in self.module.parameters() if p.requires_grad)
+        native = uses_native_kernel(self.device, setup)
+        scaled = (self.gradient_clipping() or 0.0) > 0 or self.fp16_enabled()
         passes = host_update_passes(
-            fused_kernel=uses_native_kernel(self.device, setup),
-            half=dtype in (torch.float16, torch.bfloat16),
-            grad_accumulation=accumulation.planned_steps(self) > 1,
-            scaled=(self.gradient_clipping() or 0.0) > 0 or self.fp16_enabled())
-        return runtime_update_rate(hw, passes)
+            fused_kernel=native, half=dtype in (torch.float16, torch.bfloat16),
+            grad_accumulation=accumulation.planned_steps(self) > 1, scaled=scaled)
+        return runtime_update_rate(backup_as_run(hw, native=native, speculates=scaled), passes)
 
 
 def _planner_config(engine, dp: DataParallel) -> "PlannerConfig":  # noqa: F821

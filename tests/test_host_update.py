@@ -41,6 +41,39 @@ def test_the_rate_adds_each_pass_at_its_measured_speed():
     assert runtime_update_rate(unmeasured, HostUpdatePasses(2, 1)) == unmeasured
 
 
+def test_a_backup_is_priced_at_the_rate_of_the_way_the_runtime_takes_it():
+    """A speculating chunk's backup (12 bytes per parameter of the rank's shard): at the rate
+    measured for the native kernel's own pass where it takes it, else at a host copy's, else
+    as long as the update."""
+    from protrain.cost.chunk_times import backup_times
+    from protrain.layout import build_layout
+    from protrain.profile.analytic import PRESETS, analytic_profile
+    hw = replace(machine("h100-80gb").profile(host_memory=64 * GiB), host_copy_bandwidth=8e9)
+    layout = build_layout(analytic_profile(PRESETS["llama2-7b"], hw), 2**27)
+    used, t_adam = np.asarray(layout.used, dtype=np.float64), np.full(layout.n_chunks, 0.5)
+    assert np.allclose(backup_times(layout, hw, t_adam), used * 12 / 8e9, rtol=1e-12, atol=0)
+    fused = replace(hw, backup_bandwidth=20e9)
+    assert np.allclose(backup_times(layout, fused, t_adam, world=2), used * 12 / 2 / 20e9, rtol=1e-12, atol=0)
+    assert np.array_equal(backup_times(layout, replace(hw, host_copy_bandwidth=0.0), t_adam), t_adam)
+
+
+def test_the_engine_prices_the_backup_as_its_kernel_takes_it():
+    """``backup_as_run``: DeepSpeed's kernel copies before the update (the fused figure
+    cleared); the native kernel takes the backup in its pass, measured where the probe did not
+    (a CPU "device", whose default kernel is DeepSpeed's) and only where a step may speculate."""
+    from protrain.cost.host_update import backup_as_run
+    from protrain.measure.probe import probe_hardware
+    hw = replace(machine("h100-80gb").profile(host_memory=64 * GiB), backup_bandwidth=20e9)
+    assert backup_as_run(hw, native=False, speculates=True).backup_bandwidth == 0.0
+    assert backup_as_run(hw, native=True, speculates=True) == hw
+    cpu = probe_hardware(torch.device("cpu"), progress=False)
+    assert cpu.backup_bandwidth == 0.0
+    assert backup_as_run(cpu, native=True, speculates=False) == cpu
+    measured = backup_as_run(cpu, native=True, speculates=True, params=2**23)
+    assert measured.backup_bandwidth > 0 and "backup in the update" in measured.describe()
+    assert replace(measured, backup_bandwidth=0.0) == cpu
+
+
 def test_the_runtime_makes_the_passes_the_table_says(monkeypatch):
     """fp32 with clipping on DeepSpeed's kernel (the CPU engine's case): each update of an
     offloaded chunk scales its gradients in place and leaves them (the next backward's copy
@@ -70,6 +103,7 @@ def test_the_runtime_makes_the_passes_the_table_says(monkeypatch):
     engine.destroy()
     assert n_off > 0
     assert "with the runtime's passes" in plan.machine
+    assert "backup in the update" not in plan.machine    # DeepSpeed's kernel: backups are copies
     passes = host_update_passes(fused_kernel=False, half=False, grad_accumulation=False, scaled=True)
     assert passes == HostUpdatePasses(in_place=1, copies=0)
     # per step, every chunk's gradients scaled once; the persistent chunks' gradients (added

@@ -62,8 +62,11 @@ def test_engine_with_the_native_kernel_and_speculation_trains_exactly_like_deeps
             model_cfg, 20, loss_factor=0.6)
     kernel = engine.protrain_runtime.optimizer.host_kernel
     stats = engine.protrain_stats()
+    machine_line = engine.protrain_plan.machine
     engine.destroy()
     assert type(kernel).__name__ == "NativeCPUAdamKernel"
+    # The backups priced as this kernel takes them: in its own pass, at the rate measured for it.
+    assert "backup in the update" in machine_line, machine_line
     assert losses == ref_losses
     assert all(torch.equal(weights[n], w) for n, w in ref_weights.items())
     assert stats["cpu_adam_overlapped_chunks"] > 0 and stats["cpu_adam_rollbacks"] > 0

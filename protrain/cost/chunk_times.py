@@ -147,9 +147,11 @@ element, an update reads and writes 28)."""
 
 def backup_times(layout: ChunkLayout, hw: HardwareProfile, t_adam, world: int = 1):
     """Per-chunk time to back up master, exp_avg and exp_avg_sq (12 bytes per parameter of
-    this rank's shard) before a speculative update; without a measured host copy bandwidth,
-    as long as the update (the ratio measured on a 2-core CPU: bench/cpu_adam.py)."""
-    host_copy = rank_rates(hw).host_copy
-    if host_copy > 0:
-        return np.asarray(layout.used, dtype=np.float64) * 12 / world / host_copy
+    this rank's shard) in a speculative update: at the rate of the kernel's own pass where it
+    takes the backup (``HardwareProfile.backup_bandwidth``), else of a host copy; without
+    either, as long as the update (the ratio measured on a 2-core CPU: bench/cpu_adam.py)."""
+    rr = rank_rates(hw)
+    rate = rr.backup or rr.host_copy
+    if rate > 0:
+        return np.asarray(layout.used, dtype=np.float64) * 12 / world / rate
     return np.asarray(t_adam, dtype=np.float64)

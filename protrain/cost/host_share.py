@@ -48,6 +48,8 @@ class RankRates:
     """Gradient elements/s of the host's verdict check (0: not measured)."""
     host_copy: float
     """Bytes/s of a host-memory copy (0: not measured)."""
+    backup: float
+    """Bytes/s of a speculative update's backup taken in the kernel's pass (0: it is a copy)."""
     update_overhead: float
     """Seconds of the runtime's own work per offloaded chunk update."""
     step_dispatch: float
@@ -67,7 +69,7 @@ def rank_rates(hw: HardwareProfile) -> RankRates:
     on_host = hw.device_type == "cpu"          # the "device" is the host: its work is shared too
     return RankRates(
         cpu_adam=hw.cpu_adam_rate / r, grad_check=hw.grad_check_rate / r,
-        host_copy=hw.host_copy_bandwidth / r,
+        host_copy=hw.host_copy_bandwidth / r, backup=hw.backup_bandwidth / r,
         update_overhead=hw.host_update_overhead * max(1.0, r / max(1, hw.cpu_cores)),
         step_dispatch=hw.step_dispatch_overhead * max(1.0, r / max(1, hw.cpu_cores)),
         h2d=hw.h2d_bandwidth / r if on_host else hw.h2d_bandwidth,

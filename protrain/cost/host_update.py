@@ -62,3 +62,20 @@ def runtime_update_rate(hw: HardwareProfile, passes: HostUpdatePasses) -> Hardwa
     per_param = (1.0 / hw.cpu_adam_rate + passes.in_place / hw.host_pass_rate
                  + passes.copies * 4.0 / hw.host_copy_bandwidth)
     return replace(hw, cpu_adam_rate=1.0 / per_param, cpu_adam_kernel_rate=hw.cpu_adam_rate)
+
+
+def backup_as_run(hw: HardwareProfile, *, native: bool, speculates: bool,
+                  params: int = 2**24) -> HardwareProfile:
+    """``hw`` with the speculative update's backup priced as the runtime takes it: in the
+    native kernel's pass (``backup_bandwidth``; measured here where the probe did not, for a
+    CPU "device" asked for that kernel, and only where a step may speculate - clipping or fp16),
+    or as a copy before DeepSpeed's kernel (``host_copy_bandwidth``: the figure cleared)."""
+    if not native:
+        return replace(hw, backup_bandwidth=0.0) if hw.backup_bandwidth else hw
+    if hw.backup_bandwidth or not speculates:
+        return hw
+    from ..measure.probe import fused_backup_bandwidth
+    from ..runtime.host_threads import omp_threads
+    with omp_threads(hw.cpu_cores):      # the node's threads, as the probe measured the kernel
+        return replace(hw, backup_bandwidth=fused_backup_bandwidth(params, threads=hw.cpu_cores))
+

@@ -191,6 +191,10 @@ def _measure(device, size_mib, adam_params, progress, threads, rank_threads) -> 
     say(f"CPU Adam ({adam_params / 1e6:.0f} M params; DeepSpeedCPUAdam builds once, ~1 min)")
     cpu_adam = _cpu_adam_rate(adam_params)
     host_copy = _host_copy_bandwidth(adam_params)
+    # The backup in the update's own pass, where the runtime's kernel on this device is the
+    # native one (``runtime.uses_native_kernel``: CUDA; on a CPU "device" the engine measures
+    # it only if asked for that kernel).
+    backup = fused_backup_bandwidth(adam_params) if device.type == "cuda" else 0.0
     grad_check = _grad_check_rate(adam_params)
     host_pass = _host_pass_rate(adam_params)
     say("the runtime's time per chunk update")
@@ -204,7 +208,7 @@ def _measure(device, size_mib, adam_params, progress, threads, rank_threads) -> 
     return HardwareProfile(
         name=name, source="measured", device_type=device.type, device_memory=0, host_memory=0,
         h2d_bandwidth=h2d, d2h_bandwidth=d2h, gpu_adam_rate=gpu_adam, cpu_adam_rate=cpu_adam,
-        host_copy_bandwidth=host_copy, grad_check_rate=grad_check, host_pass_rate=host_pass,
+        host_copy_bandwidth=host_copy, backup_bandwidth=backup, grad_check_rate=grad_check, host_pass_rate=host_pass,
         host_update_overhead=update_overhead, step_dispatch_overhead=step_dispatch, copy_engines=min(engines, 2),
         cpu_cores=threads, versions=_versions())
 
@@ -264,6 +268,39 @@ def _host_copy_bandwidth(n: int) -> float:
     src, dst = torch.ones(n), torch.empty(n)
     t = _best_time(lambda: dst.copy_(src), 3, lambda: None)
     return 4 * n / t
+
+
+BACKUP_ROUNDS = 5
+"""Interleaved rounds of the native kernel with and without the backup (``fused_backup_bandwidth``)."""
+
+
+def fused_backup_bandwidth(n: int, threads: int = 0) -> float:
+    """Bytes/s of a speculative update's backup (master, exp_avg, exp_avg_sq: 12 bytes per
+    parameter) taken in the native kernel's own pass, the way the runtime takes it: the best
+    time of the update with the backup less the best without, over ``BACKUP_ROUNDS``
+    interleaved rounds of ``n`` parameters. 0 where the kernel does not build, or where the
+    difference is lost in the machine's noise (the backup is then priced as a copy)."""
+    from ..native import NativeBuildError
+    from ..runtime.adam import AdamHyper, NativeCPUAdamKernel
+    try:
+        kernel = NativeCPUAdamKernel(adamw=True, threads=threads)
+    except NativeBuildError:
+        return 0.0
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, bias_correction=True,
+                  adamw=True)
+    master, grad, m, v = torch.zeros(n), torch.full((n,), 1e-3), torch.zeros(n), torch.zeros(n)
+    backup = [torch.empty(n) for _ in range(3)]
+    plain = lambda: kernel.update(master, grad, m, v, 1, h)                   # noqa: E731
+    backed = lambda: kernel.update(master, grad, m, v, 1, h, backup=backup)   # noqa: E731
+    best = {plain: float("inf"), backed: float("inf")}
+    backed()
+    for _ in range(BACKUP_ROUNDS):
+        for fn in (plain, backed):
+            t0 = time.perf_counter()
+            fn()
+            best[fn] = min(best[fn], time.perf_counter() - t0)
+    extra = best[backed] - best[plain]
+    return 12.0 * n / extra if extra > 0 else 0.0
 
 
 def _host_pass_rate(n: int) -> float:

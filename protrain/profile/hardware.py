@@ -47,8 +47,16 @@ class HardwareProfile(JsonValue):
     unknown; the planner then uses collective_bandwidth."""
     host_copy_bandwidth: float = 0.0
     """Bytes/s of a host-memory copy between fp32 tensors (what a speculative CPU Adam update
-    costs to back up master, exp_avg and exp_avg_sq). 0: not measured; the planner then
-    assumes the backup takes as long as the update itself (a measured CPU ratio)."""
+    costs to back up master, exp_avg and exp_avg_sq, where the runtime copies them before the
+    update: DeepSpeed's kernel). 0: not measured; the planner then assumes the backup takes as
+    long as the update itself (a measured CPU ratio)."""
+    backup_bandwidth: float = 0.0
+    """Bytes/s of that backup (12 bytes per parameter) where the native kernel takes it in the
+    update's own pass (csrc/cpu_adam.cpp: streamed stores beside the update, which reads the
+    states anyway): the kernel's time with the backup less its time without, measured by the
+    probe with the kernel the runtime uses (on this project's 2-core VM about twice the rate
+    ``host_copy_bandwidth`` gives a separate copy). 0: not measured, or the runtime's kernel
+    copies first; the backup is then priced at ``host_copy_bandwidth``."""
     copy_engines: int = 2
     """Copy engines that run next to compute: 2 (one per direction, data-center GPUs), 1 (both
     directions share one queue), 0 (none: every copy, and the CPU optimizer, runs on the
@@ -129,6 +137,7 @@ class HardwareProfile(JsonValue):
                 + (f", step() {self.step_dispatch_overhead * 1e6:.0f} us per chunk it queues after "
                    f"the verdict" if self.step_dispatch_overhead else "")
                 + (f", host copy {self.host_copy_bandwidth / 1e9:.0f} GB/s" if self.host_copy_bandwidth else "")
+                + (f", backup in the update {self.backup_bandwidth / 1e9:.0f} GB/s" if self.backup_bandwidth else "")
                 + (f"; host shared by {self.ranks_per_node} ranks per node: CPU Adam "
                    f"{self.cpu_adam_rate / self.ranks_per_node / 1e9:.3f} Gparam/s per rank"
                    if self.ranks_per_node > 1 else ""))
