@@ -251,8 +251,8 @@ def least_activation_peak(profile: ModelProfile) -> int:
     saved bytes, or what a recompute or an offload gives back, the largest of them), and the
     least a block in flight can add (none, unless a figure is negative). The search's floor
     for a variant before its activation configurations are built
-    (``search.pairs.activation_free_floor``); tests/test_memory_model.py checks it against
-    every layout of small models."""
+    (``search.pairs.activation_free_floor``); tests/test_search.py checks it against every
+    layout of small models."""
     parts = profile.parts
     if not parts:
         return 0

@@ -208,9 +208,9 @@ def _measure(device, size_mib, adam_params, progress, threads, rank_threads) -> 
     return HardwareProfile(
         name=name, source="measured", device_type=device.type, device_memory=0, host_memory=0,
         h2d_bandwidth=h2d, d2h_bandwidth=d2h, gpu_adam_rate=gpu_adam, cpu_adam_rate=cpu_adam,
-        host_copy_bandwidth=host_copy, backup_bandwidth=backup, grad_check_rate=grad_check, host_pass_rate=host_pass,
-        host_update_overhead=update_overhead, step_dispatch_overhead=step_dispatch, copy_engines=min(engines, 2),
-        cpu_cores=threads, versions=_versions())
+        host_copy_bandwidth=host_copy, backup_bandwidth=backup, grad_check_rate=grad_check,
+        host_pass_rate=host_pass, host_update_overhead=update_overhead, step_dispatch_overhead=step_dispatch,
+        copy_engines=min(engines, 2), cpu_cores=threads, versions=_versions())
 
 
 def _best_time(fn, reps: int, sync) -> float:

@@ -149,8 +149,9 @@ def activation_free_floor(profile: ModelProfile, hw: HardwareProfile, config: Pl
     whatever its activation configuration: ``_floors`` of every chunk size and n_persist at one
     configuration holding the least of each figure the bound rises with (no recompute, nothing
     swapped or written to the drive, the least activation peak any layout can have:
-    ``cost.memory.least_activation_peak``; each pair's own least is at or above it) and, for the verdict's chain, which falls with them, the most host bytes any
-    configuration can swap (every block's larger of its saved tensors and its input). Tighter
+    ``cost.memory.least_activation_peak``; each pair's own least is at or above it) and, for
+    the verdict's chain, which falls with them, the most host bytes any configuration can swap
+    (every block's larger of its saved tensors and its input). Tighter
     than ``space.search_floor`` - the backward and CPU Adam's chain after it, the buffers, the
     speculation's room - and still without the activation configurations: an outer loop's
     variant that cannot beat its incumbent (a tiled MLP's longer backward) is ruled out before
@@ -162,9 +163,9 @@ def activation_free_floor(profile: ModelProfile, hw: HardwareProfile, config: Pl
     swap_most = sum(max(offload_bytes(b), ckpt_input_bytes(b) if moved_inputs else 0) for b in profile.blocks)
     zero_f, zero_i = np.zeros(1), np.zeros(1, dtype=np.int64)
     peak = least_activation_peak(profile)
-    free = ActivationConfigs(n_blocks=profile.n_blocks, n_ckpt=zero_i, n_swap=zero_i, n_ssd=zero_i, n_sel=zero_i,
-                             act_peak=np.array([peak], dtype=np.int64), swap_host=zero_i, ssd=zero_i, recompute=zero_f, fwd_write=zero_f,
-                             bwd_read=zero_f)
+    free = ActivationConfigs(n_blocks=profile.n_blocks, n_ckpt=zero_i, n_swap=zero_i, n_ssd=zero_i,
+                             n_sel=zero_i, act_peak=np.array([peak], dtype=np.int64), swap_host=zero_i,
+                             ssd=zero_i, recompute=zero_f, fwd_write=zero_f, bwd_read=zero_f)
     floors = []
     try:
         for cap in candidate_capacities(profile, config):
